@@ -1,0 +1,11 @@
+"""autoshard: automatic parallelization of PyTorch models.
+
+model -> fx graph (torch.export) -> SBP strategies -> ILP -> plan -> per-rank program
+"""
+from autoshard.api import ParallelModule, parallelize, plan
+from autoshard.cluster import Cluster, PRESETS
+from autoshard.passes.capture import CaptureError
+from autoshard.plan import Collective, Plan
+
+__all__ = ["plan", "parallelize", "Plan", "Collective", "Cluster", "PRESETS", "ParallelModule", "CaptureError"]
+__version__ = "0.1.0"

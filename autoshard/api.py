@@ -1,0 +1,287 @@
+"""The public entry points: ``plan`` and ``parallelize``.
+
+model -> capture (torch.export) -> annotate (SBP rules) -> solve (ILP) -> Plan
+      -> rewrite (per-rank fx program) -> run on torch.distributed
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoshard import placement as pl
+from autoshard import runtime
+from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.cluster import DEFAULT_CLUSTER, Cluster
+from autoshard.passes.annotate import annotate
+from autoshard.passes.capture import Graph, capture, normalize_inputs
+from autoshard.passes.rewrite import rewrite
+from autoshard.passes.solve import Costs, solve
+from autoshard.plan import Plan, make_plan
+
+MAX_AXES = 4
+
+
+def resolve_mesh(world, mesh) -> tuple:
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool)):
+        raise TypeError(f"world is a number of devices (an int), got {world!r}")
+    if world is not None and world < 1:
+        raise ValueError(f"world must be at least 1 device, got {world}")
+    if mesh is None:
+        if world is None:
+            raise ValueError("say how many devices to plan for: world=N, or mesh=(a, b, ...)")
+        return (world,)
+    if isinstance(mesh, int):
+        mesh = (mesh,)
+    mesh = tuple(mesh)
+    if not mesh or any(not isinstance(a, int) or isinstance(a, bool) for a in mesh):
+        raise TypeError(f"mesh is a tuple of axis sizes such as (4, 2), got {mesh!r}")
+    if len(mesh) > MAX_AXES:
+        raise ValueError(f"a mesh has at most {MAX_AXES} axes, got {len(mesh)}: {mesh}")
+    if any(a < 1 for a in mesh) or (len(mesh) > 1 and any(a < 2 for a in mesh)):
+        raise ValueError(f"every axis of mesh {mesh} needs at least 2 devices; drop axes of size 1")
+    if world is not None and math.prod(mesh) != world:
+        raise ValueError(f"mesh {mesh} holds {math.prod(mesh)} devices but world={world}; make the "
+                         "product of the axis sizes equal world")
+    return mesh
+
+
+def resolve_cluster(cluster) -> Cluster:
+    if cluster is None:
+        return Cluster.preset(DEFAULT_CLUSTER)
+    if isinstance(cluster, str):
+        return Cluster.preset(cluster)
+    if isinstance(cluster, Cluster):
+        return cluster
+    raise TypeError(f"cluster is a Cluster or a preset name, got {type(cluster).__name__}")
+
+
+def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
+    if not pin:
+        return {}
+    if not isinstance(pin, dict):
+        raise TypeError("pin is a dict {name: placements}, e.g. {'fc1.weight': ('S(0)',)}")
+    param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
+    out = {}
+    for name, value in pin.items():
+        if name in graph.param_aliases:
+            node = param_node.get(graph.param_aliases[name])
+        elif name in graph.by_name and graph.by_name[name].kind != "output":
+            node = name
+        else:
+            node = None
+        if node is None:
+            known = list(graph.param_aliases) + [n.name for n in graph.nodes if n.kind == "op"]
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"cannot pin {name!r}: it is neither a parameter of the model nor a node of "
+                             f"its graph.{hint}")
+        out[node] = pl.parse_nd(value, naxes)
+    return out
+
+
+def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0) -> Plan:
+    cluster = resolve_cluster(cluster)
+    pins = resolve_pins(graph, pin, len(mesh_shape))
+    strategies = annotate(graph, mesh_shape, pins)
+    costs = Costs(graph, mesh_shape, cluster, training)
+    solution = solve(graph, strategies, costs, time_limit)
+    return make_plan(graph, strategies, solution, costs)
+
+
+def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
+         training: bool = True, time_limit: float = 60.0) -> Plan:
+    """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
+
+    Needs no process group; the model and inputs may live on the meta device."""
+    mesh_shape = resolve_mesh(world, mesh)
+    graph = capture(model, example_inputs)
+    return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit)
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Optional[Plan] = None,
+                **plan_kwargs) -> "ParallelModule":
+    """``model`` for the current rank of an initialized process group.
+
+    With ``example_inputs`` (or a ``plan``) it plans and shards the parameters now; without, at
+    its first call, from the real inputs. Like FSDP, it takes the model over: its parameters are
+    replaced, in place, by this rank's DTensor shares."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
+                           "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
+    size = dist.get_world_size()
+    if world is None:
+        world = plan.world if plan is not None else size
+    mesh_shape = resolve_mesh(world, plan_kwargs.get("mesh"))
+    if math.prod(mesh_shape) != size:
+        raise ValueError(f"planned for {math.prod(mesh_shape)} devices but the process group has {size}; "
+                         f"pass world={size} or launch {math.prod(mesh_shape)} processes")
+    if plan is not None and tuple(plan.mesh_shape) != mesh_shape and "mesh" in plan_kwargs:
+        raise ValueError(f"plan was made for mesh {plan.mesh_shape}, not {mesh_shape}")
+    if plan is not None:
+        mesh_shape = tuple(plan.mesh_shape)
+    plan_kwargs.pop("mesh", None)
+    pm = ParallelModule(model, mesh_shape, plan, plan_kwargs)
+    if example_inputs is not None:
+        pm.prepare(example_inputs)
+    return pm
+
+
+class ParallelModule(nn.Module):
+    """The model as one rank runs it: same names, same call signature, same results."""
+
+    def __init__(self, model: nn.Module, mesh_shape, plan: Optional[Plan], plan_kwargs: dict):
+        super().__init__()
+        # share the model's registries so names, state_dict and tying stay the model's own
+        self._modules = model._modules
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self.__dict__["_model"] = model
+        self.__dict__["_plan"] = plan
+        self.__dict__["_plan_kwargs"] = plan_kwargs
+        self.__dict__["_programs"] = {}
+        self.__dict__["_distributed"] = False
+        self.__dict__["_planned_shapes"] = None
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.__dict__["_device"] = device
+        from torch.distributed.device_mesh import init_device_mesh
+        self.__dict__["device_mesh"] = init_device_mesh(device.type, tuple(mesh_shape))
+        seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(seed, src=0)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed[0]) % (2 ** 63))
+        self.__dict__["_rank_mesh"] = runtime.RankMesh(self.device_mesh, gen)
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        return self._plan
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generator every rank shares for random ops (dropout)."""
+        self._rank_mesh.generator.manual_seed(seed)
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        return super().train(mode)
+
+    @property
+    def program(self) -> str:
+        """The per-rank program of the most recent call, as Python."""
+        if not self._programs:
+            raise RuntimeError("no program yet: call the module once, or parallelize with example_inputs")
+        return next(reversed(self._programs.values()))[0].code
+
+    # -- planning --------------------------------------------------------------------------------
+    def prepare(self, example_inputs):
+        args, kwargs = normalize_inputs(example_inputs)
+        self._program_for(args, kwargs)
+
+    def _program_for(self, args, kwargs):
+        leaves, _ = tree_flatten((args, kwargs))
+        shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+        key = (self._model.training, shapes)
+        if key in self._programs:
+            return self._programs[key]
+        if self._planned_shapes is not None and shapes != self._planned_shapes:
+            raise ValueError(
+                f"input shapes {[list(s) for s, _ in shapes]} differ from the shapes the plan was made for "
+                f"{[list(s) for s, _ in self._planned_shapes]}: autoshard plans for fixed shapes. Pad or "
+                "batch inputs to the planned shapes, or parallelize a fresh copy of the model for these.")
+        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None)
+        plan = self._agree_on_plan(graph)
+        if not self._distributed:
+            self._distribute(plan, graph)
+        program = rewrite(graph, plan, device=self._device)
+        self.__dict__["_planned_shapes"] = shapes
+        self._programs[key] = (program, graph, plan)
+        return self._programs[key]
+
+    def _agree_on_plan(self, graph: Graph) -> Plan:
+        """Rank 0 plans and every rank takes its plan, so no two ranks can disagree."""
+        training = self._model.training
+        if self._plan is not None and training == self._plan.training and not self._programs:
+            return self._plan
+        msg = [None]
+        if dist.get_rank() == 0:
+            try:
+                kwargs = dict(self._plan_kwargs)
+                kwargs.setdefault("training", training)
+                if self._distributed:  # a later plan (eval mode) keeps the parameters where they are
+                    pins = dict(kwargs.get("pin") or {})
+                    for n in graph.nodes:
+                        if n.kind == "param":
+                            pins[n.fqn] = self._plan.params[n.fqn]
+                    kwargs["pin"] = pins
+                    kwargs["training"] = training
+                msg[0] = ("ok", plan_graph(graph, self.device_mesh.shape, **kwargs).to_json())
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
+                msg[0] = ("error", type(e).__name__, str(e))
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0][0] == "error":
+            _, kind, text = msg[0]
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)
+        plan = Plan.from_json(msg[0][1])
+        if self._plan is None or not self._distributed:
+            self.__dict__["_plan"] = plan
+        return plan
+
+    def _distribute(self, plan: Plan, graph: Graph):
+        """Replace every parameter by this rank's DTensor share (from rank 0's values), and make
+        buffers equal to rank 0's."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        mesh = self.device_mesh
+        owners: dict = {}
+        for mod_name, mod in self._model.named_modules(remove_duplicate=False):
+            for pname, p in list(mod._parameters.items()):
+                if p is not None:
+                    fqn = f"{mod_name}.{pname}" if mod_name else pname
+                    owners.setdefault(id(p), (p, []))[1].append((mod, pname, fqn))
+        for p, places in owners.values():
+            placement = next((plan.params[f] for _, _, f in places if f in plan.params), ("B",) * mesh.ndim)
+            dt = [Shard(q.dim) if isinstance(q, pl.Split) else Replicate() for q in map(pl.parse, placement)]
+            new = nn.Parameter(distribute_tensor(p.detach(), mesh, dt, src_data_rank=0), requires_grad=p.requires_grad)
+            for mod, pname, _ in places:
+                mod._parameters[pname] = new
+        with torch.no_grad():
+            for b in self._model.buffers():
+                dist.broadcast(b, src=0)
+        self.__dict__["_distributed"] = True
+
+    # -- running ---------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        program, graph, plan = self._program_for(args, kwargs)
+        leaves, _ = tree_flatten((args, kwargs))
+        user = [x for x in leaves if isinstance(x, torch.Tensor)]
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        buffers = dict(self._model.named_buffers(remove_duplicate=False))
+        constants = graph.exported.constants
+        feed = []
+        for n in graph.nodes:
+            if n.kind == "param":
+                feed.append(params[n.fqn].to_local())
+            elif n.kind == "buffer":
+                feed.append(buffers[n.fqn] if n.fqn in buffers else constants[n.fqn].to(self._device))
+        feed.extend(user)
+        with runtime.active(self._rank_mesh):
+            outs = program(*feed)
+        return _outputs(graph, outs, buffers)
+
+
+def _outputs(graph: Graph, outs, buffers):
+    from torch.export.graph_signature import OutputKind
+    user = []
+    for spec, value in zip(graph.exported.graph_signature.output_specs, outs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            with torch.no_grad():
+                buffers[spec.target].copy_(value)
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            user.append(value)
+        else:
+            raise NotImplementedError(f"autoshard does not yet run models whose graph outputs {spec.kind}")
+    return tree_unflatten(user, graph.exported.call_spec.out_spec)

@@ -1,0 +1,86 @@
+"""The machine a plan is priced for: nodes of GPUs, their links, their compute.
+
+Mesh axes are laid onto ranks innermost last (the last axis has stride 1), and ranks fill nodes in
+order. An axis whose groups stay within a node talks over the node's links; one whose groups cross
+nodes shares the node's network with the other groups of that node that cross at the same time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    name: str = "custom"
+    gpus_per_node: int = 8
+    intra_bandwidth: float = 150e9   # bytes/s per GPU within a node (NVLink class)
+    intra_latency: float = 5e-6      # seconds per ring step within a node
+    inter_bandwidth: float = 200e9   # bytes/s of one node's network, shared by its GPUs
+    inter_latency: float = 15e-6     # seconds per ring step across nodes
+    peak_flops: float = 312e12       # FLOP/s for 16-bit matmuls
+    peak_flops_fp32: float = 156e12  # FLOP/s for fp32 (TF32) matmuls
+    memory_bandwidth: float = 2.0e12  # bytes/s of device memory
+    memory: float = 80e9             # bytes of device memory
+    efficiency: float = 0.6          # fraction of peak a real kernel reaches
+
+    def __post_init__(self):
+        for field in ("gpus_per_node",):
+            if getattr(self, field) < 1:
+                raise ValueError(f"Cluster.{field} must be at least 1, got {getattr(self, field)}")
+        for field in ("intra_bandwidth", "inter_bandwidth", "peak_flops", "peak_flops_fp32",
+                      "memory_bandwidth", "memory"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"Cluster.{field} must be positive, got {getattr(self, field)}")
+        for field in ("intra_latency", "inter_latency"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"Cluster.{field} must not be negative, got {getattr(self, field)}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"Cluster.efficiency is a fraction in (0, 1], got {self.efficiency}")
+
+    @staticmethod
+    def preset(name: str) -> "Cluster":
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown cluster preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+    def with_(self, **changes) -> "Cluster":
+        return replace(self, **changes)
+
+    def axis_links(self, mesh_shape: Sequence[int]) -> list[tuple[float, float]]:
+        """(latency, bandwidth) of each mesh axis, axes laid out with the last innermost."""
+        links = []
+        for a, size in enumerate(mesh_shape):
+            stride = math.prod(mesh_shape[a + 1:])
+            if stride * size <= self.gpus_per_node:
+                links.append((self.intra_latency, self.intra_bandwidth))
+            else:
+                # groups of this axis that have a member in one node all cross at once
+                sharing = min(self.gpus_per_node, stride)
+                links.append((self.inter_latency, self.inter_bandwidth / sharing))
+        return links
+
+    def matmul_flops(self, itemsize: int) -> float:
+        return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops
+
+
+PRESETS = {
+    # 8 A100-80GB per node, NVLink 3 (~300 GB/s per direction per GPU, ~150 usable for rings),
+    # 8x HDR InfiniBand 200 Gb/s per node (~25 GB/s per GPU)
+    "a100-80gb-nvlink-ib": Cluster(
+        name="a100-80gb-nvlink-ib", gpus_per_node=8, intra_bandwidth=150e9, inter_bandwidth=200e9,
+        peak_flops=312e12, peak_flops_fp32=156e12, memory_bandwidth=2.0e12, memory=80e9),
+    # 8 H100-80GB per node, NVLink 4, 8x NDR 400 Gb/s per node
+    "h100-80gb-nvlink-ib": Cluster(
+        name="h100-80gb-nvlink-ib", gpus_per_node=8, intra_bandwidth=300e9, inter_bandwidth=400e9,
+        peak_flops=989e12, peak_flops_fp32=494e12, memory_bandwidth=3.35e12, memory=80e9),
+    # 4 A100-40GB per node with a Slingshot-class network (4x 25 GB/s NICs), as on Perlmutter
+    "a100-40gb-slingshot": Cluster(
+        name="a100-40gb-slingshot", gpus_per_node=4, intra_bandwidth=100e9, inter_bandwidth=100e9,
+        inter_latency=20e-6, peak_flops=312e12, peak_flops_fp32=156e12, memory_bandwidth=1.55e12,
+        memory=40e9),
+}
+
+DEFAULT_CLUSTER = "a100-80gb-nvlink-ib"

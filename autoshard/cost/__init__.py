@@ -1,0 +1,1 @@
+"""Cost models: communication (comm), compute (compute), memory (memory)."""

@@ -1,0 +1,188 @@
+"""Layout conversions as steps, and what each step costs.
+
+One mesh axis of size p, T the bytes of the tensor as that axis sees it:
+
+    from -> to     forward           bytes each rank sends    backward (dual)
+    S -> B         all_gather        (p-1)/p * T              reduce_scatter
+    P -> B         all_reduce        2(p-1)/p * T             all_reduce
+    P -> S         reduce_scatter    (p-1)/p * T              all_gather
+    B -> S         slice (local)     0                        pad (S -> P, zero-filled)
+    S(i) -> S(j)   all_to_all        (p-1)/p^2 * T            all_to_all back
+    B -> P         keep (local)      0                        keep
+
+A ring collective takes (p-1) latency steps (all-reduce 2(p-1)). On several axes the conversion
+runs one axis at a time: gathers innermost axis first, splits outermost first, so a dim cut by
+several axes always holds the contiguous chunk DTensor's order prescribes. This module is the one
+place that decides which steps a conversion takes; the cost model and the rewriter both use it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from autoshard.placement import B, P, Broadcast, Partial, Split
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce",
+        "all_to_all": "all_to_all", "slice": "pad", "pad": "slice", "keep": "keep"}
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str
+    axis: int
+    dim: Optional[int] = None     # the tensor dim gathered, scattered or sliced
+    dim2: Optional[int] = None    # all_to_all: the dim split after the step
+    in_shape: tuple = ()          # this rank's shape before the step
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+    def __repr__(self) -> str:
+        extra = f", dim={self.dim}" if self.dim is not None else ""
+        extra += f"->{self.dim2}" if self.dim2 is not None else ""
+        return f"{self.kind}(axis={self.axis}{extra})"
+
+
+def _apply_shape(shape, step: Step, p: int):
+    s = list(shape)
+    if step.kind in ("all_gather", "pad"):
+        s[step.dim] *= p
+    elif step.kind in ("reduce_scatter", "slice"):
+        s[step.dim] //= p
+    elif step.kind == "all_to_all":
+        s[step.dim] *= p
+        s[step.dim2] //= p
+    return tuple(s)
+
+
+def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: Sequence[int]) -> list:
+    """Steps that turn a tensor held as ``src`` (with this rank's ``local_shape``) into ``dst``."""
+    n = len(mesh_shape)
+    if tuple(src) == tuple(dst):
+        return []
+    unshard, reshard = set(), set()
+    for a in range(n):
+        if src[a] != dst[a]:
+            if isinstance(src[a], Split):
+                unshard.add(a)
+            if isinstance(dst[a], Split):
+                reshard.add(a)
+    # a dim cut by an outer axis that changes must first be gathered on every inner axis cutting it
+    changed = True
+    while changed:
+        changed = False
+        for a in sorted(unshard | reshard):
+            dims = {p.dim for p in (src[a], dst[a]) if isinstance(p, Split)}
+            for b in range(a + 1, n):
+                if isinstance(src[b], Split) and src[b].dim in dims and b not in unshard:
+                    unshard.add(b)
+                    changed = True
+                if isinstance(dst[b], Split) and dst[b].dim in dims and b not in reshard:
+                    reshard.add(b)
+                    changed = True
+    steps: list = []
+    cur = list(src)
+    shape = tuple(local_shape)
+
+    def emit(kind, a, dim=None, dim2=None):
+        nonlocal shape
+        st = Step(kind, a, dim, dim2, shape)
+        steps.append(st)
+        shape = _apply_shape(shape, st, mesh_shape[a])
+
+    # partial sums that end broadcast: reduce while the tensor is smallest
+    for a in range(n):
+        if isinstance(cur[a], Partial) and isinstance(dst[a], Broadcast):
+            emit("all_reduce", a)
+            cur[a] = B
+    for a in sorted(unshard, reverse=True):
+        d = cur[a].dim
+        other = [b for b in range(n) if b != a and any(isinstance(x, Split) and x.dim in (d, getattr(dst[a], "dim", None))
+                                                       for x in (cur[b], dst[b]))]
+        if isinstance(dst[a], Split) and not other and a in reshard:
+            emit("all_to_all", a, d, dst[a].dim)
+            cur[a] = dst[a]
+            reshard.discard(a)
+        elif isinstance(dst[a], Partial) and not other:
+            emit("pad", a, d)
+            cur[a] = P
+        else:
+            emit("all_gather", a, d)
+            cur[a] = B
+    for a in sorted(reshard):
+        d = dst[a].dim
+        emit("reduce_scatter" if isinstance(cur[a], Partial) else "slice", a, d)
+        cur[a] = dst[a]
+    for a in range(n):
+        if isinstance(dst[a], Partial) and isinstance(cur[a], Broadcast):
+            emit("keep", a)
+            cur[a] = P
+    if tuple(cur) != tuple(dst):
+        raise AssertionError(f"conversion {src} -> {dst} ended at {tuple(cur)}")
+    return steps
+
+
+def dual_steps(steps: list, mesh_shape) -> list:
+    """The backward of a conversion: each step's dual, in reverse order."""
+    out = []
+    for st in reversed(steps):
+        after = _apply_shape(st.in_shape, st, mesh_shape[st.axis])
+        if st.kind == "all_to_all":
+            out.append(Step("all_to_all", st.axis, st.dim2, st.dim, after))
+        else:
+            out.append(Step(DUAL[st.kind], st.axis, st.dim, None, after))
+    return out
+
+
+def step_bytes(step: Step, itemsize: int) -> int:
+    """Bytes this rank passes into the step (the collective's input)."""
+    return math.prod(step.in_shape) * itemsize
+
+
+def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
+    """alpha-beta time of one step on its axis; local steps are free of communication."""
+    if not step.is_collective:
+        return 0.0
+    p = mesh_shape[step.axis]
+    alpha, beta = links[step.axis]
+    n = step_bytes(step, itemsize)
+    if step.kind == "all_gather":
+        sent, hops = (p - 1) * n, p - 1            # T = p * input
+    elif step.kind == "reduce_scatter":
+        sent, hops = (p - 1) / p * n, p - 1        # T = input
+    elif step.kind == "all_reduce":
+        sent, hops = 2 * (p - 1) / p * n, 2 * (p - 1)
+    else:  # all_to_all, T = p * input as seen on the axis
+        sent, hops = (p - 1) / p * n, p - 1
+    return hops * alpha + sent / beta
+
+
+def conversion_time(local_shape, itemsize, src, dst, mesh_shape, links, backward: bool) -> float:
+    steps = transition(local_shape, src, dst, mesh_shape)
+    t = sum(step_time(s, itemsize, mesh_shape, links) for s in steps)
+    if backward:
+        t += sum(step_time(s, itemsize, mesh_shape, links) for s in dual_steps(steps, mesh_shape))
+    return t
+
+
+def all_reduce_time(nbytes: int, p: int, link) -> float:
+    alpha, beta = link
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+
+
+@dataclass(frozen=True)
+class OpCollective:
+    kind: str
+    axis: int
+    nbytes: int
+
+
+def op_collectives(node, strat, graph, mesh_shape) -> list:
+    """Collectives an op's own lowering issues (beyond layout conversions)."""
+    from autoshard.rules.nn import count_axes
+    fx_node = node.fx_node
+    axes = count_axes(node.target, fx_node.args, fx_node.kwargs, strat.inputs) if node.kind == "op" else []
+    return [OpCollective("all_reduce", a, 8) for a in axes if mesh_shape[a] > 1]

@@ -1,0 +1,55 @@
+"""Compute time of one op on one rank, from the shapes that rank holds.
+
+    time = max(FLOPs / (efficiency * peak), bytes moved / (efficiency * memory bandwidth))
+
+Costing the local shapes charges redundant compute (a broadcast op runs whole on every rank) its
+full FLOPs, so replicating everything is never free. Backward of a differentiable op is costed as
+twice its forward (two matmuls per matmul), the usual rule of thumb.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoshard.cluster import Cluster
+
+aten = torch.ops.aten
+
+BACKWARD_FACTOR = 2.0
+
+
+def _matmul_flops(ins, out):
+    k = ins[0][-1] if ins[0] else 1
+    return 2 * math.prod(out) * k
+
+
+def _addmm_flops(ins, out):
+    return 2 * math.prod(out) * ins[1][-1]
+
+
+def _sdpa_flops(ins, out):
+    q, k = ins[0], ins[1]
+    return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
+
+
+FLOPS = {
+    aten.linear.default: _matmul_flops,
+    aten.mm.default: _matmul_flops,
+    aten.bmm.default: _matmul_flops,
+    aten.matmul.default: _matmul_flops,
+    aten.addmm.default: _addmm_flops,
+    aten.baddbmm.default: _addmm_flops,
+    aten.scaled_dot_product_attention.default: _sdpa_flops,
+}
+
+
+def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
+    """Forward seconds of one op on one rank with these local shapes."""
+    moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
+    t_mem = moved / (cluster.efficiency * cluster.memory_bandwidth)
+    fn = FLOPS.get(target)
+    if fn is None:
+        return t_mem
+    flops = fn(in_shapes, out_shapes[0] if out_shapes else ())
+    return max(flops / (cluster.efficiency * cluster.matmul_flops(itemsize)), t_mem)

@@ -1,0 +1,286 @@
+"""Capture: a user's module and example inputs -> a graph of aten ops with shapes and dtypes.
+
+torch.export (non-strict) does the tracing. This pass turns its program into the small graph the
+planner works on: every tensor a value ``(node, output index)``, every node with the metas of its
+tensor outputs, parameters named by their fully qualified names, tied parameters merged.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def __repr__(self) -> str:
+        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.shape))}]"
+
+
+Value = tuple  # (producer node name, output index)
+
+
+@dataclass
+class Node:
+    name: str
+    kind: str                      # "param", "buffer", "input", "op", "output"
+    fx_node: fx.Node
+    inputs: list = field(default_factory=list)    # Values, one per tensor argument, in order
+    outputs: list = field(default_factory=list)   # TensorMeta, one per tensor output
+    requires_grad: bool = False
+    fqn: Optional[str] = None      # parameters and buffers: their name in the module
+
+    @property
+    def target(self):
+        return self.fx_node.target
+
+    @property
+    def op_name(self) -> str:
+        if self.kind != "op":
+            return self.kind
+        t = self.fx_node.target
+        return str(t).replace("aten.", "") if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+@dataclass
+class Graph:
+    nodes: list                     # topological order; the last is the output node
+    exported: ExportedProgram
+    param_aliases: dict             # every parameter fqn -> the fqn the graph uses for it
+    user_inputs: list               # names of the user-input placeholders, in call order
+    value_of: dict = field(default_factory=dict)   # fx node of the export -> Value (list if several)
+
+    def __post_init__(self):
+        self.by_name = {n.name: n for n in self.nodes}
+
+    def meta(self, value: Value) -> TensorMeta:
+        return self.by_name[value[0]].outputs[value[1]]
+
+    @property
+    def output(self) -> Node:
+        return self.nodes[-1]
+
+    def users(self) -> dict:
+        """value -> [(consumer name, input slot)]"""
+        out: dict = {}
+        for n in self.nodes:
+            for i, v in enumerate(n.inputs):
+                out.setdefault(v, []).append((n.name, i))
+        return out
+
+
+def normalize_inputs(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError("example_inputs must be a tensor, a tuple of positional arguments or a dict of "
+                    f"keyword arguments, got {type(example_inputs).__name__}")
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # noqa: BLE001 - any failure inside export is the user's model
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
+            "autoshard needs a model that torch.export can trace with the example inputs. Common "
+            "causes: Python control flow that depends on tensor values (use torch.where or "
+            "torch.cond), calls into non-torch libraries, or example inputs of the wrong shape. "
+            "Try torch.export.export(model, args, strict=False) directly to see the full report."
+        ) from e
+
+
+def _tensor_metas(val) -> list:
+    if isinstance(val, torch.Tensor):
+        return [TensorMeta(tuple(int(s) for s in val.shape), val.dtype)]
+    if isinstance(val, (tuple, list)):
+        return [TensorMeta(tuple(int(s) for s in v.shape), v.dtype) for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def tensor_args(fx_node: fx.Node) -> list:
+    """The fx nodes among a node's arguments, in order (lists flattened)."""
+    found = []
+    fx.node.map_arg((fx_node.args, fx_node.kwargs), found.append)
+    return found
+
+
+def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None) -> Graph:
+    """Capture on the meta device: the weights are never touched, so this works for a model of
+    any size, and for one whose parameters are already DTensor shares."""
+    args, kwargs = normalize_inputs(example_inputs)
+    if extra_kwargs:
+        kwargs = {**kwargs, **extra_kwargs}
+    with meta_view(model):
+        ep = export(model, _to_meta(args), _to_meta(kwargs))
+        return from_exported(ep, model)
+
+
+def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
+    sig = ep.graph_signature
+    by_id: dict = {}
+    all_params = dict(model.named_parameters(remove_duplicate=False))
+    for fqn, p in all_params.items():
+        by_id.setdefault(id(p), []).append(fqn)
+    canonical = {}
+    for names in by_id.values():
+        for n in names:
+            canonical[n] = names
+    kinds = {}
+    for spec in sig.input_specs:
+        kinds[spec.arg.name] = spec
+    gm = ep.graph_module
+    # tied parameters: the graph may hold one placeholder per name; route all uses to one of them
+    used_fqn = {}
+    placeholder_of = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and kinds[node.name].kind == InputKind.PARAMETER:
+            fqn = kinds[node.name].target
+            placeholder_of[fqn] = node
+    aliases: dict = {}
+    replace: dict = {}
+    for fqn, node in placeholder_of.items():
+        group = canonical.get(fqn, [fqn])
+        live = [f for f in group if f in placeholder_of and placeholder_of[f].users]
+        keep = live[0] if live else group[0] if group[0] in placeholder_of else fqn
+        for f in group:
+            aliases[f] = keep
+        if fqn != keep and placeholder_of[fqn].users:
+            replace[node] = placeholder_of[keep]
+    for fqn, names in ((f, canonical.get(f, [f])) for f in list(aliases)):
+        for n in names:
+            aliases.setdefault(n, aliases[fqn])
+
+    nodes: list = []
+    built: dict = {}
+    values: dict = {}      # fx node -> Value, or list of Values for multi-output nodes
+    user_inputs = []
+    for fxn in gm.graph.nodes:
+        if fxn.op == "placeholder":
+            spec = kinds[fxn.name]
+            if spec.kind == InputKind.PARAMETER:
+                if fxn in replace or aliases.get(spec.target) != spec.target:
+                    values[fxn] = (placeholder_of[aliases[spec.target]].name, 0)
+                    continue
+                kind, fqn = "param", spec.target
+            elif spec.kind == InputKind.BUFFER:
+                kind, fqn = "buffer", spec.target
+            elif spec.kind in (InputKind.CONSTANT_TENSOR,):
+                kind, fqn = "buffer", spec.target
+            elif spec.kind == InputKind.USER_INPUT:
+                kind, fqn = "input", None
+                user_inputs.append(fxn.name)
+            else:
+                raise CaptureError(f"unsupported graph input {fxn.name} of kind {spec.kind}")
+            metas = _tensor_metas(fxn.meta.get("val"))
+            n = Node(fxn.name, kind, fxn, outputs=metas, fqn=fqn)
+            if kind == "param":
+                n.requires_grad = bool(all_params[fqn].requires_grad)
+            nodes.append(n)
+            built[n.name] = n
+            values[fxn] = (fxn.name, 0) if metas else None
+        elif fxn.op == "call_function" and fxn.target is operator.getitem:
+            src, idx = fxn.args
+            multi = values.get(src)
+            values[fxn] = multi[idx] if isinstance(multi, list) else None
+        elif fxn.op == "call_function":
+            ins = []
+            for a in tensor_args(fxn):
+                v = values.get(a)
+                if v is not None and not isinstance(v, list):
+                    ins.append(v)
+            metas = _tensor_metas(fxn.meta.get("val"))
+            n = Node(fxn.name, "op", fxn, inputs=ins, outputs=metas)
+            n.requires_grad = any(built[v[0]].requires_grad for v in ins) and any(m.floating for m in metas)
+            nodes.append(n)
+            built[n.name] = n
+            val = fxn.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                values[fxn] = [(fxn.name, i) for i in range(len(metas))]
+            else:
+                values[fxn] = (fxn.name, 0) if metas else None
+        elif fxn.op == "output":
+            outs = []
+            for a in tensor_args(fxn):
+                v = values.get(a)
+                if v is not None and not isinstance(v, list):
+                    outs.append(v)
+            nodes.append(Node("output", "output", fxn, inputs=outs))
+        else:
+            raise CaptureError(f"unsupported node {fxn.format_node()} in the exported graph")
+    graph = Graph(nodes, ep, aliases, user_inputs)
+    graph.value_of = values
+    return graph
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+@contextlib.contextmanager
+def meta_view(model: nn.Module):
+    """Swap the model's parameters and buffers for meta tensors of their global shapes while it is
+    captured: no memory for weights, and DTensor shares trace as the whole tensors they stand for."""
+    saved = []
+    fakes: dict = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in fakes:
+                fakes[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            saved.append((mod._parameters, name, p))
+            mod._parameters[name] = fakes[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            saved.append((mod._buffers, name, b))
+            mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    try:
+        yield
+    finally:
+        for registry, name, value in reversed(saved):
+            registry[name] = value

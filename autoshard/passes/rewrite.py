@@ -1,0 +1,220 @@
+"""Rewrite: the captured graph and a plan -> the program one rank runs.
+
+Every tensor is held in its planned placement; between producer and consumer the conversion
+steps of ``cost.comm.transition`` appear as explicit calls (``all_gather``, ``reduce_scatter``, ...)
+whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share;
+outputs leave whole. Each op runs on local tensors; the few whose local form differs (sizes in
+their arguments, means over a split dim, random draws, a mean loss over a split batch) are
+lowered by a small function from ``LOWERINGS``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autoshard import placement as pl
+from autoshard import runtime
+from autoshard.cost import comm
+from autoshard.passes.capture import Graph
+from autoshard.plan import Plan
+from autoshard.rules.nn import MEAN, count_axes
+
+aten = torch.ops.aten
+
+
+class Lowering:
+    """What a lowering function sees: the op, its rewritten arguments, its global shapes and its
+    chosen placements."""
+
+    def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape):
+        self.g, self.node, self.args, self.kwargs = g, node, args, kwargs
+        self.in_pl, self.out_pl, self.in_shapes, self.out_shapes = in_pl, out_pl, in_shapes, out_shapes
+        self.mesh_shape = mesh_shape
+
+    def local_out(self, i=0):
+        return list(pl.local_shape(self.out_shapes[i], self.out_pl[i], self.mesh_shape))
+
+    def call(self, target=None, args=None, kwargs=None):
+        return self.g.call_function(target or self.node.target, tuple(self.args if args is None else args),
+                                    dict(self.kwargs if kwargs is None else kwargs))
+
+    def arg(self, index, name, default=None):
+        if len(self.args) > index:
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+def _with_arg(low: Lowering, index: int, name: str, value):
+    args, kwargs = list(low.args), dict(low.kwargs)
+    if len(args) > index:
+        args[index] = value
+    else:
+        kwargs[name] = value
+    return args, kwargs
+
+
+def lower_sized(low: Lowering):
+    """view / reshape / expand: the size argument becomes this rank's output shape."""
+    args, kwargs = _with_arg(low, 1, "size" if low.node.target != aten.reshape.default else "shape", low.local_out())
+    return low.call(args=args, kwargs=kwargs)
+
+
+def lower_unflatten(low: Lowering):
+    dim = pl_norm(low.arg(1, "dim"), len(low.in_shapes[0]))
+    sizes = low.arg(2, "sizes")
+    args, kwargs = _with_arg(low, 2, "sizes", low.local_out()[dim:dim + len(sizes)])
+    return low.call(args=args, kwargs=kwargs)
+
+
+def pl_norm(d, n):
+    return d + n if d < 0 else d
+
+
+def _mean_scale(low: Lowering, reduced_dims) -> float:
+    """A mean over a dim split by an axis, left partial there: each rank's mean counts only its
+    share of the elements, so scale it by that share."""
+    scale = 1.0
+    for a, p in enumerate(low.in_pl[0]):
+        if isinstance(p, pl.Split) and p.dim in reduced_dims and isinstance(low.out_pl[0][a], pl.Partial):
+            scale /= low.mesh_shape[a]
+    return scale
+
+
+def _scaled(low: Lowering, out, scale):
+    return out if scale == 1.0 else low.g.call_function(aten.mul.Tensor, (out, scale))
+
+
+def lower_mean(low: Lowering):
+    nd = len(low.in_shapes[0])
+    dims = low.arg(1, "dim", None)
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        reduced = set(range(nd))
+    else:
+        reduced = {pl_norm(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+    return _scaled(low, low.call(), _mean_scale(low, reduced))
+
+
+def lower_pointwise_loss(low: Lowering):
+    scale = _mean_scale(low, set(range(len(low.in_shapes[0])))) if low.arg(2, "reduction", MEAN) == MEAN else 1.0
+    return _scaled(low, low.call(), scale)
+
+
+def lower_dropout(low: Lowering):
+    return low.g.call_function(runtime.dropout, (low.args[0], low.arg(1, "p"), low.arg(2, "train"),
+                                                 pl.to_strings(low.in_pl[0])))
+
+
+def lower_cross_entropy(low: Lowering):
+    axes = count_axes(low.node.target, low.node.fx_node.args, low.node.fx_node.kwargs, low.in_pl)
+    axes = [a for a in axes if low.mesh_shape[a] > 1]
+    if not axes:
+        return low.call()
+    return low.g.call_function(runtime.cross_entropy_mean, (
+        low.args[0], low.args[1], low.arg(2, "weight"), low.arg(4, "ignore_index", -100),
+        low.arg(5, "label_smoothing", 0.0), tuple(axes)))
+
+
+def default(low: Lowering):
+    return low.call()
+
+
+LOWERINGS = {
+    aten.view.default: lower_sized,
+    aten.reshape.default: lower_sized,
+    aten._unsafe_view.default: lower_sized,
+    aten.expand.default: lower_sized,
+    aten.unflatten.int: lower_unflatten,
+    aten.mean.default: lower_mean,
+    aten.mean.dim: lower_mean,
+    aten.mse_loss.default: lower_pointwise_loss,
+    aten.l1_loss.default: lower_pointwise_loss,
+    aten.smooth_l1_loss.default: lower_pointwise_loss,
+    aten.huber_loss.default: lower_pointwise_loss,
+    aten.dropout.default: lower_dropout,
+    aten.cross_entropy_loss.default: lower_cross_entropy,
+}
+
+
+def _emit_conversion(g, x, steps):
+    for st in steps:
+        fn = runtime.STEP_FUNCTIONS[st.kind]
+        kwargs = {"axis": st.axis}
+        if st.dim is not None:
+            kwargs["dim"] = st.dim
+        if st.dim2 is not None:
+            kwargs["dim2"] = st.dim2
+        x = g.call_function(fn, (x,), kwargs)
+    return x
+
+
+def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
+    """The per-rank program. Placeholders: parameters (local shards), buffers and user inputs
+    (whole), in ``graph.nodes`` order."""
+    mesh = tuple(plan.mesh_shape)
+    g = fx.Graph()
+    local: dict = {}        # Value -> fx node holding it in its producer's placement
+    converted: dict = {}    # (Value, placement) -> fx node
+    out_pl = {}             # Value -> placement
+    for node in graph.nodes:
+        choice = plan.nodes.get(node.name)
+        if choice is None:
+            raise ValueError(f"the plan has no entry for node {node.name!r}: it was made for another "
+                             "model or other inputs; plan again")
+        outs = choice.out_placements()
+        for i, p in enumerate(outs):
+            out_pl[(node.name, i)] = p
+        if node.kind in ("param", "buffer", "input"):
+            ph = g.placeholder(node.name)
+            if not node.outputs:
+                continue
+            if node.kind == "param":
+                axes = tuple(a for a, p in enumerate(outs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
+                x = g.call_function(runtime.grad_sync, (ph, axes)) if (plan.training and node.requires_grad and axes) else ph
+            else:
+                x = g.call_function(runtime.to_local, (ph, pl.to_strings(outs[0])))
+            local[(node.name, 0)] = x
+            continue
+        ins = choice.in_placements()
+
+        def fetch(value, dst):
+            key = (value, dst)
+            if key not in converted:
+                meta = graph.meta(value)
+                src = out_pl[value]
+                steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
+                converted[key] = _emit_conversion(g, local[value], steps)
+            return converted[key]
+
+        slot = [0]
+
+        def map_one(a):
+            v = graph.value_of.get(a)
+            if v is None or isinstance(v, list):
+                return None
+            i = slot[0]
+            slot[0] += 1
+            if node.kind == "output":
+                return g.call_function(runtime.to_whole, (local[v], pl.to_strings(out_pl[v])))
+            return fetch(v, ins[i])
+
+        args = fx.node.map_arg(node.fx_node.args, map_one)
+        kwargs = fx.node.map_arg(node.fx_node.kwargs, map_one)
+        if device is not None and isinstance(kwargs.get("device"), torch.device):
+            kwargs = dict(kwargs, device=torch.device(device))  # captured on meta, runs here
+        if node.kind == "output":
+            g.output(args[0])
+            continue
+        low = Lowering(g, node, args, kwargs, ins, outs, [graph.meta(v).shape for v in node.inputs],
+                       [m.shape for m in node.outputs], mesh)
+        out = LOWERINGS.get(node.target, default)(low)
+        if len(node.outputs) > 1 or isinstance(node.fx_node.meta.get("val"), (tuple, list)):
+            for i in range(len(node.outputs)):
+                local[(node.name, i)] = g.call_function(operator.getitem, (out, i))
+        elif node.outputs:
+            local[(node.name, 0)] = out
+    g.lint()
+    gm = fx.GraphModule(torch.nn.Module(), g, class_name="RankProgram")
+    return gm
+

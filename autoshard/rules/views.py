@@ -1,0 +1,150 @@
+"""Views and shape ops through a small dimension map.
+
+A reshape groups input dims and output dims into runs of equal product; a split of the first
+(major) dim of an input run is the same contiguous cut as a split of the first dim of its output
+run, as long as both divide evenly (the expansion checks that). Permutes move splits with their
+dims. Ops that cut along a dim (split, cat, slice, select) keep that dim whole.
+"""
+from __future__ import annotations
+
+import torch
+
+from autoshard.placement import B, P, Split
+from autoshard.rules.registry import OpCtx, Sig, norm_dim, register, rule
+
+aten = torch.ops.aten
+
+
+def view_groups(a, b):
+    """Runs of dims of shape ``a`` and shape ``b`` with equal products: [(a dims, b dims)]."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(a) or j >= len(b):
+            return None
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i += 1
+        j += 1
+        while pa != pb:
+            if pa < pb:
+                if i >= len(a):
+                    return None
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                if j >= len(b):
+                    return None
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def dim_map_sigs(pairs, n_in=1, n_out=1, linear=True):
+    sigs = [Sig((Split(i),) + (B,) * (n_in - 1), (Split(o),) * n_out) for i, o in pairs]
+    if linear:
+        sigs.append(Sig((P,) + (B,) * (n_in - 1), (P,) * n_out))
+    return sigs
+
+
+def reshape(ctx: OpCtx):
+    a, b = ctx.in_shapes[0], ctx.out_shapes[0]
+    groups = view_groups(a, b)
+    if groups is None:
+        return []
+    pairs = [(gi[0], gj[0]) for gi, gj in groups if gi and gj and a[gi[0]] > 1 and b[gj[0]] > 1]
+    return dim_map_sigs(pairs, n_in=ctx.n_in)
+
+
+def expand(ctx: OpCtx):
+    a, b = ctx.in_shapes[0], ctx.out_shapes[0]
+    off = len(b) - len(a)
+    return dim_map_sigs([(i, i + off) for i in range(len(a)) if a[i] == b[i + off] > 1], n_in=ctx.n_in)
+
+
+def permute(ctx: OpCtx):
+    nd = len(ctx.in_shapes[0])
+    dims = [norm_dim(d, nd) for d in ctx.arg(1, "dims")]
+    return dim_map_sigs([(d, k) for k, d in enumerate(dims)])
+
+
+def transpose(ctx: OpCtx):
+    nd = len(ctx.in_shapes[0])
+    if nd < 2 and ctx.target in (aten.t.default,):
+        return dim_map_sigs([(0, 0)]) if nd == 1 else dim_map_sigs([])
+    if ctx.target == aten.t.default:
+        d0, d1 = 0, 1
+    else:
+        d0, d1 = norm_dim(ctx.arg(1, "dim0"), nd), norm_dim(ctx.arg(2, "dim1"), nd)
+    swap = {d0: d1, d1: d0}
+    return dim_map_sigs([(d, swap.get(d, d)) for d in range(nd)])
+
+
+def split_like(ctx: OpCtx):
+    """split, chunk, unbind: every output keeps the other dims' splits."""
+    nd = len(ctx.in_shapes[0])
+    dim = norm_dim(ctx.arg(2 if ctx.target not in UNBIND else 1, "dim", 0), nd)
+    pairs = []
+    for d in range(nd):
+        if d == dim:
+            continue
+        pairs.append((d, d - 1 if ctx.target in UNBIND and d > dim else d))
+    return dim_map_sigs(pairs, n_out=ctx.n_out)
+
+
+def cat(ctx: OpCtx):
+    nd = len(ctx.out_shapes[0])
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd)
+    sigs = []
+    for d in range(nd):
+        if d != dim and all(len(s) == nd for s in ctx.in_shapes):
+            sigs.append(Sig((Split(d),) * ctx.n_in, (Split(d),)))
+    sigs.append(Sig((P,) * ctx.n_in, (P,)))
+    return sigs
+
+
+def stack(ctx: OpCtx):
+    nd = len(ctx.in_shapes[0])
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd + 1)
+    sigs = [Sig((Split(d),) * ctx.n_in, (Split(d if d < dim else d + 1),)) for d in range(nd)]
+    sigs.append(Sig((P,) * ctx.n_in, (P,)))
+    return sigs
+
+
+def slice_(ctx: OpCtx):
+    shape = ctx.in_shapes[0]
+    nd = len(shape)
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd)
+    start, end, step = ctx.arg(2, "start", None), ctx.arg(3, "end", None), ctx.arg(4, "step", 1)
+    whole = (start in (None, 0)) and (end is None or end >= shape[dim]) and step == 1
+    return dim_map_sigs([(d, d) for d in range(nd) if d != dim or whole])
+
+
+def select(ctx: OpCtx):
+    nd = len(ctx.in_shapes[0])
+    dim = norm_dim(ctx.arg(1, "dim"), nd)
+    return dim_map_sigs([(d, d - (d > dim)) for d in range(nd) if d != dim])
+
+
+UNBIND = {aten.unbind.int}
+RESHAPES = [aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+            aten.squeeze, aten.unsqueeze, aten.view_as]
+register(RESHAPES, reshape)
+register([aten.expand, aten.expand_as], expand)
+register([aten.permute], permute)
+register([aten.transpose, aten.t], transpose)
+register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+          aten.tensor_split.sections, aten.tensor_split.indices], split_like)
+register([aten.cat], cat)
+register([aten.stack], stack)
+register([aten.slice.Tensor], slice_)
+register([aten.select.int], select)

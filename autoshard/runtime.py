@@ -1,0 +1,298 @@
+"""What the emitted per-rank program calls: collectives and local layout steps as autograd
+functions whose backward is the dual step (the dual rule, DESIGN.md section 3), and the few ops
+whose local form differs from the global one.
+
+The program names mesh axes by index; the process groups come from the ``RankMesh`` that the
+parallel module activates around each call. Backward runs with the groups saved at forward time.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autoshard import placement as pl
+
+_state = threading.local()
+
+
+class RankMesh:
+    """This rank's view of the device mesh: a process group and a coordinate per axis, and the
+    generator every rank shares for random ops."""
+
+    def __init__(self, device_mesh, generator: torch.Generator):
+        self.device_mesh = device_mesh
+        self.shape = tuple(device_mesh.shape)
+        self.groups = [device_mesh.get_group(a) for a in range(len(self.shape))]
+        self.coords = list(device_mesh.get_coordinate())
+        self.generator = generator
+
+
+@contextlib.contextmanager
+def active(mesh: RankMesh):
+    prev = getattr(_state, "mesh", None)
+    _state.mesh = mesh
+    try:
+        yield
+    finally:
+        _state.mesh = prev
+
+
+def _mesh() -> RankMesh:
+    m = getattr(_state, "mesh", None)
+    if m is None:
+        raise RuntimeError("an autoshard program ran outside its parallel module")
+    return m
+
+
+# ---- raw steps (no autograd) ------------------------------------------------------------------
+
+def _gather(x, group, p, dim):
+    # collectives exchange dim-0 blocks: move the cut to dim 0 and back
+    x = x.contiguous()
+    out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out if dim == 0 else torch.cat(out.chunk(p, 0), dim=dim)
+
+
+def _scatter(x, group, p, dim):
+    inp = x.contiguous() if dim == 0 else torch.cat(x.chunk(p, dim), dim=0).contiguous()
+    out = torch.empty((inp.shape[0] // p,) + tuple(inp.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, inp, group=group)
+    return out
+
+
+def _reduce(x, group):
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _a2a(x, group, p, src_dim, dst_dim):
+    inp = torch.cat(x.chunk(p, dst_dim), dim=0).contiguous()
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=group)
+    return torch.cat(out.chunk(p, 0), dim=src_dim)
+
+
+def _slice(x, p, coord, dim):
+    return x.chunk(p, dim)[coord].contiguous()
+
+
+def _pad(x, p, coord, dim):
+    shape = list(x.shape)
+    shape[dim] *= p
+    out = x.new_zeros(shape)
+    out.narrow(dim, coord * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
+
+
+def _keep(x, coord):
+    return x if coord == 0 else torch.zeros_like(x)
+
+
+class _Step(torch.autograd.Function):
+    """One layout step on one axis; backward runs its dual."""
+
+    @staticmethod
+    def forward(ctx, x, kind, group, p, coord, dim, dim2):
+        ctx.args = (kind, group, p, coord, dim, dim2)
+        return _run(x, kind, group, p, coord, dim, dim2)
+
+    @staticmethod
+    def backward(ctx, g):
+        kind, group, p, coord, dim, dim2 = ctx.args
+        dual = {"all_gather": ("reduce_scatter", dim, None), "reduce_scatter": ("all_gather", dim, None),
+                "all_reduce": ("all_reduce", None, None), "all_to_all": ("all_to_all", dim2, dim),
+                "slice": ("pad", dim, None), "pad": ("slice", dim, None), "keep": ("keep", None, None)}[kind]
+        return (_run(g, dual[0], group, p, coord, dual[1], dual[2]),) + (None,) * 6
+
+
+def _run(x, kind, group, p, coord, dim, dim2):
+    if kind == "all_gather":
+        return _gather(x, group, p, dim)
+    if kind == "reduce_scatter":
+        return _scatter(x, group, p, dim)
+    if kind == "all_reduce":
+        return _reduce(x, group)
+    if kind == "all_to_all":
+        return _a2a(x, group, p, dim, dim2)
+    if kind == "slice":
+        return _slice(x, p, coord, dim)
+    if kind == "pad":
+        return _pad(x, p, coord, dim)
+    if kind == "keep":
+        return _keep(x, coord)
+    raise ValueError(kind)
+
+
+def _step(x, kind, axis, dim=None, dim2=None):
+    m = _mesh()
+    if not x.requires_grad:
+        return _run(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2)
+    return _Step.apply(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2)
+
+
+# the names the emitted program calls, one per step kind
+def all_gather(x, axis: int, dim: int):
+    return _step(x, "all_gather", axis, dim)
+
+
+def reduce_scatter(x, axis: int, dim: int):
+    return _step(x, "reduce_scatter", axis, dim)
+
+
+def all_reduce(x, axis: int):
+    return _step(x, "all_reduce", axis)
+
+
+def all_to_all(x, axis: int, dim: int, dim2: int):
+    return _step(x, "all_to_all", axis, dim, dim2)
+
+
+def slice_shard(x, axis: int, dim: int):
+    return _step(x, "slice", axis, dim)
+
+
+def pad_shard(x, axis: int, dim: int):
+    return _step(x, "pad", axis, dim)
+
+
+def keep_partial(x, axis: int):
+    return _step(x, "keep", axis)
+
+
+STEP_FUNCTIONS = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce,
+                  "all_to_all": all_to_all, "slice": slice_shard, "pad": pad_shard, "keep": keep_partial}
+
+
+def _convert(x, src, dst, m: RankMesh):
+    """Raw conversion between nd placements (no autograd), by the shared step planner."""
+    from autoshard.cost.comm import transition
+    for st in transition(tuple(x.shape), src, dst, m.shape):
+        x = _run(x, st.kind, m.groups[st.axis], m.shape[st.axis], m.coords[st.axis], st.dim, st.dim2)
+    return x
+
+
+def _dual(placements):
+    return tuple(pl.P if isinstance(p, pl.Broadcast) else pl.B if isinstance(p, pl.Partial) else p
+                 for p in placements)
+
+
+class _ToLocal(torch.autograd.Function):
+    """A whole tensor cut to this rank's share; backward turns the gradient, which arrives in the
+    dual placement, back into the whole gradient on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, dst, mesh):
+        ctx.dst, ctx.mesh = dst, mesh
+        return _convert(x, _whole(len(dst)), dst, mesh)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _convert(g, _dual(ctx.dst), _whole(len(ctx.dst)), ctx.mesh), None, None
+
+
+def _whole(n):
+    return (pl.B,) * n
+
+
+def to_local(x, placement: tuple):
+    """A user input, whole on every rank, cut to this rank's share."""
+    m = _mesh()
+    dst = tuple(pl.parse(p) for p in placement)
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.requires_grad:
+        return _ToLocal.apply(x, dst, m)
+    return _convert(x, _whole(len(dst)), dst, m)
+
+
+def to_whole(x, placement: tuple):
+    """A returned tensor, made whole on every rank. Its gradient arrives whole on every rank,
+    which is the dual of each placement after a slice (S), as is (P) or kept on one rank (B)."""
+    m = _mesh()
+    src = tuple(pl.parse(p) for p in placement)
+    if x.requires_grad:
+        return _ToWhole.apply(x, src, m)
+    return _convert(x, src, _whole(len(src)), m)
+
+
+class _ToWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, mesh):
+        ctx.src, ctx.mesh = src, mesh
+        return _convert(x, src, _whole(len(src)), mesh)
+
+    @staticmethod
+    def backward(ctx, g):
+        # g is the true gradient on every rank (B); turn it into dual(src) with local steps only
+        return _convert(g, _whole(len(ctx.src)), _dual(ctx.src), ctx.mesh), None, None
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, groups):
+        ctx.groups = groups
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(g, group=group)
+        return g, None
+
+
+def grad_sync(x, axes: tuple):
+    """A parameter stored broadcast on ``axes``: its gradient arrives as partial sums there and is
+    all-reduced (data parallelism)."""
+    m = _mesh()
+    if not x.requires_grad or not axes:
+        return x
+    return _GradSync.apply(x, [m.groups[a] for a in axes])
+
+
+# ---- ops whose local form differs -------------------------------------------------------------
+
+def dropout(x, p: float, train: bool, placement: tuple):
+    """Draw the whole mask from the generator all ranks share and keep this rank's part: replicas
+    agree, and the result equals a single-device draw from the same seed."""
+    if not train or p == 0:
+        return x
+    m = _mesh()
+    pls = tuple(pl.parse(q) for q in placement)
+    shape = list(x.shape)
+    for q, n in zip(pls, m.shape):
+        if isinstance(q, pl.Split):
+            shape[q.dim] *= n
+    if p == 1:
+        return x * 0
+    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=m.generator)
+    noise.div_(1 - p)
+    for a, (q, n) in enumerate(zip(pls, m.shape)):
+        if isinstance(q, pl.Split):
+            noise = _slice(noise, n, m.coords[a], q.dim)
+    return x * noise
+
+
+def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: float, axes: tuple):
+    """Mean cross-entropy over a batch split on ``axes``: this rank's sum divided by the count of
+    counted targets over all ranks (weighted, as torch does), so the partial sums add up to the
+    single-device mean."""
+    m = _mesh()
+    total = F.cross_entropy(x, target, weight=weight, reduction="sum", ignore_index=ignore_index,
+                            label_smoothing=label_smoothing)
+    with torch.no_grad():
+        counted = target != ignore_index
+        if weight is not None:
+            denom = weight[target.clamp(min=0)].masked_fill(~counted, 0).sum().to(torch.float64)
+        else:
+            denom = counted.sum().to(torch.float64)
+        for a in axes:
+            dist.all_reduce(denom, group=m.groups[a])
+    return total / denom.to(total.dtype)
