@@ -68,6 +68,24 @@ def lower_unflatten(low: Lowering):
     return low.call(args=args, kwargs=kwargs)
 
 
+def lower_as(low: Lowering):
+    """view_as / expand_as: the other tensor's whole shape is not this rank's; use the local one."""
+    target = aten.view.default if low.node.target == aten.view_as.default else aten.expand.default
+    return low.call(target, (low.args[0], low.local_out()), {})
+
+
+def lower_squeeze(low: Lowering):
+    """Squeeze only the dims that are 1 in the whole tensor: a split dim may be 1 locally."""
+    shape = low.in_shapes[0]
+    if low.node.target == aten.squeeze.default:
+        dims = list(range(len(shape)))
+    else:
+        d = low.arg(1, "dim")
+        dims = [d] if isinstance(d, int) else list(d)
+    dims = [pl_norm(d, len(shape)) for d in dims]
+    return low.call(aten.squeeze.dims, (low.args[0], [d for d in dims if shape[d] == 1]), {})
+
+
 def pl_norm(d, n):
     return d + n if d < 0 else d
 
@@ -126,6 +144,11 @@ LOWERINGS = {
     aten._unsafe_view.default: lower_sized,
     aten.expand.default: lower_sized,
     aten.unflatten.int: lower_unflatten,
+    aten.view_as.default: lower_as,
+    aten.expand_as.default: lower_as,
+    aten.squeeze.default: lower_squeeze,
+    aten.squeeze.dim: lower_squeeze,
+    aten.squeeze.dims: lower_squeeze,
     aten.mean.default: lower_mean,
     aten.mean.dim: lower_mean,
     aten.mse_loss.default: lower_pointwise_loss,

@@ -100,6 +100,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
+    solver.parameters.linearization_level = 2  # the LP relaxation of this model is nearly tight
     solver.parameters.max_time_in_seconds = float(time_limit)
     status = solver.solve(model)
     name = solver.status_name(status)

@@ -82,6 +82,7 @@ NONLINEAR = [
     aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.bitwise_not,
     aten.relu6, aten.hardswish, aten.hardsigmoid, aten.sign, aten.floor, aten.ceil, aten.round,
     aten.remainder, aten.fmod, aten.lerp, aten.addcmul, aten.addcdiv, aten.atan2,
+    aten.div.Tensor_mode, aten.div.Scalar_mode, aten.view.dtype, aten.floor_divide,
 ]
 LINEAR_UNARY = [
     aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to,
@@ -89,7 +90,7 @@ LINEAR_UNARY = [
 ]
 ADDITIVE = [aten.add, aten.sub]
 MULTIPLICATIVE = [aten.mul]
-NUMERATOR = [aten.div]
+NUMERATOR = [aten.div.Tensor, aten.div.Scalar]  # rounding modes are not linear
 # right only when replicated: each rank must build the same whole tensor
 FACTORIES = [
     aten.arange, aten.zeros, aten.ones, aten.full, aten.empty, aten.scalar_tensor, aten.rand,
@@ -98,10 +99,10 @@ FACTORIES = [
     aten.new_empty, aten.bernoulli,
 ]
 
-register(NONLINEAR, nonlinear)
 register(LINEAR_UNARY, linear_unary)
 register(ADDITIVE, additive)
 register(MULTIPLICATIVE, multiplicative)
 register(NUMERATOR, numerator)
+register(NONLINEAR, nonlinear)
 register(FACTORIES, replicated_only)
 register([aten.broadcast_tensors], broadcast_tensors)

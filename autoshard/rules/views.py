@@ -136,7 +136,7 @@ def select(ctx: OpCtx):
 
 
 UNBIND = {aten.unbind.int}
-RESHAPES = [aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+RESHAPES = [aten.view.default, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
             aten.squeeze, aten.unsqueeze, aten.view_as]
 register(RESHAPES, reshape)
 register([aten.expand, aten.expand_as], expand)
