@@ -19,6 +19,7 @@ class Cluster:
     intra_latency: float = 5e-6      # seconds per ring step within a node
     inter_bandwidth: float = 200e9   # bytes/s of one node's network, shared by its GPUs
     inter_latency: float = 15e-6     # seconds per ring step across nodes
+    collective_overhead: float = 5e-6  # seconds to launch one collective, whatever its size
     peak_flops: float = 312e12       # FLOP/s for 16-bit matmuls
     peak_flops_fp32: float = 156e12  # FLOP/s for fp32 (TF32) matmuls
     memory_bandwidth: float = 2.0e12  # bytes/s of device memory
@@ -33,7 +34,7 @@ class Cluster:
                       "memory_bandwidth", "memory"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Cluster.{field} must be positive, got {getattr(self, field)}")
-        for field in ("intra_latency", "inter_latency"):
+        for field in ("intra_latency", "inter_latency", "collective_overhead"):
             if getattr(self, field) < 0:
                 raise ValueError(f"Cluster.{field} must not be negative, got {getattr(self, field)}")
         if not 0 < self.efficiency <= 1:
@@ -50,16 +51,17 @@ class Cluster:
         return replace(self, **changes)
 
     def axis_links(self, mesh_shape: Sequence[int]) -> list[tuple[float, float]]:
-        """(latency, bandwidth) of each mesh axis, axes laid out with the last innermost."""
+        """(latency per ring step, bandwidth, launch overhead) of each mesh axis, axes laid out with
+        the last innermost."""
         links = []
         for a, size in enumerate(mesh_shape):
             stride = math.prod(mesh_shape[a + 1:])
             if stride * size <= self.gpus_per_node:
-                links.append((self.intra_latency, self.intra_bandwidth))
+                links.append((self.intra_latency, self.intra_bandwidth, self.collective_overhead))
             else:
                 # groups of this axis that have a member in one node all cross at once
                 sharing = min(self.gpus_per_node, stride)
-                links.append((self.inter_latency, self.inter_bandwidth / sharing))
+                links.append((self.inter_latency, self.inter_bandwidth / sharing, self.collective_overhead))
         return links
 
     def matmul_flops(self, itemsize: int) -> float:

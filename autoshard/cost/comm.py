@@ -143,11 +143,12 @@ def step_bytes(step: Step, itemsize: int) -> int:
 
 
 def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
-    """alpha-beta time of one step on its axis; local steps are free of communication."""
+    """alpha-beta time of one step on its axis, plus the launch overhead of a collective; local
+    steps are free of communication."""
     if not step.is_collective:
         return 0.0
     p = mesh_shape[step.axis]
-    alpha, beta = links[step.axis]
+    alpha, beta, overhead = links[step.axis]
     n = step_bytes(step, itemsize)
     if step.kind == "all_gather":
         sent, hops = (p - 1) * n, p - 1            # T = p * input
@@ -157,7 +158,7 @@ def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
         sent, hops = 2 * (p - 1) / p * n, 2 * (p - 1)
     else:  # all_to_all, T = p * input as seen on the axis
         sent, hops = (p - 1) / p * n, p - 1
-    return hops * alpha + sent / beta
+    return overhead + hops * alpha + sent / beta
 
 
 def conversion_time(local_shape, itemsize, src, dst, mesh_shape, links, backward: bool) -> float:
@@ -169,8 +170,8 @@ def conversion_time(local_shape, itemsize, src, dst, mesh_shape, links, backward
 
 
 def all_reduce_time(nbytes: int, p: int, link) -> float:
-    alpha, beta = link
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+    alpha, beta, overhead = link
+    return overhead + 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,229 @@
+"""Planning without processes: golden plans on a 1-D mesh of 8, a world=256 plan of a GPT on the
+meta device, the plan's reading and saving, and the errors a user gets for bad input."""
+import json
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.passes.annotate import UnknownOpWarning
+from models import GPT, MLP, megatron_pins
+
+
+class TwoLayer(nn.Module):
+    """Returns its training loss, as a training step would."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
+def _meta(module_fn, *shape):
+    with torch.device("meta"):
+        return module_fn(), (torch.empty(*shape, device="meta"), torch.empty(*shape, device="meta"))
+
+
+DP = {"x": ("S(0)",), "y": ("S(0)",), "fc1.weight": ("B",), "fc1.bias": ("B",), "fc2.weight": ("B",), "fc2.bias": ("B",)}
+TP = {"fc1.weight": ("S(0)",), "fc1.bias": ("S(0)",), "fc2.weight": ("S(1)",)}
+
+
+def test_big_weights_few_tokens_get_tensor_parallel():
+    model, x = _meta(lambda: TwoLayer(8192, 32768), 8, 8192)
+    plan = autoshard.plan(model, x, world=8)
+    assert plan.placement("fc1.weight") == ("S(0)",)
+    assert plan.placement("fc2.weight") == ("S(1)",)
+    assert plan.placement("x") == ("B",)
+    kinds = {(c.kind, c.phase) for c in plan.collectives}
+    assert ("all_reduce", "forward") in kinds or ("reduce_scatter", "forward") in kinds
+    assert not any(c.kind == "all_reduce" and c.node.startswith("p_fc") for c in plan.collectives)
+    for hand in (DP, TP):
+        assert plan.cost <= autoshard.plan(model, x, world=8, pin=hand).cost * (1 + 1e-9)
+
+
+def test_small_weights_many_tokens_get_data_parallel():
+    model, x = _meta(lambda: TwoLayer(64, 256), 65536, 64)
+    plan = autoshard.plan(model, x, world=8)
+    assert plan.placement("x") == ("S(0)",)
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        assert plan.placement(name) == ("B",)
+    grads = [c for c in plan.collectives if c.kind == "all_reduce" and c.phase == "backward"]
+    assert {c.node for c in grads} == {"p_fc1_weight", "p_fc1_bias", "p_fc2_weight", "p_fc2_bias"}
+    assert grads[0].axes == (0,)
+    for hand in (DP, TP):
+        assert plan.cost <= autoshard.plan(model, x, world=8, pin=hand).cost * (1 + 1e-9)
+
+
+def test_pinned_hand_plans_cost_what_the_formulas_say():
+    """Data parallel's only communication is one gradient all-reduce per parameter."""
+    model, x = _meta(lambda: TwoLayer(64, 256), 65536, 64)
+    plan = autoshard.plan(model, x, world=8, pin=DP)
+    cluster = autoshard.Cluster.preset("a100-80gb-nvlink-ib")
+    alpha, beta, launch = cluster.axis_links((8,))[0]
+    grads = [c for c in plan.collectives if c.phase == "backward"]
+    expected = sum(launch + 2 * 7 * alpha + 2 * 7 / 8 * n * 4 / beta for n in (64 * 256, 256, 256 * 64, 64))
+    assert sum(c.seconds for c in grads) == pytest.approx(expected, rel=1e-9)
+    assert sorted(c.bytes for c in grads) == sorted(n * 4 for n in (64 * 256, 256, 256 * 64, 64))
+    # forward: only the loss, a partial sum of per-rank means, is all-reduced (4 bytes)
+    assert [(c.kind, c.bytes) for c in plan.collectives if c.phase == "forward"] == [("all_reduce", 4)]
+
+
+def gpt_meta(layers=4, d=1024, heads=16, vocab=50304, seq=1024, batch=256):
+    with torch.device("meta"):
+        model = GPT(vocab=vocab, d=d, heads=heads, layers=layers, seq=seq)
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (idx, idx)
+
+
+def test_world_256_gpt_plans_on_the_meta_device_without_a_process_group():
+    assert not torch.distributed.is_initialized()
+    model, inputs = gpt_meta()
+    start = time.perf_counter()
+    plan = autoshard.plan(model, inputs, world=256)
+    seconds = time.perf_counter() - start
+    print(f"world=256 GPT (4 layers, d=1024) planned in {seconds:.2f} s; {plan.solver}")
+    assert plan.mesh_shape == (256,) and plan.world == 256
+    assert plan.solver["status"] in ("OPTIMAL", "FEASIBLE")
+    assert 0 < plan.cost < 10
+    for name, _ in model.named_parameters():
+        assert plan.placement(name)[0] in ("B",) or plan.placement(name)[0].startswith("S(")
+    megatron = autoshard.plan(model, inputs, world=256, pin=megatron_pins([f"blocks.{i}." for i in range(4)]))
+    assert plan.cost <= megatron.cost * (1 + 1e-9)
+
+
+def test_plan_reads_and_round_trips():
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.empty(8, 32, device="meta")
+    plan = autoshard.plan(model, x, world=4)
+    text = str(plan)
+    for word in ("node", "op", "shape", "placement", "collectives", "per step", "linear.default", "solver"):
+        assert word in text
+    again = autoshard.Plan.from_json(plan.to_json())
+    assert again.to_json() == plan.to_json()
+    assert again.placement("layers.0.fc1.weight") == plan.placement("layers.0.fc1.weight")
+    assert json.loads(plan.to_json())["mesh_shape"] == [4]
+    for c in plan.collectives:
+        assert c.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        assert c.phase in ("forward", "backward")
+        assert c.bytes > 0 and c.axes == (0,) and c.node in plan.nodes
+    assert plan.solver["gap"] >= 0
+
+
+def test_same_inputs_same_plan():
+    model, inputs = gpt_meta(layers=2, d=256, heads=4, vocab=1024, seq=128, batch=64)
+    a, b = (json.loads(autoshard.plan(model, inputs, world=8).to_json()) for _ in range(2))
+    a["solver"].pop("seconds")
+    b["solver"].pop("seconds")
+    assert a == b
+
+
+def test_inference_plans_cost_no_backward():
+    model, inputs = gpt_meta(layers=2, d=256, heads=4, vocab=1024, seq=128, batch=64)
+    plan = autoshard.plan(model, inputs, world=8, training=False)
+    assert all(c.phase == "forward" for c in plan.collectives)
+
+
+def test_cluster_changes_the_price():
+    model, x = _meta(lambda: TwoLayer(1024, 4096), 4096, 1024)
+    fast = autoshard.plan(model, x, world=8, pin=DP)
+    slow = autoshard.plan(model, x, world=8, pin=DP, cluster=autoshard.Cluster.preset("a100-80gb-nvlink-ib").with_(intra_bandwidth=1e9))
+    assert slow.cost > fast.cost
+
+
+class Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=1)
+
+
+def test_an_op_without_a_rule_runs_replicated_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoshard.plan(Cumsum(), (torch.randn(8, 16),), world=4)
+    named = [w for w in caught if issubclass(w.category, UnknownOpWarning)]
+    assert len(named) == 1 and "cumsum" in str(named[0].message)
+    assert plan.placement("cumsum") == ("B",)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def _mlp():
+    return MLP(), (torch.randn(8, 32),)
+
+
+@pytest.mark.parametrize("world", [0, -3])
+def test_world_below_one(world):
+    model, x = _mlp()
+    with pytest.raises(ValueError, match="at least 1"):
+        autoshard.plan(model, x, world=world)
+
+
+def test_mesh_product_must_equal_world():
+    model, x = _mlp()
+    with pytest.raises(ValueError, match=r"mesh \(2, 2\) holds 4 devices but world=8"):
+        autoshard.plan(model, x, world=8, mesh=(2, 2))
+
+
+def test_neither_world_nor_mesh():
+    model, x = _mlp()
+    with pytest.raises(ValueError, match="world=N"):
+        autoshard.plan(model, x)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_says_what_failed_and_what_to_try():
+    with pytest.raises(autoshard.CaptureError) as info:
+        autoshard.plan(DataDependent(), (torch.randn(2, 4),), world=2)
+    msg = str(info.value)
+    assert "DataDependent" in msg and "torch.where" in msg and "torch.cond" in msg
+
+
+def test_pin_of_an_unknown_name():
+    model, x = _mlp()
+    with pytest.raises(ValueError, match="did you mean 'layers.0.fc1.weight'".replace("did", "Did")):
+        autoshard.plan(model, x, world=4, pin={"layers.0.fc1.weigth": ("S(0)",)})
+
+
+@pytest.mark.parametrize("pin,match", [
+    ({"layers.0.fc1.weight": ("S(5)",)}, "no legal layout"),
+    ({"layers.0.fc1.weight": ("P",)}, "never P"),
+    ({"layers.0.fc1.weight": ("S(0)", "B")}, "names 2 mesh axes"),
+    ({"layers.0.fc1.weight": ("X",)}, "cannot read placement"),
+])
+def test_impossible_pin(pin, match):
+    model, x = _mlp()
+    with pytest.raises(ValueError, match=match):
+        autoshard.plan(model, x, world=4, pin=pin)
+
+
+def test_pin_that_does_not_divide():
+    with torch.device("meta"):
+        model = TwoLayer(6, 10)
+    with pytest.raises(ValueError, match="divide evenly"):
+        autoshard.plan(model, (torch.empty(4, 6, device="meta"),) * 2, world=4, pin={"fc1.weight": ("S(0)",)})
+
+
+def test_parallelize_without_a_process_group():
+    model, x = _mlp()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        autoshard.parallelize(model, x)
