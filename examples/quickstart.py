@@ -88,14 +88,15 @@ def train(steps):
     torch.manual_seed(0)                             # every rank builds the same model and data
     model = GPT(vocab=64, d=32, heads=4, layers=2, seq=16)
     reference = copy.deepcopy(model)                 # before parallelize: it takes the model over
-    batches = [(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))) for _ in range(steps)]
+    idx = torch.randint(0, 64, (8, 16))              # one batch; the task: predict token + 1
+    targets = (idx + 1) % 64
 
-    sharded = autoshard.parallelize(model, batches[0])    # plans, then shards the parameters
-    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sharded = autoshard.parallelize(model, (idx, targets))   # plans, then shards the parameters
+    opt = torch.optim.Adam(sharded.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
 
     losses = []
-    for idx, targets in batches:
+    for _ in range(steps):
         loss = sharded(idx, targets)
         loss.backward()
         opt.step()
@@ -107,7 +108,11 @@ def train(steps):
         ref_opt.zero_grad()
 
         losses.append((loss.item(), ref_loss.item()))
-    return losses
+
+    params = dict(sharded.named_parameters())       # DTensors: this rank holds its share
+    shares = {name: (sharded.plan.placement(name), tuple(params[name].to_local().shape), tuple(params[name].shape))
+              for name in ("emb.weight", "blocks.0.qkv.weight", "blocks.0.fc2.weight")}
+    return losses, shares
 
 
 def main():
@@ -121,8 +126,12 @@ def main():
     print("Part 2: a tiny GPT trained on 4 CPU processes with autoshard, against one device")
     print("=" * 100)
     results = run_local(train, 4, 5)                 # one result per rank
+    losses, shares = results[0]
+    for name, (placement, local, full) in shares.items():
+        print(f"  {name:22s} {str(placement):10s} rank 0 holds {local} of {full}")
+    print()
     print(f"{'step':>4}  {'autoshard loss':>16}  {'single-device loss':>18}  {'difference':>10}")
-    for step, (loss, ref_loss) in enumerate(results[0]):
+    for step, (loss, ref_loss) in enumerate(losses):
         print(f"{step:>4}  {loss:>16.8f}  {ref_loss:>18.8f}  {abs(loss - ref_loss):>10.2e}")
 
 

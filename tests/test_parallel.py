@@ -218,3 +218,30 @@ def test_distributed_checkpoint_round_trip(world4):
     with tempfile.TemporaryDirectory() as d:
         for err in world4.run(checkpoint_case, os.path.join(d, "ckpt")):
             assert err == 0
+
+
+def mesh_case(name, pin):
+    model, inputs = _make(name)
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, inputs, mesh=(2, 2), pin=pin)
+    out, ref_out = pm(*inputs), ref(*inputs)
+    _scalar(out).backward()
+    _scalar(ref_out).backward()
+    ref_params = dict(ref.named_parameters())
+    grads = max((p.grad.full_tensor() - ref_params[n].grad).abs().max().item() for n, p in pm.named_parameters())
+    return (out - ref_out).abs().max().item(), grads, pm.plan.placement(next(iter(pin)) if pin else "x")
+
+
+MESH_CASES = [
+    ("block", None),
+    ("block", {"x": ("S(0)", "B"), "qkv.weight": ("B", "S(0)"), "fc.weight": ("S(0)", "S(0)"), "fc2.weight": ("S(1)", "S(1)")}),
+    ("mlp", {"x": ("S(0)", "S(0)"), "layers.0.fc1.weight": ("S(1)", "S(0)")}),
+]
+
+
+@pytest.mark.parametrize("name,pin", MESH_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(MESH_CASES)])
+def test_2x2_mesh_matches_single_device(world4, name, pin):
+    for out, grads, placement in world4.run(mesh_case, name, pin):
+        assert out <= 1e-5 and grads <= 1e-5
+        if pin:
+            assert placement == pin[next(iter(pin))]
