@@ -19,6 +19,10 @@ from autoshard import placement as pl
 
 _state = threading.local()
 
+# torch 2.13 renamed the dim-0 gather and reduce-scatter; older releases have only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class RankMesh:
     """This rank's view of the device mesh: a process group and a coordinate per axis, and the
@@ -55,14 +59,14 @@ def _gather(x, group, p, dim):
     # collectives exchange dim-0 blocks: move the cut to dim 0 and back
     x = x.contiguous()
     out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather(out, x, group=group)
     return out if dim == 0 else torch.cat(out.chunk(p, 0), dim=dim)
 
 
 def _scatter(x, group, p, dim):
     inp = x.contiguous() if dim == 0 else torch.cat(x.chunk(p, dim), dim=0).contiguous()
     out = torch.empty((inp.shape[0] // p,) + tuple(inp.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, inp, group=group)
+    _reduce_scatter(out, inp, group=group)
     return out
 
 

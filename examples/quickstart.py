@@ -127,6 +127,7 @@ def main():
     print("=" * 100)
     results = run_local(train, 4, 5)                 # one result per rank
     losses, shares = results[0]
+    print("autoshard's layout for 4 processes (a few parameters):")
     for name, (placement, local, full) in shares.items():
         print(f"  {name:22s} {str(placement):10s} rank 0 holds {local} of {full}")
     print()
