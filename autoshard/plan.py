@@ -213,10 +213,10 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
             inputs=[pl.to_strings(p) for p in strat.inputs], outputs=[pl.to_strings(p) for p in strat.outputs],
             compute=compute, comm=node_comm, fqn=n.fqn)
+    param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
     for alias, fqn in graph.param_aliases.items():
-        node = next((n for n in graph.nodes if n.kind == "param" and n.fqn == fqn), None)
-        if node is not None:
-            params[alias] = tuple(nodes[node.name].outputs[0])
+        if fqn in param_node:
+            params[alias] = tuple(nodes[param_node[fqn]].outputs[0])
     cost = sum(n.compute + n.comm for n in nodes.values())
     solver = {"status": solution.status, "objective": solution.objective, "bound": solution.bound,
               "gap": solution.gap, "seconds": solution.seconds}

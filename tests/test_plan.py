@@ -227,3 +227,13 @@ def test_parallelize_without_a_process_group():
     model, x = _mlp()
     with pytest.raises(RuntimeError, match="init_process_group"):
         autoshard.parallelize(model, x)
+
+
+def test_a_plan_for_other_shapes_is_refused():
+    from autoshard.passes.capture import capture
+    from autoshard.passes.rewrite import rewrite
+    model = MLP()
+    plan = autoshard.plan(model, (torch.randn(8, 32),), world=2)
+    graph = capture(model, (torch.randn(16, 32),))
+    with pytest.raises(ValueError, match="other input shapes"):
+        rewrite(graph, plan)

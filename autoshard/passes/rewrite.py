@@ -182,9 +182,9 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
     out_pl = {}             # Value -> placement
     for node in graph.nodes:
         choice = plan.nodes.get(node.name)
-        if choice is None:
-            raise ValueError(f"the plan has no entry for node {node.name!r}: it was made for another "
-                             "model or other inputs; plan again")
+        if choice is None or [tuple(s) for s in choice.shapes] != [m.shape for m in node.outputs]:
+            raise ValueError(f"the plan does not fit node {node.name!r} of this model: it was made for "
+                             "another model or other input shapes; plan again with these")
         outs = choice.out_placements()
         for i, p in enumerate(outs):
             out_pl[(node.name, i)] = p
