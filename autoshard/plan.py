@@ -13,6 +13,7 @@ from typing import Optional
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm
+from autoshard.cost.memory import rank_memory
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Plan:
     cluster: Optional[Cluster] = None
     solver: dict = field(default_factory=dict)   # status, objective, bound, gap, seconds
     input_shapes: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)   # bytes per rank: parameters, gradients, optimizer, activations, total
 
     @property
     def world(self) -> int:
@@ -110,6 +112,10 @@ class Plan:
             "collectives: " + (", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"),
             "communication per axis: " + (", ".join(f"axis {a} {_fmt_s(t)}" for a, t in sorted(per_axis.items())) or "none"),
         ]
+        if self.memory:
+            m = self.memory
+            foot.append("memory per rank: " + ", ".join(f"{k} {_fmt_bytes(m[k])}" for k in
+                        ("parameters", "gradients", "optimizer", "activations", "total")))
         if solver:
             foot.append(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
                         f"optimality gap {100 * solver.get('gap', 0):.2f}%")
@@ -124,6 +130,7 @@ class Plan:
             "cluster": asdict(self.cluster) if self.cluster else None,
             "solver": self.solver,
             "input_shapes": [list(s) for s in self.input_shapes],
+            "memory": self.memory,
             "params": {k: list(v) for k, v in self.params.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
             "collectives": [dict(asdict(c), axes=list(c.axes)) for c in self.collectives],
@@ -145,7 +152,8 @@ class Plan:
             collectives=[Collective(**dict(c, axes=tuple(c["axes"]))) for c in d["collectives"]],
             cost=d["cost"], training=d["training"],
             cluster=Cluster(**d["cluster"]) if d.get("cluster") else None,
-            solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])])
+            solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])],
+            memory=d.get("memory", {}))
 
 
 def _axes(axes) -> str:
@@ -221,4 +229,5 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     solver = {"status": solution.status, "objective": solution.objective, "bound": solution.bound,
               "gap": solution.gap, "seconds": solution.seconds}
     input_shapes = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
-    return Plan(tuple(mesh), nodes, params, colls, cost, costs.training, costs.cluster, solver, input_shapes)
+    memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training)
+    return Plan(tuple(mesh), nodes, params, colls, cost, costs.training, costs.cluster, solver, input_shapes, memory)

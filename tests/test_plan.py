@@ -237,3 +237,14 @@ def test_a_plan_for_other_shapes_is_refused():
     graph = capture(model, (torch.randn(16, 32),))
     with pytest.raises(ValueError, match="other input shapes"):
         rewrite(graph, plan)
+
+
+def test_memory_per_rank_follows_storage():
+    model, x = _meta(lambda: TwoLayer(1024, 4096), 64, 1024)
+    n = 1024 * 4096 * 2 + 4096 + 1024
+    dp = autoshard.plan(model, x, world=8, pin=DP).memory
+    assert dp["parameters"] == n * 4 and dp["gradients"] == n * 4 and dp["optimizer"] == n * 8
+    split = autoshard.plan(model, x, world=8, pin={"fc1.weight": ("S(0)",), "fc2.weight": ("S(1)",)}).memory
+    assert split["parameters"] < dp["parameters"]
+    assert dp["total"] == sum(dp[k] for k in ("parameters", "gradients", "optimizer", "activations"))
+    assert "memory per rank" in str(autoshard.plan(model, x, world=8))
