@@ -8,7 +8,6 @@ parallel module activates around each call. Backward runs with the groups saved 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 
 import torch

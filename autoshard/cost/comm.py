@@ -18,7 +18,7 @@ place that decides which steps a conversion takes; the cost model and the rewrit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from autoshard.placement import B, P, Broadcast, Partial, Split

@@ -12,10 +12,9 @@ import itertools
 import warnings
 from dataclasses import dataclass
 
-import torch
 
 from autoshard import placement as pl
-from autoshard.placement import B, Partial, Split
+from autoshard.placement import B, Split
 from autoshard.passes.capture import Graph, Node
 from autoshard.rules import OpCtx, Sig, rule_for
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 
 class CaptureError(RuntimeError):
@@ -168,7 +168,6 @@ def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
         kinds[spec.arg.name] = spec
     gm = ep.graph_module
     # tied parameters: the graph may hold one placeholder per name; route all uses to one of them
-    used_fqn = {}
     placeholder_of = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and kinds[node.name].kind == InputKind.PARAMETER:

@@ -20,6 +20,7 @@ from autoshard.cost import comm
 from autoshard.passes.capture import Graph
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes
+from autoshard.rules.registry import norm_dim
 
 aten = torch.ops.aten
 
@@ -62,7 +63,7 @@ def lower_sized(low: Lowering):
 
 
 def lower_unflatten(low: Lowering):
-    dim = pl_norm(low.arg(1, "dim"), len(low.in_shapes[0]))
+    dim = norm_dim(low.arg(1, "dim"), len(low.in_shapes[0]))
     sizes = low.arg(2, "sizes")
     args, kwargs = _with_arg(low, 2, "sizes", low.local_out()[dim:dim + len(sizes)])
     return low.call(args=args, kwargs=kwargs)
@@ -82,12 +83,8 @@ def lower_squeeze(low: Lowering):
     else:
         d = low.arg(1, "dim")
         dims = [d] if isinstance(d, int) else list(d)
-    dims = [pl_norm(d, len(shape)) for d in dims]
+    dims = [norm_dim(d, len(shape)) for d in dims]
     return low.call(aten.squeeze.dims, (low.args[0], [d for d in dims if shape[d] == 1]), {})
-
-
-def pl_norm(d, n):
-    return d + n if d < 0 else d
 
 
 def _mean_scale(low: Lowering, reduced_dims) -> float:
@@ -110,7 +107,7 @@ def lower_mean(low: Lowering):
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         reduced = set(range(nd))
     else:
-        reduced = {pl_norm(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+        reduced = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
     return _scaled(low, low.call(), _mean_scale(low, reduced))
 
 

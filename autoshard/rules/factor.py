@@ -8,7 +8,7 @@ the others B gives P.
 from __future__ import annotations
 
 from autoshard.placement import B, P, Split
-from autoshard.rules.registry import OpCtx, Sig, norm_dim, rule
+from autoshard.rules.registry import OpCtx, Sig, rule
 
 import torch
 

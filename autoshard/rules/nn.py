@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.placement import B, P, Split
-from autoshard.rules.registry import OpCtx, Sig, norm_dim, register, rule
+from autoshard.rules.registry import OpCtx, Sig, norm_dim, rule
 
 aten = torch.ops.aten
 

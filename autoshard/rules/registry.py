@@ -6,7 +6,6 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from autoshard.placement import B, P, Placement, Split
 
 
 @dataclass(frozen=True)
@@ -72,15 +71,6 @@ def rule_for(target) -> Optional[Rule]:
 
 def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
-
-
-def same_split(n_in: int, n_out: int, dim_in, dim_out) -> Sig:
-    return Sig(tuple(Split(dim_in) if dim_in is not None else B for _ in range(n_in)),
-               tuple(Split(dim_out) for _ in range(n_out)))
-
-
-def all_partial(n_in: int, n_out: int) -> Sig:
-    return Sig((P,) * n_in, (P,) * n_out)
 
 
 def replicated_only(ctx: OpCtx):
