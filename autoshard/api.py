@@ -20,6 +20,7 @@ from autoshard.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.rewrite import rewrite
+from autoshard.passes.schedule import BUCKET_BYTES, schedule
 from autoshard.passes.solve import Costs, solve
 from autoshard.plan import Plan, make_plan
 
@@ -84,34 +85,41 @@ def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
     return out
 
 
-def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0) -> Plan:
+def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
+               bucket_bytes=BUCKET_BYTES) -> Plan:
     cluster = resolve_cluster(cluster)
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
-    costs = Costs(graph, mesh_shape, cluster, training)
+    costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes)
     solution = solve(graph, strategies, costs, time_limit)
     return make_plan(graph, strategies, solution, costs)
 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
-         training: bool = True, time_limit: float = 60.0) -> Plan:
+         training: bool = True, time_limit: float = 60.0, bucket_bytes: int = BUCKET_BYTES) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
-    Needs no process group; the model and inputs may live on the meta device."""
+    Needs no process group; the model and inputs may live on the meta device. ``bucket_bytes``
+    is the size of the gradient all-reduce buckets the schedule pass forms, and the cost model
+    prices."""
     mesh_shape = resolve_mesh(world, mesh)
     graph = capture(model, example_inputs)
-    return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit)
+    return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit, bucket_bytes)
 
 
 # ---- running ------------------------------------------------------------------------------------
 
 def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Optional[Plan] = None,
-                **plan_kwargs) -> "ParallelModule":
+                overlap: bool = True, **plan_kwargs) -> "ParallelModule":
     """``model`` for the current rank of an initialized process group.
 
     With ``example_inputs`` (or a ``plan``) it plans and shards the parameters now; without, at
     its first call, from the real inputs. Like FSDP, it takes the model over: its parameters are
-    replaced, in place, by this rank's DTensor shares."""
+    replaced, in place, by this rank's DTensor shares. ``overlap=False`` skips the schedule pass:
+    every collective then runs where the rewriter put it, one gradient at a time (for debugging
+    and for measuring what the schedule gains)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
                            "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
@@ -127,7 +135,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if plan is not None:
         mesh_shape = tuple(plan.mesh_shape)
     plan_kwargs.pop("mesh", None)
-    pm = ParallelModule(model, mesh_shape, plan, plan_kwargs)
+    pm = ParallelModule(model, mesh_shape, plan, plan_kwargs, overlap)
     if example_inputs is not None:
         pm.prepare(example_inputs)
     return pm
@@ -136,7 +144,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
 class ParallelModule(nn.Module):
     """The model as one rank runs it: same names, same call signature, same results."""
 
-    def __init__(self, model: nn.Module, mesh_shape, plan: Optional[Plan], plan_kwargs: dict):
+    def __init__(self, model: nn.Module, mesh_shape, plan: Optional[Plan], plan_kwargs: dict, overlap: bool = True):
         super().__init__()
         # share the model's registries so names, state_dict and tying stay the model's own
         self._modules = model._modules
@@ -145,6 +153,7 @@ class ParallelModule(nn.Module):
         self.__dict__["_model"] = model
         self.__dict__["_plan"] = plan
         self.__dict__["_plan_kwargs"] = plan_kwargs
+        self.__dict__["_overlap"] = overlap
         self.__dict__["_programs"] = {}
         self.__dict__["_distributed"] = False
         self.__dict__["_planned_shapes"] = None
@@ -175,7 +184,8 @@ class ParallelModule(nn.Module):
         """The per-rank program of the most recent call, as Python."""
         if not self._programs:
             raise RuntimeError("no program yet: call the module once, or parallelize with example_inputs")
-        return next(reversed(self._programs.values()))[0].code
+        program = next(reversed(self._programs.values()))[0]
+        return f"# autoshard per-rank program, built by: {', '.join(program.meta['passes'])}\n" + program.code
 
     # -- planning --------------------------------------------------------------------------------
     def prepare(self, example_inputs):
@@ -198,6 +208,9 @@ class ParallelModule(nn.Module):
         if not self._distributed:
             self._distribute(plan, graph)
         program = rewrite(graph, plan, device=self._device)
+        if self._overlap:
+            program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
+            self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self.__dict__["_planned_shapes"] = shapes
         self._programs[key] = (program, graph, plan)
         return self._programs[key]

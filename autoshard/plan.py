@@ -14,6 +14,7 @@ from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.memory import rank_memory
+from autoshard.cost.step import Cost
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Collective:
     bytes: int         # size of the tensor each rank passes in
     node: str          # the graph node it serves
     seconds: float = 0.0
+    overlapped: bool = False   # started early and waited late by the schedule pass
 
     def __repr__(self) -> str:
         return f"{self.kind}[{self.phase}, axes={self.axes}, {_fmt_bytes(self.bytes)}] at {self.node}"
@@ -60,6 +62,8 @@ class Plan:
     solver: dict = field(default_factory=dict)   # status, objective, bound, gap, seconds
     input_shapes: list = field(default_factory=list)
     memory: dict = field(default_factory=dict)   # bytes per rank: parameters, gradients, optimizer, activations, total
+    breakdown: dict = field(default_factory=dict)  # seconds per part of the step (cost.step.Cost)
+    schedule: dict = field(default_factory=dict)   # what the schedule pass uses: bucket_bytes
 
     @property
     def world(self) -> int:
@@ -95,6 +99,8 @@ class Plan:
         lines = ["  ".join(str(c)[:60].ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         compute = sum(n.compute for n in self.nodes.values())
         commt = sum(c.seconds for c in self.collectives)
+        hidden = sum(c.seconds for c in self.collectives if c.overlapped)
+        exposed = Cost(**self.breakdown).exposed if self.breakdown else commt
         kinds: dict = {}
         for c in self.collectives:
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
@@ -108,7 +114,9 @@ class Plan:
         solver = self.solver
         foot = [
             "",
-            f"compute {_fmt_s(compute)}  +  communication {_fmt_s(commt)}  =  {_fmt_s(self.cost)} per step (estimated)",
+            f"compute {_fmt_s(compute)}  +  exposed communication {_fmt_s(exposed)}  =  {_fmt_s(self.cost)} per step (estimated)",
+            f"communication {_fmt_s(commt)}, of which {_fmt_s(hidden)} is overlapped with compute by the schedule "
+            f"(gradient buckets of {_fmt_bytes(self.schedule.get('bucket_bytes', 0))}, prefetched parameter gathers)",
             "collectives: " + (", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"),
             "communication per axis: " + (", ".join(f"axis {a} {_fmt_s(t)}" for a, t in sorted(per_axis.items())) or "none"),
         ]
@@ -131,6 +139,8 @@ class Plan:
             "solver": self.solver,
             "input_shapes": [list(s) for s in self.input_shapes],
             "memory": self.memory,
+            "breakdown": self.breakdown,
+            "schedule": self.schedule,
             "params": {k: list(v) for k, v in self.params.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
             "collectives": [dict(asdict(c), axes=list(c.axes)) for c in self.collectives],
@@ -153,7 +163,7 @@ class Plan:
             cost=d["cost"], training=d["training"],
             cluster=Cluster(**d["cluster"]) if d.get("cluster") else None,
             solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])],
-            memory=d.get("memory", {}))
+            memory=d.get("memory", {}), breakdown=d.get("breakdown", {}), schedule=d.get("schedule", {}))
 
 
 def _axes(axes) -> str:
@@ -182,52 +192,46 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     """The chosen strategy of every node, with the collectives and costs it implies."""
     mesh, links = costs.mesh_shape, costs.links
     nodes, params, colls = {}, {}, []
+    total = Cost()
     for n in graph.nodes:
         strat = strategies[n.name][solution.choice[n.name]]
-        node_comm = 0.0
+        cost = costs.node(n, strat)
         for slot, value in enumerate(n.inputs):
             producer = graph.by_name[value[0]]
             src = strategies[producer.name][solution.choice[producer.name]].outputs[value[1]]
             dst = strat.inputs[slot]
+            cost = cost + costs.convert(value, src, dst, n)
             meta = graph.meta(value)
             steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
+            hidden = bool(steps) and steps[0].kind == "all_gather" and costs.overlapped(value, src)
             phases = [("forward", steps)]
             if costs.training and meta.floating and n.kind != "output" and producer.requires_grad:
                 phases.append(("backward", comm.dual_steps(steps, mesh)))
             for phase, sts in phases:
-                for st in sts:
+                for i, st in enumerate(sts):
                     if st.is_collective:
                         t = comm.step_time(st, meta.itemsize, mesh, links)
-                        node_comm += t
-                        colls.append(Collective(st.kind, phase, (st.axis,), comm.step_bytes(st, meta.itemsize), n.name, t))
-        compute = costs.node(n, strat)
-        if n.kind == "param":
-            meta = n.outputs[0]
-            nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * meta.itemsize
-            if costs.training and n.requires_grad:
-                for a, p in enumerate(strat.outputs[0]):
-                    if isinstance(p, pl.Broadcast) and mesh[a] > 1:
-                        t = comm.all_reduce_time(nbytes, mesh[a], links[a])
-                        colls.append(Collective("all_reduce", "backward", (a,), nbytes, n.name, t))
-                        node_comm += t
-            compute = 0.0
-        elif n.kind == "op":
+                        over = hidden and i == (0 if phase == "forward" else len(sts) - 1)
+                        colls.append(Collective(st.kind, phase, (st.axis,), comm.step_bytes(st, meta.itemsize),
+                                                n.name, t, over))
+        for a, nbytes, t in costs.grad_syncs(n, strat):
+            colls.append(Collective("all_reduce", "backward", (a,), nbytes, n.name, t, True))
+        if n.kind == "op":
             for c in comm.op_collectives(n, strat, graph, mesh):
                 t = comm.all_reduce_time(c.nbytes, mesh[c.axis], links[c.axis])
                 colls.append(Collective(c.kind, "forward", (c.axis,), c.nbytes, n.name, t))
-                node_comm += t
-                compute -= t
+        total = total + cost
         nodes[n.name] = NodeChoice(
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
             inputs=[pl.to_strings(p) for p in strat.inputs], outputs=[pl.to_strings(p) for p in strat.outputs],
-            compute=compute, comm=node_comm, fqn=n.fqn)
+            compute=cost.compute, comm=cost.communication, fqn=n.fqn)
     param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
     for alias, fqn in graph.param_aliases.items():
         if fqn in param_node:
             params[alias] = tuple(nodes[param_node[fqn]].outputs[0])
-    cost = sum(n.compute + n.comm for n in nodes.values())
     solver = {"status": solution.status, "objective": solution.objective, "bound": solution.bound,
               "gap": solution.gap, "seconds": solution.seconds}
     input_shapes = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training)
-    return Plan(tuple(mesh), nodes, params, colls, cost, costs.training, costs.cluster, solver, input_shapes, memory)
+    return Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
+                input_shapes, memory, asdict(total), {"bucket_bytes": costs.bucket_bytes})

@@ -8,6 +8,7 @@ parallel module activates around each call. Backward runs with the groups saved 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -33,6 +34,25 @@ class RankMesh:
         self.groups = [device_mesh.get_group(a) for a in range(len(self.shape))]
         self.coords = list(device_mesh.get_coordinate())
         self.generator = generator
+        self._joint: dict = {}
+
+    def group(self, axes: tuple):
+        """The process group of this rank's devices along ``axes`` together (one axis: its own)."""
+        if len(axes) == 1:
+            return self.groups[axes[0]]
+        return self._joint[tuple(axes)]
+
+    def prepare_groups(self, axis_sets) -> None:
+        """Create the groups spanning several axes at once. Collective: every rank calls it with
+        the same sets in the same order (the same program gives them)."""
+        for axes in axis_sets:
+            axes = tuple(axes)
+            if len(axes) < 2 or axes in self._joint:
+                continue
+            ranks = self.device_mesh.mesh
+            rest = [a for a in range(ranks.ndim) if a not in axes]
+            lists = ranks.permute(*rest, *axes).reshape(-1, math.prod(self.shape[a] for a in axes)).tolist()
+            self._joint[axes], _ = dist.new_subgroups_by_enumeration(lists)
 
 
 @contextlib.contextmanager
@@ -258,6 +278,126 @@ def grad_sync(x, axes: tuple):
     if not x.requires_grad or not axes:
         return x
     return _GradSync.apply(x, [m.groups[a] for a in axes])
+
+
+# ---- scheduled collectives: start/wait pairs (built by passes.schedule) ----------------------
+#
+# A gradient all-reduce or a parameter gather need not block where the rewriter put it. The
+# schedule pass splits it into a start and a wait. In forward, a gather starts ahead of its use
+# and is waited on at the use. In backward, a parameter's gradient collective starts as soon as
+# its gradient is complete, and its wait is an autograd node made at the program's very start:
+# autograd runs ready nodes latest-made first, so every wait runs after the backward compute
+# that is ready, and the collectives overlap it.
+
+class Pending:
+    """One scheduled collective's handles for one call of the program (a fresh one per call)."""
+
+    def __init__(self):
+        self.work = self.keep = None            # forward: the started gather, its input kept alive
+        self.bwd_work, self.bwd_result = None, None
+
+
+def pending() -> Pending:
+    return Pending()
+
+
+def _wait(work):
+    if work is not None:
+        work.wait()
+
+
+class _GradWait(torch.autograd.Function):
+    """Identity in forward; in backward, waits for the gradient collective the matching start
+    launched and hands on its results."""
+
+    @staticmethod
+    def forward(ctx, h, *xs):
+        ctx.h = h
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        h = ctx.h
+        _wait(h.bwd_work)
+        out = h.bwd_result if h.bwd_result is not None else list(gs)
+        h.bwd_work = h.bwd_result = None
+        return (None,) + tuple(out)
+
+
+class _GradBucket(torch.autograd.Function):
+    """Identity in forward; in backward, one all-reduce of the whole bucket of gradients, started
+    and not waited on (the bucket's _GradWait waits)."""
+
+    @staticmethod
+    def forward(ctx, h, group, *xs):
+        ctx.h, ctx.group = h, group
+        ctx.metas = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=d, device=dev)).reshape(-1)
+                          for g, (s, d, dev) in zip(gs, ctx.metas)])
+        ctx.h.bwd_work = dist.all_reduce(flat, group=ctx.group, async_op=True)
+        ctx.h.bwd_result = [v.view(s) for v, (s, _, _) in zip(flat.split([math.prod(s) for s, _, _ in ctx.metas]), ctx.metas)]
+        return (None, None) + tuple(ctx.h.bwd_result)
+
+
+def grad_wait(h: Pending, *xs):
+    return _GradWait.apply(h, *xs)
+
+
+def grad_bucket(h: Pending, axes: tuple, *xs):
+    """Parameters stored broadcast on ``axes`` whose gradients are all-reduced together."""
+    return _GradBucket.apply(h, _mesh().group(axes), *xs)
+
+
+class _GatherStart(torch.autograd.Function):
+    """Forward: start the all-gather of a stored shard into dim-0 blocks. Backward: start the dual
+    reduce-scatter; the parameter's _GradWait waits for it."""
+
+    @staticmethod
+    def forward(ctx, x, h, group, p):
+        ctx.h, ctx.group, ctx.p = h, group, p
+        x = x.contiguous()
+        out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        h.work, h.keep = _all_gather(out, x, group=group, async_op=True), x
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        out = torch.empty((g.shape[0] // ctx.p,) + tuple(g.shape[1:]), dtype=g.dtype, device=g.device)
+        ctx.h.bwd_work = _reduce_scatter(out, g, group=ctx.group, async_op=True)
+        ctx.h.bwd_result, ctx.h.keep = [out], g
+        return out, None, None, None
+
+
+class _GatherWait(torch.autograd.Function):
+    """Forward: wait for the gather and put its blocks on their dim. Backward: the blocks back
+    to dim 0 (local)."""
+
+    @staticmethod
+    def forward(ctx, buf, h, p, dim):
+        ctx.p, ctx.dim = p, dim
+        _wait(h.work)
+        h.work = h.keep = None
+        return buf.view_as(buf) if dim == 0 else torch.cat(buf.chunk(p, 0), dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.dim != 0:
+            g = torch.cat(g.chunk(ctx.p, ctx.dim), dim=0)
+        return g, None, None, None
+
+
+def gather_start(x, h: Pending, axis: int):
+    m = _mesh()
+    return _GatherStart.apply(x, h, m.groups[axis], m.shape[axis])
+
+
+def gather_wait(buf, h: Pending, axis: int, dim: int):
+    return _GatherWait.apply(buf, h, _mesh().shape[axis], dim)
 
 
 # ---- ops whose local form differs -------------------------------------------------------------

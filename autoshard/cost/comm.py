@@ -169,9 +169,11 @@ def conversion_time(local_shape, itemsize, src, dst, mesh_shape, links, backward
     return t
 
 
-def all_reduce_time(nbytes: int, p: int, link) -> float:
+def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
+    """Ring all-reduce; ``share`` < 1 when the tensor rides in a bucket with others and pays only
+    that part of the bucket's launch and latency."""
     alpha, beta, overhead = link
-    return overhead + 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+    return share * (overhead + 2 * (p - 1) * alpha) + 2 * (p - 1) / p * nbytes / beta
 
 
 @dataclass(frozen=True)

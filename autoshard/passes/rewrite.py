@@ -17,7 +17,7 @@ import torch.fx as fx
 from autoshard import placement as pl
 from autoshard import runtime
 from autoshard.cost import comm
-from autoshard.passes.capture import Graph
+from autoshard.passes.capture import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes
 from autoshard.rules.registry import norm_dim
@@ -189,6 +189,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             ph = g.placeholder(node.name)
             if not node.outputs:
                 continue
+            ph.meta["local"] = TensorMeta(pl.local_shape(node.outputs[0].shape, outs[0], mesh), node.outputs[0].dtype)
             if node.kind == "param":
                 axes = tuple(a for a, p in enumerate(outs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
                 x = g.call_function(runtime.grad_sync, (ph, axes)) if (plan.training and node.requires_grad and axes) else ph
@@ -236,5 +237,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             local[(node.name, 0)] = out
     g.lint()
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="RankProgram")
+    gm.meta["passes"] = ["rewrite"]
+    gm.meta["mesh_shape"] = mesh
     return gm
 

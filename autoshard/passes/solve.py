@@ -7,13 +7,18 @@ The integer program (built by ``build_model``):
     y[e, a, b] in {0, 1}           edge e carries layout a, consumed as b  (_edge_vars)
     sum_b y[e, a, b] = sum_{s: out_e(s) = a} x[u, s]                       (_edge_vars)
     sum_a y[e, a, b] = sum_{s: in_e(s) = b}  x[v, s]                       (_edge_vars)
-    minimise  sum x[n, s] * node_cost(n, s) + sum y[e, a, b] * convert(a -> b)
+    C_k = sum x[n, s] * node_cost_k(n, s) + sum y[e, a, b] * convert_k(a -> b)   per part k  (_Sums)
+    e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                      (solve)
+    minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
+              + DRAG * (hidden_fwd + hidden_bwd)                                            (cost.step)
 
-node_cost is compute (forward, plus backward when training) and, for a parameter stored
-broadcast, its gradient all-reduce; convert is the conversion's forward plus its dual backward
-(cost.comm). An edge whose producer or consumer has a single layout adds its cost straight onto
-the other side's x. Costs are integers in picoseconds. CP-SAT runs with one worker and a fixed
-seed, so the same graph gives the same plan on every machine.
+node_cost is compute (forward, plus backward when training), the collectives an op's lowering
+issues, and for a parameter stored broadcast its bucketed gradient all-reduce; convert is the
+conversion's forward plus its dual backward (cost.comm). Parameter collectives that the schedule
+pass overlaps are "hidden" parts: they cost only what their phase's compute does not cover. An
+edge whose producer or consumer has a single layout adds its cost straight onto the other side's
+x. Costs are integers in picoseconds. CP-SAT runs with one worker and a fixed seed, so the same
+graph gives the same plan on every machine.
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ from ortools.sat.python import cp_model
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute
+from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph, Node
+from autoshard.passes.schedule import BUCKET_BYTES
 
 PICO = 1e12
 
@@ -45,45 +52,71 @@ class Solution:
 
 
 class Costs:
-    """Every cost the program needs, from the cost models, cached by layout."""
+    """Every cost the program needs, from the cost models, cached by layout. Each is a
+    ``cost.step.Cost``: compute by phase, blocking communication, and the parameter collectives
+    the schedule overlaps with compute."""
 
-    def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool):
+    def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
+        self.bucket_bytes = bucket_bytes
         self.links = cluster.axis_links(self.mesh_shape)
         self._conv: dict = {}
 
-    def node(self, node: Node, strat) -> float:
+    def grad_syncs(self, node: Node, strat) -> list:
+        """(axis, bytes, seconds) of each gradient all-reduce of a parameter stored broadcast:
+        bucketed, so its launch and latency are shared with the bucket in proportion to size."""
+        mesh = self.mesh_shape
+        if node.kind != "param" or not (self.training and node.requires_grad):
+            return []
+        meta = node.outputs[0]
+        nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * meta.itemsize
+        share = min(1.0, nbytes / self.bucket_bytes)
+        return [(a, nbytes, comm.all_reduce_time(nbytes, mesh[a], self.links[a], share))
+                for a, p in enumerate(strat.outputs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1]
+
+    def node(self, node: Node, strat) -> Cost:
         mesh = self.mesh_shape
         if node.kind == "param":
-            if not (self.training and node.requires_grad):
-                return 0.0
-            meta = node.outputs[0]
-            local = pl.local_shape(meta.shape, strat.outputs[0], mesh)
-            nbytes = math.prod(local) * meta.itemsize
-            return sum(comm.all_reduce_time(nbytes, mesh[a], self.links[a])
-                       for a, p in enumerate(strat.outputs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
+            return Cost(hidden_bwd=sum(t for _, _, t in self.grad_syncs(node, strat)))
         if node.kind != "op":
-            return 0.0
+            return Cost()
         metas = [self.graph.meta(v) for v in node.inputs]
         ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
         t = compute.op_time(node.target, ins, outs, itemsize, self.cluster)
-        if self.training and node.requires_grad:
-            t *= 1 + compute.BACKWARD_FACTOR
-        for c in comm.op_collectives(node, strat, self.graph, mesh):
-            t += comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
-        return t
+        bwd = t * compute.BACKWARD_FACTOR if self.training and node.requires_grad else 0.0
+        blocking = sum(comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
+                       for c in comm.op_collectives(node, strat, self.graph, mesh))
+        return Cost(compute_fwd=t, compute_bwd=bwd, comm=blocking)
 
-    def convert(self, value, src, dst, consumer: Node) -> float:
+    def overlapped(self, value, src) -> bool:
+        """Whether the first gather of this value runs as a scheduled start/wait pair: a
+        parameter not also all-reduced (``passes.schedule`` moves only collectives a parameter
+        placeholder feeds directly)."""
+        producer = self.graph.by_name[value[0]]
+        if producer.kind != "param":
+            return False
+        synced = self.training and producer.requires_grad
+        return not (synced and any(isinstance(p, pl.Broadcast) and n > 1 for p, n in zip(src, self.mesh_shape)))
+
+    def convert(self, value, src, dst, consumer: Node) -> Cost:
         meta = self.graph.meta(value)
         backward = (self.training and meta.floating and consumer.kind != "output"
                     and self.graph.by_name[value[0]].requires_grad)
-        key = (meta, src, dst, backward)
+        key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward)
         if key not in self._conv:
-            local = pl.local_shape(meta.shape, src, self.mesh_shape)
-            self._conv[key] = comm.conversion_time(local, meta.itemsize, src, dst, self.mesh_shape,
-                                                   self.links, backward)
+            mesh, links = self.mesh_shape, self.links
+            steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
+            fwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in steps]
+            bwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in comm.dual_steps(steps, mesh)] if backward else []
+            if steps and steps[0].kind == "all_gather" and self.overlapped(value, src):
+                # the first gather is prefetched; its dual, the last backward step, waits late
+                hb = bwd[-1] if bwd else 0.0
+                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb, hidden_fwd=fwd[0], hidden_bwd=hb)
+            else:
+                self._conv[key] = Cost(comm=sum(fwd) + sum(bwd))
         return self._conv[key]
 
 
@@ -91,12 +124,52 @@ def _ps(seconds: float) -> int:
     return int(round(seconds * PICO))
 
 
+class _Sums:
+    """One linear expression per cost part (``cost.step.PARTS``): coefficients on variables and a
+    constant, in picoseconds."""
+
+    def __init__(self):
+        self.coef = {part: {} for part in PARTS}
+        self.const = {part: 0 for part in PARTS}
+
+    def add(self, var, cost: Cost) -> None:
+        for part in PARTS:
+            c = _ps(getattr(cost, part))
+            if not c:
+                continue
+            if var is None:
+                self.const[part] += c
+            else:
+                terms = self.coef[part]
+                terms[var] = terms.get(var, 0) + c
+
+    def expr(self, part):
+        return sum(c * v for v, c in self.coef[part].items()) + self.const[part]
+
+    def scaled(self, part, factor: float):
+        return (sum(int(round(c * factor)) * v for v, c in self.coef[part].items())
+                + int(round(self.const[part] * factor)))
+
+    def most(self, part) -> int:
+        return sum(max(c, 0) for c in self.coef[part].values()) + max(self.const[part], 0)
+
+
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0) -> Solution:
     start = time.perf_counter()
     model = cp_model.CpModel()
-    x, terms, const = _node_vars(model, graph, strategies, costs)
-    const += _edge_vars(model, graph, strategies, costs, x, terms)
-    model.minimize(sum(c * v for v, c in terms.items() if c) + 0)
+    sums = _Sums()
+    x = _node_vars(model, graph, strategies, costs, sums)
+    _edge_vars(model, graph, strategies, costs, x, sums)
+    objective = sums.expr("compute_fwd") + sums.expr("compute_bwd") + sums.expr("comm")
+    for phase in ("fwd", "bwd"):
+        # exposed = max(0, hidden - compute) of the phase (cost.step)
+        hidden, work = f"hidden_{phase}", f"compute_{phase}"
+        if not sums.most(hidden):
+            continue
+        exposed = model.new_int_var(0, sums.most(hidden), f"exposed_{phase}")
+        model.add(exposed >= sums.expr(hidden) - sums.expr(work))
+        objective = objective + exposed + sums.scaled(hidden, DRAG)
+    model.minimize(objective)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -113,27 +186,27 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     for n in graph.nodes:
         vs = x[n.name]
         choice[n.name] = 0 if vs is None else next(i for i, v in enumerate(vs) if solver.boolean_value(v))
-    obj = (solver.objective_value + const) / PICO
-    bound = (solver.best_objective_bound + const) / PICO
+    obj = solver.objective_value / PICO
+    bound = solver.best_objective_bound / PICO
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
 
 
-def _node_vars(model, graph, strategies, costs):
-    x, terms, const = {}, {}, 0
+def _node_vars(model, graph, strategies, costs, sums: _Sums) -> dict:
+    x = {}
     for n in graph.nodes:
         strats = strategies[n.name]
         if not strats:
             raise AssertionError(f"node {n.name} has no strategy")
         if len(strats) == 1:
             x[n.name] = None
-            const += _ps(costs.node(n, strats[0]))
+            sums.add(None, costs.node(n, strats[0]))
             continue
         vs = [model.new_bool_var(f"x[{n.name},{i}]") for i in range(len(strats))]
         model.add_exactly_one(vs)
         x[n.name] = vs
         for v, s in zip(vs, strats):
-            terms[v] = terms.get(v, 0) + _ps(costs.node(n, s))
-    return x, terms, const
+            sums.add(v, costs.node(n, s))
+    return x
 
 
 def _groups(strats, pick):
@@ -143,36 +216,30 @@ def _groups(strats, pick):
     return out
 
 
-def _edge_vars(model, graph, strategies, costs, x, terms) -> int:
-    const = 0
+def _edge_vars(model, graph, strategies, costs, x, sums: _Sums) -> None:
     for v in graph.nodes:
         for slot, value in enumerate(v.inputs):
             u = graph.by_name[value[0]]
             src = _groups(strategies[u.name], lambda s: s.outputs[value[1]])
             dst = _groups(strategies[v.name], lambda s: s.inputs[slot])
-            cost = {(a, b): _ps(costs.convert(value, a, b, v)) for a in src for b in dst}
+            cost = {(a, b): costs.convert(value, a, b, v) for a in src for b in dst}
             if len(src) == 1 or len(dst) == 1:
+                # one side fixed: the conversion's cost rides on the other side's choice
                 for (a, b), c in cost.items():
-                    if not c:
-                        continue
-                    if len(src) == 1 and len(dst) == 1:
-                        const += c
+                    if c == Cost():
                         continue
                     side, idx = (v, dst[b]) if len(src) == 1 else (u, src[a])
-                    if x[side.name] is None:
-                        const += c
+                    if (len(src) == 1 and len(dst) == 1) or x[side.name] is None:
+                        sums.add(None, c)
                         continue
                     for i in idx:
-                        var = x[side.name][i]
-                        terms[var] = terms.get(var, 0) + c
+                        sums.add(x[side.name][i], c)
                 continue
             y = {}
             for (a, b), c in cost.items():
                 y[a, b] = model.new_bool_var(f"y[{value[0]}:{value[1]}->{v.name}:{slot},{a},{b}]")
-                if c:
-                    terms[y[a, b]] = terms.get(y[a, b], 0) + c
+                sums.add(y[a, b], c)
             for a, idx in src.items():
                 model.add(sum(y[a, b] for b in dst) == sum(x[u.name][i] for i in idx))
             for b, idx in dst.items():
                 model.add(sum(y[a, b] for a in src) == sum(x[v.name][i] for i in idx))
-    return const

@@ -1,0 +1,127 @@
+"""Schedule: the per-rank program with its parameter collectives split into start/wait pairs and
+moved, so that communication overlaps compute.
+
+    gradient all-reduce   parameters stored broadcast are grouped into buckets of about
+                          ``bucket_bytes`` (neighbours in backward order, one dtype, one set of
+                          axes). A bucket's one all-reduce starts when all its gradients are
+                          complete and is waited on after the backward compute that is ready.
+    parameter gather      a parameter stored split and all-gathered before use starts its gather
+                          early, with at most ``prefetch_bytes`` of gathers in flight, and is waited
+                          on at the use. The dual reduce-scatter starts as soon as the gradient is
+                          complete and is waited on late, like a bucket.
+
+Only collectives a parameter alone feeds are moved; the layout conversions of activations stay
+where the rewriter put them, since compute waits for them anyway. The cost model prices this
+schedule: bucketed all-reduces share one launch and latency per bucket, and parameter
+collectives hide behind the compute of their phase (``passes.solve``).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch.fx as fx
+
+from autoshard import runtime
+
+BUCKET_BYTES = 25 * 2**20     # DDP's default bucket: big enough that latency is paid rarely
+PREFETCH_BYTES = 64 * 2**20   # gathered parameters held ahead of their use
+
+
+def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
+             prefetch_bytes: int = PREFETCH_BYTES) -> fx.GraphModule:
+    """A new program with the parameter collectives of ``program`` scheduled; ``program`` is not
+    changed. Its ``meta["joint_axes"]`` lists the axis sets whose groups the runtime must create."""
+    g = fx.Graph()
+    g.output(g.graph_copy(program.graph, {}))
+    nodes = list(g.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    start = _Cursor(g, placeholders[-1] if placeholders else None)
+    joint = _bucket_gradients(g, nodes, order, start, bucket_bytes)
+    _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"])
+    g.lint()
+    gm = fx.GraphModule(program, g, class_name="RankProgram")
+    gm.meta.update(program.meta)
+    gm.meta["passes"] = list(program.meta.get("passes", [])) + ["schedule"]
+    gm.meta["joint_axes"] = sorted(joint)
+    return gm
+
+
+class _Cursor:
+    """Appends nodes one after another after an anchor (the program's start, or a wait)."""
+
+    def __init__(self, g: fx.Graph, anchor):
+        self.g, self.anchor = g, anchor
+
+    def call(self, fn, args, kwargs=None):
+        if self.anchor is None:
+            ctx = self.g.inserting_before(next(iter(self.g.nodes)))
+        else:
+            ctx = self.g.inserting_after(self.anchor)
+        with ctx:
+            node = self.g.call_function(fn, args, kwargs or {})
+        self.anchor = node
+        return node
+
+
+def _local_bytes(ph: fx.Node) -> int:
+    meta = ph.meta["local"]
+    return math.prod(meta.shape) * meta.itemsize
+
+
+def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
+    syncs = [n for n in nodes if n.op == "call_function" and n.target is runtime.grad_sync and n.users
+             and n.args[0].op == "placeholder" and len(n.args[0].users) == 1]
+    first_use = {n: min(order[u] for u in n.users) for n in syncs}
+    buckets, open_ = [], {}
+    # gradients complete in reverse order of first use: fill buckets in that order
+    for n in sorted(syncs, key=lambda n: -first_use[n]):
+        key = (tuple(n.args[1]), n.args[0].meta["local"].dtype)
+        size = _local_bytes(n.args[0])
+        b = open_.get(key)
+        if b is None or (b["bytes"] and b["bytes"] + size > cap):
+            b = open_[key] = {"axes": key[0], "members": [], "bytes": 0}
+            buckets.append(b)
+        b["members"].append(n)
+        b["bytes"] += size
+    for b in buckets:
+        members = sorted(b["members"], key=first_use.get)
+        h = start.call(runtime.pending, ())
+        waited = start.call(runtime.grad_wait, (h, *[n.args[0] for n in members]))
+        waited = [start.call(operator.getitem, (waited, i)) for i in range(len(members))]
+        first = min((u for n in members for u in n.users), key=order.get)
+        with g.inserting_before(first):
+            launch = g.call_function(runtime.grad_bucket, (h, b["axes"], *waited))
+            for i, n in enumerate(members):
+                out = g.call_function(operator.getitem, (launch, i))
+                n.replace_all_uses_with(out)
+                g.erase_node(n)
+    return {b["axes"] for b in buckets if len(b["axes"]) > 1}
+
+
+def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape) -> None:
+    gathers = [n for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
+               and n.args[0].op == "placeholder" and len(n.args[0].users) == 1]
+    sizes, waits, after = [], [], {}
+    for i, n in enumerate(gathers):
+        ph, axis, dim = n.args[0], n.kwargs["axis"], n.kwargs["dim"]
+        sizes.append(_local_bytes(ph) * mesh_shape[axis])
+        h = start.call(runtime.pending, ())
+        waited = start.call(runtime.grad_wait, (h, ph))
+        waited = start.call(operator.getitem, (waited, 0))
+        # start after the wait of the latest earlier gather that keeps the bytes in flight <= limit
+        j = i - 1
+        while j >= 0 and sum(sizes[j:i + 1]) <= limit:
+            j -= 1
+        if j < 0:
+            started = start.call(runtime.gather_start, (waited, h, axis))
+        else:
+            cursor = after.setdefault(j, _Cursor(g, waits[j]))
+            started = cursor.call(runtime.gather_start, (waited, h, axis))
+        with g.inserting_before(n):
+            wait = g.call_function(runtime.gather_wait, (started, h, axis, dim))
+        n.replace_all_uses_with(wait)
+        g.erase_node(n)
+        waits.append(wait)
+

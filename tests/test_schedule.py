@@ -1,0 +1,181 @@
+"""The schedule pass: gradient all-reduces bucketed and started as soon as a bucket is complete,
+parameter gathers prefetched, every wait as late as the data allows; and the scheduled program
+still trains exactly as one device does (real gloo groups)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard import runtime
+from autoshard.launch import LocalWorld
+from autoshard.passes.capture import capture
+from autoshard.passes.rewrite import rewrite
+from autoshard.passes.schedule import schedule
+from models import MLP
+
+DP = {"x": ("S(0)",)} | {n: ("B",) for n, _ in MLP().named_parameters()}
+# FSDP: every parameter stored split, every activation split over the batch, so each weight is
+# gathered before its use and its gradient reduce-scattered
+FSDP = ({"x": ("S(0)",)} | {n: ("S(0)",) for n, _ in MLP().named_parameters()}
+        | {f"linear{s}": ("S(0)",) for s in ("", "_1", "_2", "_3", "_4")})
+
+
+def _program(pin, world=4, **kw):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    graph = capture(model, (x,))
+    plan = autoshard.plan(model, (x,), world=world, pin=pin, **kw)
+    return rewrite(graph, plan)
+
+
+def _calls(gm, fn):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+def test_gradients_are_bucketed_and_the_input_program_is_kept():
+    before = _program(DP)
+    syncs = len(_calls(before, runtime.grad_sync))
+    assert syncs == 14   # every parameter of the MLP, one all-reduce each
+    one = schedule(before)
+    assert len(_calls(one, runtime.grad_bucket)) == 1 and not _calls(one, runtime.grad_sync)
+    assert len(_calls(before, runtime.grad_sync)) == syncs           # a new program; the old one unchanged
+    assert one.meta["passes"] == ["rewrite", "schedule"]
+    # 600-byte buckets: the MLP's 14 parameters fall into several, each within the cap unless a
+    # single parameter is bigger
+    small = schedule(before, bucket_bytes=600)
+    buckets = _calls(small, runtime.grad_bucket)
+    assert 1 < len(buckets) < syncs
+    for b in buckets:
+        sizes = [g.args[0].args[1 + g.args[1]].meta["local"].nbytes for g in b.args[2:]]
+        assert sum(sizes) <= 600 or len(sizes) == 1
+
+
+def test_waits_come_first_and_launches_before_first_use():
+    gm = schedule(_program(DP), bucket_bytes=600)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first_op = min(order[n] for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload))
+    for w in _calls(gm, runtime.grad_wait):
+        assert order[w] < first_op        # made first, so autograd runs them last
+    for b in _calls(gm, runtime.grad_bucket):
+        users = [u for g in b.users for u in g.users]
+        assert order[b] < min(order[u] for u in users)
+
+
+def test_parameter_gathers_are_prefetched_within_the_byte_limit():
+    before = _program(FSDP)
+    gathers = [n for n in _calls(before, runtime.all_gather) if n.args[0].op == "placeholder"]
+    assert len(gathers) >= 10
+    eager = schedule(before)              # 64 MB: everything fits, every gather starts at once
+    starts = _calls(eager, runtime.gather_start)
+    waits = _calls(eager, runtime.gather_wait)
+    assert len(starts) == len(waits) == len(gathers)
+    order = {n: i for i, n in enumerate(eager.graph.nodes)}
+    assert max(order[s] for s in starts) < min(order[w] for w in waits)
+    # no room: each gather starts only after the one before it was waited on
+    tight = schedule(before, prefetch_bytes=0)
+    order = {n: i for i, n in enumerate(tight.graph.nodes)}
+    starts, waits = _calls(tight, runtime.gather_start), _calls(tight, runtime.gather_wait)
+    for i in range(1, len(starts)):
+        assert order[waits[i - 1]] < order[starts[i]] < order[waits[i]]
+
+
+def test_cost_model_prices_overlap():
+    """Data parallel's gradient all-reduces are hidden behind backward compute; the plan's step is
+    compute plus what stays exposed."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    plan = autoshard.plan(model, (x,), world=4, pin=DP)
+    grads = [c for c in plan.collectives if c.phase == "backward" and c.kind == "all_reduce"]
+    assert grads and all(c.overlapped for c in grads)
+    b = plan.breakdown
+    assert b["hidden_bwd"] == pytest.approx(sum(c.seconds for c in grads))
+    assert plan.cost < b["compute_fwd"] + b["compute_bwd"] + b["comm"] + b["hidden_bwd"]
+    assert "overlapped with compute by the schedule" in str(plan)
+
+
+# ---- numerics, real gloo groups ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world4():
+    w = LocalWorld(4)
+    yield w
+    w.close()
+
+
+def accumulate_case(pin, overlap, mesh=None, steps=2):
+    """``steps`` forward/backward passes without zeroing gradients (gradient accumulation), then
+    an Adam step; the largest differences from one device."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, (x,), pin=pin, overlap=overlap, mesh=mesh)
+    opt, ref_opt = torch.optim.Adam(pm.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for i in range(steps):
+        xi = x * (i + 1)
+        (pm(xi) ** 2).sum().backward()
+        (ref(xi) ** 2).sum().backward()
+    refp = dict(ref.named_parameters())
+    grads = max((p.grad.full_tensor() - refp[n].grad).abs().max().item() for n, p in pm.named_parameters())
+    opt.step()
+    ref_opt.step()
+    params = max((p.full_tensor() - refp[n]).abs().max().item() for n, p in pm.named_parameters())
+    out = (pm(x) - ref(x)).abs().max().item()
+    return grads, params, out, pm.program
+
+
+@pytest.mark.parametrize("pin,mesh", [(DP, None), (FSDP, None), (None, None), (None, (2, 2)),
+                                      ({"x": ("S(0)", "S(0)")}, (2, 2))],
+                         ids=["dp", "fsdp", "default", "default-2x2", "dp-2x2"])
+def test_scheduled_program_trains_exactly(world4, pin, mesh):
+    for grads, params, out, program in world4.run(accumulate_case, pin, True, mesh):
+        assert grads <= 1e-4 and params <= 1e-5 and out <= 1e-5, (grads, params, out)
+        assert "built by: rewrite, schedule" in program
+        if pin is DP:
+            assert "grad_bucket" in program and "grad_sync" not in program
+        if pin is FSDP:
+            assert "gather_start" in program and "gather_wait" in program
+
+
+def test_without_overlap_the_program_is_the_rewriters(world4):
+    for grads, params, out, program in world4.run(accumulate_case, DP, False):
+        assert grads <= 1e-4 and params <= 1e-5 and out <= 1e-5
+        assert "built by: rewrite\n" in program and "grad_sync" in program
+
+
+def ready_order_case():
+    """Autograd runs the bucket waits after the backward compute that is ready, which is what lets
+    the all-reduces overlap it: record the order in which gradients reach the parameters and the
+    waits run."""
+    torch.manual_seed(0)
+    model, x = MLP(depth=4), torch.randn(8, 32)
+    pm = autoshard.parallelize(model, (x,), pin={"x": ("S(0)",)} | {n: ("B",) for n, _ in model.named_parameters()},
+                               bucket_bytes=2048)
+    events = []
+    real_wait = runtime._GradWait.backward
+
+    def traced(ctx, *gs):
+        events.append("wait")
+        return real_wait(ctx, *gs)
+
+    real_launch = runtime._GradBucket.backward
+
+    def traced_launch(ctx, *gs):
+        events.append("launch")
+        return real_launch(ctx, *gs)
+
+    runtime._GradWait.backward, runtime._GradBucket.backward = staticmethod(traced), staticmethod(traced_launch)
+    try:
+        pm(x).sum().backward()
+    finally:
+        runtime._GradWait.backward, runtime._GradBucket.backward = staticmethod(real_wait), staticmethod(real_launch)
+    return events, dist.get_rank()
+
+
+def test_every_bucket_starts_before_any_wait(world4):
+    for events, _ in world4.run(ready_order_case):
+        launches = [i for i, e in enumerate(events) if e == "launch"]
+        waits = [i for i, e in enumerate(events) if e == "wait"]
+        assert len(launches) >= 3 and len(waits) == len(launches)
+        assert max(launches) < min(waits), events
