@@ -36,6 +36,7 @@ from autoshard.passes.capture import Graph, Node
 from autoshard.passes.schedule import BUCKET_BYTES
 
 PICO = 1e12
+GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.01% of the best: closing the last sliver can take minutes
 
 
 @dataclass
@@ -174,6 +175,10 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.linearization_level = 2  # the LP relaxation of this model is nearly tight
+    solver.parameters.relative_gap_limit = GAP_LIMIT
+    # branch on the LP's values: its relaxation is nearly tight, and the default search takes
+    # 5x longer to find the plan the LP points at (24-layer GPT at world 256: 24 s against 4.4 s)
+    solver.parameters.search_branching = cp_model.LP_SEARCH
     solver.parameters.max_time_in_seconds = float(time_limit)
     status = solver.solve(model)
     name = solver.status_name(status)
