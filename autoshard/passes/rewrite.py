@@ -84,7 +84,7 @@ def lower_squeeze(low: Lowering):
         d = low.arg(1, "dim")
         dims = [d] if isinstance(d, int) else list(d)
     dims = [norm_dim(d, len(shape)) for d in dims]
-    return low.call(aten.squeeze.dims, (low.args[0], [d for d in dims if shape[d] == 1]), {})
+    return low.call(aten.squeeze.dims, (low.args[0], [d for d in dims if d < len(shape) and shape[d] == 1]), {})  # 0-d: no dims
 
 
 def _mean_scale(low: Lowering, reduced_dims) -> float:

@@ -45,26 +45,33 @@ def _mask_placement(mask_shape, out_shape, d):
 
 @rule(aten.scaled_dot_product_attention.default)
 def sdpa(ctx: OpCtx):
-    """q (..., Lq, E), k (..., Lk, E), v (..., Lk, Ev), optional additive/boolean mask."""
-    q, k = ctx.in_shapes[0], ctx.in_shapes[1]
+    """q (..., Lq, E), k (..., Lk, E), v (..., Lk, Ev), optional additive/boolean mask. The batch
+    dims broadcast, lined up from the right as for the mask."""
+    q, k, v = ctx.in_shapes[:3]
     out = ctx.out_shapes[0]
+    nd = len(out)
     has_mask = ctx.n_in == 4
     if ctx.arg(4, "dropout_p", 0.0):
         return []  # random: keep replicated
+
+    def at(shape, d):  # the dim of ``shape`` lined up with output dim d, if it is not size 1
+        di = d - (nd - len(shape))
+        return Split(di) if di >= 0 and shape[di] > 1 else B
+
     sigs = []
-    for d in range(len(q) - 2):  # batch and head dims
-        if q[d] <= 1 or k[d] <= 1:
+    for d in range(nd - 2):  # batch and head dims (q may have more heads than k and v: GQA)
+        if at(q, d) == B or at(k, d) == B:
             continue
-        ins = [Split(d), Split(d), Split(d)]
+        ins = [at(q, d), at(k, d), at(v, d)]
         if has_mask:
             ins.append(_mask_placement(ctx.in_shapes[3], out, d))
         sigs.append(Sig(tuple(ins), (Split(d),)))
     if not ctx.arg(5, "is_causal", False):
-        d = len(q) - 2  # query positions: each rank attends its own queries to every key
-        ins = [Split(d), B, B]
+        # query positions: each rank attends its own queries to every key
+        ins = [Split(len(q) - 2), B, B]
         if has_mask:
-            ins.append(_mask_placement(ctx.in_shapes[3], out, d))
-        sigs.append(Sig(tuple(ins), (Split(d),)))
+            ins.append(_mask_placement(ctx.in_shapes[3], out, nd - 2))
+        sigs.append(Sig(tuple(ins), (Split(nd - 2),)))
     return sigs
 
 

@@ -173,10 +173,13 @@ def _tolerance(dtype, in_dtypes=()):
 
 
 def _pieces(x: torch.Tensor, p: int, gen: torch.Generator) -> list:
-    """p random tensors that sum to x (to rounding)."""
-    scale = float(x.abs().max()) if x.numel() else 1.0
+    """p random tensors that sum to x (to rounding). An inf or nan stays whole in the last one:
+    finite pieces cannot sum to it."""
+    finite = x.isfinite()
+    scale = float(x[finite].abs().max()) if finite.any() else 1.0
     scale = scale if scale > 0 else 1.0
     parts = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype) * scale for _ in range(p - 1)]
+    parts = [q.masked_fill(~finite, 0) for q in parts]
     last = x.clone()
     for q in parts:
         last = last - q
