@@ -2,7 +2,8 @@
 
 The integer program (built by ``build_model``):
 
-    x[n, s] in {0, 1}              node n runs strategy s                  (_node_vars)
+    x[n, s] in {0, 1}              node n runs strategy s; the nodes of repeated blocks share
+                                   their twin's x and y (passes.repeat)   (_node_vars)
     sum_s x[n, s] = 1              exactly one strategy per node           (_node_vars)
     y[e, a, b] in {0, 1}           edge e carries layout a, consumed as b  (_edge_vars)
     sum_b y[e, a, b] = sum_{s: out_e(s) = a} x[u, s]                       (_edge_vars)
@@ -33,6 +34,7 @@ from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph, Node
+from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import BUCKET_BYTES
 
 PICO = 1e12
@@ -159,8 +161,9 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     start = time.perf_counter()
     model = cp_model.CpModel()
     sums = _Sums()
-    x = _node_vars(model, graph, strategies, costs, sums)
-    _edge_vars(model, graph, strategies, costs, x, sums)
+    rep = tie_repeated(graph, strategies)
+    x = _node_vars(model, graph, strategies, costs, sums, rep)
+    _edge_vars(model, graph, strategies, costs, x, sums, rep)
     objective = sums.expr("compute_fwd") + sums.expr("compute_bwd") + sums.expr("comm")
     for phase in ("fwd", "bwd"):
         # exposed = max(0, hidden - compute) of the phase (cost.step)
@@ -196,7 +199,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
 
 
-def _node_vars(model, graph, strategies, costs, sums: _Sums) -> dict:
+def _node_vars(model, graph, strategies, costs, sums: _Sums, rep: dict) -> dict:
     x = {}
     for n in graph.nodes:
         strats = strategies[n.name]
@@ -206,9 +209,12 @@ def _node_vars(model, graph, strategies, costs, sums: _Sums) -> dict:
             x[n.name] = None
             sums.add(None, costs.node(n, strats[0]))
             continue
-        vs = [model.new_bool_var(f"x[{n.name},{i}]") for i in range(len(strats))]
-        model.add_exactly_one(vs)
-        x[n.name] = vs
+        if rep[n.name] != n.name:       # a repeated block's node: its twin's variables
+            vs = x[n.name] = x[rep[n.name]]
+        else:
+            vs = [model.new_bool_var(f"x[{n.name},{i}]") for i in range(len(strats))]
+            model.add_exactly_one(vs)
+            x[n.name] = vs
         for v, s in zip(vs, strats):
             sums.add(v, costs.node(n, s))
     return x
@@ -221,7 +227,8 @@ def _groups(strats, pick):
     return out
 
 
-def _edge_vars(model, graph, strategies, costs, x, sums: _Sums) -> None:
+def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict) -> None:
+    shared: dict = {}   # edges of repeated blocks share their twin's variables
     for v in graph.nodes:
         for slot, value in enumerate(v.inputs):
             u = graph.by_name[value[0]]
@@ -240,7 +247,12 @@ def _edge_vars(model, graph, strategies, costs, x, sums: _Sums) -> None:
                     for i in idx:
                         sums.add(x[side.name][i], c)
                 continue
-            y = {}
+            key = (rep[u.name], value[1], rep[v.name], slot)
+            if key in shared:
+                for ab, c in cost.items():
+                    sums.add(shared[key][ab], c)
+                continue
+            y = shared[key] = {}
             for (a, b), c in cost.items():
                 y[a, b] = model.new_bool_var(f"y[{value[0]}:{value[1]}->{v.name}:{slot},{a},{b}]")
                 sums.add(y[a, b], c)

@@ -1,0 +1,66 @@
+"""Repeated blocks: the layers of a stack (``blocks.0``, ``blocks.1``, ...) that are the same
+computation on the same shapes share one set of solver variables, so a 96-layer model costs the
+solver what a 2-layer one does (DESIGN.md section 5).
+
+Blocks are tied with period 2: every even layer takes block 0's layout and every odd layer block
+1's, which keeps the layouts that alternate per layer (3-D tensor parallelism swaps its input and
+output axes every layer) within reach. A block is tied only when its ops, shapes, internal
+wiring, parameters and legal strategies (pins included) all equal those of the block it is tied
+to; anything else keeps its own variables.
+"""
+from __future__ import annotations
+
+PERIOD = 2
+
+
+def _block_of(node):
+    """(container path, index) of the first numbered module the node lives in, or None."""
+    if node.kind in ("param", "buffer"):
+        paths = [node.fqn or ""]
+    elif node.kind == "op":
+        stack = node.fx_node.meta.get("nn_module_stack") or {}
+        paths = [v[0] for v in stack.values()]
+    else:
+        return None
+    for path in paths:
+        parts = path.split(".")
+        for i, p in enumerate(parts):
+            if p.isdigit() and i > 0:
+                return ".".join(parts[:i]), int(p)
+    return None
+
+
+def _signature(members, graph, strategies, container):
+    pos = {n.name: i for i, n in enumerate(members)}
+    sig = []
+    for n in members:
+        ins = []
+        for v in n.inputs:
+            if v[0] in pos:
+                ins.append(("in", pos[v[0]], v[1]))
+            else:
+                ins.append(("ext", graph.meta(v).shape))
+        rel = n.fqn.split(".", len(container.split(".")) + 1)[-1] if n.fqn else None
+        sig.append((n.kind, n.op_name, rel, tuple(m.shape for m in n.outputs), tuple(ins),
+                    tuple(strategies[n.name])))
+    return tuple(sig)
+
+
+def tie_repeated(graph, strategies, period: int = PERIOD) -> dict:
+    """node name -> the name of the node whose variables it shares (itself when untied)."""
+    rep = {n.name: n.name for n in graph.nodes}
+    blocks: dict = {}
+    for n in graph.nodes:
+        b = _block_of(n)
+        if b is not None:
+            blocks.setdefault(b[0], {}).setdefault(b[1], []).append(n)
+    for container, by_index in blocks.items():
+        sigs = {k: _signature(ms, graph, strategies, container) for k, ms in by_index.items()}
+        indices = sorted(by_index)
+        for k in indices[period:]:
+            base = indices[indices.index(k) % period]
+            if sigs[k] != sigs[base]:
+                continue
+            for n, m in zip(by_index[k], by_index[base]):
+                rep[n.name] = m.name
+    return rep
