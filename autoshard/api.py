@@ -85,28 +85,41 @@ def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
     return out
 
 
+def resolve_budget(memory_budget, cluster: Cluster) -> float:
+    if memory_budget is None:
+        return cluster.memory
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0:
+        raise ValueError(f"memory_budget is a positive number of bytes per device, got {memory_budget!r}")
+    return float(memory_budget)
+
+
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
-               bucket_bytes=BUCKET_BYTES) -> Plan:
+               bucket_bytes=BUCKET_BYTES, memory_budget=None) -> Plan:
     cluster = resolve_cluster(cluster)
+    budget = resolve_budget(memory_budget, cluster)
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes)
-    solution = solve(graph, strategies, costs, time_limit)
-    return make_plan(graph, strategies, solution, costs)
+    solution = solve(graph, strategies, costs, time_limit, budget)
+    plan = make_plan(graph, strategies, solution, costs)
+    plan.memory["budget"] = budget
+    return plan
 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
-         training: bool = True, time_limit: float = 60.0, bucket_bytes: int = BUCKET_BYTES) -> Plan:
+         training: bool = True, time_limit: float = 60.0, bucket_bytes: int = BUCKET_BYTES,
+         memory_budget: Optional[float] = None) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
-    Needs no process group; the model and inputs may live on the meta device. ``bucket_bytes``
-    is the size of the gradient all-reduce buckets the schedule pass forms, and the cost model
-    prices."""
+    Needs no process group; the model and inputs may live on the meta device. Every rank's
+    parameters, gradients, Adam state and activations stay within ``memory_budget`` bytes
+    (default: the cluster's device memory). ``bucket_bytes`` is the size of the gradient
+    all-reduce buckets the schedule pass forms, and the cost model prices."""
     mesh_shape = resolve_mesh(world, mesh)
     graph = capture(model, example_inputs)
-    return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit, bucket_bytes)
+    return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit, bucket_bytes, memory_budget)
 
 
 # ---- running ------------------------------------------------------------------------------------

@@ -123,7 +123,8 @@ class Plan:
         if self.memory:
             m = self.memory
             foot.append("memory per rank: " + ", ".join(f"{k} {_fmt_bytes(m[k])}" for k in
-                        ("parameters", "gradients", "optimizer", "activations", "total")))
+                        ("parameters", "gradients", "optimizer", "activations", "total"))
+                        + (f" (budget {_fmt_bytes(m['budget'])})" if m.get("budget") else ""))
         if solver:
             foot.append(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
                         f"optimality gap {100 * solver.get('gap', 0):.2f}%")

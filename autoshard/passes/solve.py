@@ -1,6 +1,6 @@
 """Solve: pick one strategy per node, minimum estimated step time.
 
-The integer program (built by ``build_model``):
+The integer program (built by ``solve``):
 
     x[n, s] in {0, 1}              node n runs strategy s; the nodes of repeated blocks share
                                    their twin's x and y (passes.repeat)   (_node_vars)
@@ -10,6 +10,7 @@ The integer program (built by ``build_model``):
     sum_a y[e, a, b] = sum_{s: in_e(s) = b}  x[v, s]                       (_edge_vars)
     C_k = sum x[n, s] * node_cost_k(n, s) + sum y[e, a, b] * convert_k(a -> b)   per part k  (_Sums)
     e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                      (solve)
+    sum x[n, s] * bytes(n, s) <= memory budget                                   (_memory_expr)
     minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
               + DRAG * (hidden_fwd + hidden_bwd)                                            (cost.step)
 
@@ -26,12 +27,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from ortools.sat.python import cp_model
 
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
-from autoshard.cost import comm, compute
+from autoshard.cost import comm, compute, memory
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph, Node
 from autoshard.passes.repeat import tie_repeated
@@ -93,6 +95,10 @@ class Costs:
         blocking = sum(comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
                        for c in comm.op_collectives(node, strat, self.graph, mesh))
         return Cost(compute_fwd=t, compute_bwd=bwd, comm=blocking)
+
+    def memory(self, node: Node, strat) -> int:
+        """Bytes per rank this choice keeps (cost.memory)."""
+        return sum(memory.node_bytes(node, strat, self.mesh_shape, self.training).values())
 
     def overlapped(self, value, src) -> bool:
         """Whether the first gather of this value runs as a scheduled start/wait pair: a
@@ -157,7 +163,12 @@ class _Sums:
         return sum(max(c, 0) for c in self.coef[part].values()) + max(self.const[part], 0)
 
 
-def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0) -> Solution:
+class MemoryBudgetError(ValueError):
+    """No layout fits the memory budget; the message says what the model can reach."""
+
+
+def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
+          memory_budget: Optional[float] = None) -> Solution:
     start = time.perf_counter()
     model = cp_model.CpModel()
     sums = _Sums()
@@ -173,7 +184,23 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
         exposed = model.new_int_var(0, sums.most(hidden), f"exposed_{phase}")
         model.add(exposed >= sums.expr(hidden) - sums.expr(work))
         objective = objective + exposed + sums.scaled(hidden, DRAG)
+    if memory_budget is not None:
+        model.add(_memory_expr(graph, strategies, costs, x) <= int(memory_budget))
     model.minimize(objective)
+    solver, status = _run(model, time_limit)
+    name = solver.status_name(status)
+    if status == cp_model.INFEASIBLE and memory_budget is not None:
+        raise MemoryBudgetError(_memory_message(graph, strategies, costs, memory_budget, time_limit))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"the layout solver stopped without a plan ({name}) after {time_limit:.0f} s; "
+                           "raise time_limit= or plan a smaller model")
+    choice = _choice(graph, x, solver)
+    obj = solver.objective_value / PICO
+    bound = solver.best_objective_bound / PICO
+    return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
+
+
+def _run(model, time_limit):
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -183,20 +210,59 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     # 5x longer to find the plan the LP points at (24-layer GPT at world 256: 24 s against 4.4 s)
     solver.parameters.search_branching = cp_model.LP_SEARCH
     solver.parameters.max_time_in_seconds = float(time_limit)
-    status = solver.solve(model)
-    name = solver.status_name(status)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.INFEASIBLE:
-            raise ValueError("no layout satisfies the pins given; remove or change a pin")
-        raise RuntimeError(f"the layout solver stopped without a plan ({name}) after {time_limit:.0f} s; "
-                           "raise time_limit= or plan a smaller model")
-    choice = {}
+    return solver, solver.solve(model)
+
+
+def _choice(graph, x, solver) -> dict:
+    return {n.name: 0 if x[n.name] is None else
+            next(i for i, v in enumerate(x[n.name]) if solver.boolean_value(v)) for n in graph.nodes}
+
+
+def _memory_expr(graph, strategies, costs, x):
+    """Bytes per rank, linear in the choices (cost.memory)."""
+    terms, const = {}, 0
     for n in graph.nodes:
-        vs = x[n.name]
-        choice[n.name] = 0 if vs is None else next(i for i, v in enumerate(vs) if solver.boolean_value(v))
-    obj = solver.objective_value / PICO
-    bound = solver.best_objective_bound / PICO
-    return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
+        for i, s in enumerate(strategies[n.name]):
+            b = costs.memory(n, s)
+            if not b:
+                continue
+            if x[n.name] is None:
+                const += b
+            else:
+                v = x[n.name][i]
+                terms[v] = terms.get(v, 0) + b
+    return sum(c * v for v, c in terms.items()) + const
+
+
+def _memory_message(graph, strategies, costs, budget, time_limit) -> str:
+    """What the least memory any layout reaches is, and which tensors take it."""
+    model = cp_model.CpModel()
+    rep = tie_repeated(graph, strategies)
+    x = _node_vars(model, graph, strategies, costs, _Sums(), rep)
+    model.minimize(_memory_expr(graph, strategies, costs, x))
+    solver, status = _run(model, time_limit)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return f"no layout fits in a memory budget of {_gb(budget)} per rank"
+    choice = _choice(graph, x, solver)
+    parts = memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training)
+    sizes = []
+    for n in graph.nodes:
+        s = strategies[n.name][choice[n.name]]
+        b = costs.memory(n, s)
+        if b and n.outputs:
+            local = pl.local_shape(n.outputs[0].shape, s.outputs[0], costs.mesh_shape)
+            sizes.append((b, n.fqn or n.name, list(local), pl.format_nd(s.outputs[0])))
+    sizes.sort(key=lambda t: -t[0])
+    top = "; ".join(f"{name} {shape} {place} {_gb(b)}" for b, name, shape, place in sizes[:5])
+    return (f"no layout of this model fits in {_gb(budget)} per rank on mesh {tuple(costs.mesh_shape)}: the "
+            f"least it can reach is {_gb(parts['total'])} (parameters {_gb(parts['parameters'])}, gradients "
+            f"{_gb(parts['gradients'])}, optimizer state {_gb(parts['optimizer'])}, activations "
+            f"{_gb(parts['activations'])}). Largest per rank in that layout: {top}. Raise memory_budget=, "
+            "plan for more devices, or shrink the batch or the model.")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def _node_vars(model, graph, strategies, costs, sums: _Sums, rep: dict) -> dict:
