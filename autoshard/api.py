@@ -21,6 +21,7 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, schedule
+from autoshard.passes.search import search
 from autoshard.passes.solve import Costs, solve
 from autoshard.plan import Plan, make_plan
 
@@ -119,7 +120,32 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     all-reduce buckets the schedule pass forms, and the cost model prices."""
     mesh_shape = resolve_mesh(world, mesh)
     graph = capture(model, example_inputs)
+    if mesh is None and world > 1:
+        return search_mesh(graph, world, cluster, pin, training, time_limit, bucket_bytes, memory_budget)
     return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit, bucket_bytes, memory_budget)
+
+
+def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
+                bucket_bytes=BUCKET_BYTES, memory_budget=None) -> Plan:
+    """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
+    cluster = resolve_cluster(cluster)
+    budget = resolve_budget(memory_budget, cluster)
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
+    arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}
+    if len(arity) > 1:
+        raise ValueError(f"the pins name different numbers of mesh axes ({sorted(arity)}); give every pin "
+                         "one placement per axis of one mesh, or pass mesh=")
+    resolve_pins(graph, pin, next(iter(arity), 1))  # an unknown name fails here, whatever the mesh
+
+    def pins_for(mesh_shape):
+        if arity and arity != {len(mesh_shape)}:
+            return None
+        return resolve_pins(graph, pin, len(mesh_shape))
+
+    plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget)
+    plan.memory["budget"] = budget
+    return plan
 
 
 # ---- running ------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ class Plan:
     memory: dict = field(default_factory=dict)   # bytes per rank: parameters, gradients, optimizer, activations, total
     breakdown: dict = field(default_factory=dict)  # seconds per part of the step (cost.step.Cost)
     schedule: dict = field(default_factory=dict)   # what the schedule pass uses: bucket_bytes
+    mesh_candidates: list = field(default_factory=list)  # the mesh search's ranking: mesh, bound, cost, status
 
     @property
     def world(self) -> int:
@@ -125,6 +126,10 @@ class Plan:
             foot.append("memory per rank: " + ", ".join(f"{k} {_fmt_bytes(m[k])}" for k in
                         ("parameters", "gradients", "optimizer", "activations", "total"))
                         + (f" (budget {_fmt_bytes(m['budget'])})" if m.get("budget") else ""))
+        if self.mesh_candidates:
+            ranked = [c for c in self.mesh_candidates if c.get("cost") is not None]
+            foot.append(f"mesh search: {len(self.mesh_candidates)} shapes, {len(ranked)} solved, best first: "
+                        + ", ".join(f"{tuple(c['mesh'])} {_fmt_s(c['cost'])}" for c in ranked[:5]))
         if solver:
             foot.append(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
                         f"optimality gap {100 * solver.get('gap', 0):.2f}%")
@@ -142,6 +147,7 @@ class Plan:
             "memory": self.memory,
             "breakdown": self.breakdown,
             "schedule": self.schedule,
+            "mesh_candidates": self.mesh_candidates,
             "params": {k: list(v) for k, v in self.params.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
             "collectives": [dict(asdict(c), axes=list(c.axes)) for c in self.collectives],
@@ -164,7 +170,8 @@ class Plan:
             cost=d["cost"], training=d["training"],
             cluster=Cluster(**d["cluster"]) if d.get("cluster") else None,
             solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])],
-            memory=d.get("memory", {}), breakdown=d.get("breakdown", {}), schedule=d.get("schedule", {}))
+            memory=d.get("memory", {}), breakdown=d.get("breakdown", {}), schedule=d.get("schedule", {}),
+            mesh_candidates=d.get("mesh_candidates", []))
 
 
 def _axes(axes) -> str:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from autoshard import placement as pl
@@ -137,13 +138,14 @@ class _Sums:
     """One linear expression per cost part (``cost.step.PARTS``): coefficients on variables and a
     constant, in picoseconds."""
 
-    def __init__(self):
+    def __init__(self, unit: float = PICO):
+        self.unit = unit   # the LP relaxation counts in microseconds: GLOP loses precision at 1e12
         self.coef = {part: {} for part in PARTS}
         self.const = {part: 0 for part in PARTS}
 
     def add(self, var, cost: Cost) -> None:
         for part in PARTS:
-            c = _ps(getattr(cost, part))
+            c = _ps(getattr(cost, part)) if self.unit == PICO else getattr(cost, part) * self.unit
             if not c:
                 continue
             if var is None:
@@ -153,11 +155,12 @@ class _Sums:
                 terms[var] = terms.get(var, 0) + c
 
     def expr(self, part):
-        return sum(c * v for v, c in self.coef[part].items()) + self.const[part]
+        return _linear(self.coef[part].items()) + self.const[part]
 
     def scaled(self, part, factor: float):
-        return (sum(int(round(c * factor)) * v for v, c in self.coef[part].items())
-                + int(round(self.const[part] * factor)))
+        r = (lambda c: int(round(c))) if self.unit == PICO else (lambda c: c)
+        return (_linear((v, r(c * factor)) for v, c in self.coef[part].items())
+                + r(self.const[part] * factor))
 
     def most(self, part) -> int:
         return sum(max(c, 0) for c in self.coef[part].values()) + max(self.const[part], 0)
@@ -167,11 +170,10 @@ class MemoryBudgetError(ValueError):
     """No layout fits the memory budget; the message says what the model can reach."""
 
 
-def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
-          memory_budget: Optional[float] = None) -> Solution:
-    start = time.perf_counter()
-    model = cp_model.CpModel()
-    sums = _Sums()
+def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
+    """The integer program of the module docstring on ``model`` (CP-SAT, or its LP relaxation);
+    returns the x variables and the objective, in ``unit`` per second."""
+    sums = _Sums(unit)
     rep = tie_repeated(graph, strategies)
     x = _node_vars(model, graph, strategies, costs, sums, rep)
     _edge_vars(model, graph, strategies, costs, x, sums, rep)
@@ -185,7 +187,17 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
         model.add(exposed >= sums.expr(hidden) - sums.expr(work))
         objective = objective + exposed + sums.scaled(hidden, DRAG)
     if memory_budget is not None:
-        model.add(_memory_expr(graph, strategies, costs, x) <= int(memory_budget))
+        scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
+        limit = int(memory_budget) if unit == PICO else memory_budget * scale
+        model.add(_memory_expr(graph, strategies, costs, x, scale) <= limit)
+    return x, objective
+
+
+def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
+          memory_budget: Optional[float] = None) -> Solution:
+    start = time.perf_counter()
+    model = cp_model.CpModel()
+    x, objective = _build(model, graph, strategies, costs, memory_budget)
     model.minimize(objective)
     solver, status = _run(model, time_limit)
     name = solver.status_name(status)
@@ -198,6 +210,46 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     obj = solver.objective_value / PICO
     bound = solver.best_objective_bound / PICO
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
+
+
+def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None) -> float:
+    """Seconds no plan of this graph on this mesh can beat: the LP relaxation of the integer
+    program (GLOP). inf when even the relaxation breaks the memory budget."""
+    lp = _LP()
+    _, objective = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
+    lp.solver.Minimize(objective)
+    status = lp.solver.Solve()
+    if status == pywraplp.Solver.INFEASIBLE:
+        return math.inf
+    if status != pywraplp.Solver.OPTIMAL:
+        return 0.0
+    return lp.solver.Objective().Value() / 1e6
+
+
+class _LP:
+    """The model-building calls ``_build`` makes, on a linear program: every variable continuous."""
+
+    def __init__(self):
+        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+
+    def new_bool_var(self, name):
+        return self.solver.NumVar(0.0, 1.0, "")
+
+    def new_int_var(self, lo, hi, name):
+        return self.solver.NumVar(float(lo), float(hi), "")
+
+    def add_exactly_one(self, vs):
+        self.solver.Add(pywraplp.SumArray(vs) == 1)
+
+    def add(self, constraint):
+        self.solver.Add(constraint)
+
+
+def _linear(terms):
+    terms = list(terms)
+    if terms and isinstance(terms[0][0], cp_model.IntVar):
+        return cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [c for _, c in terms])
+    return pywraplp.SumArray([c * v for v, c in terms]) if terms else 0
 
 
 def _run(model, time_limit):
@@ -218,12 +270,12 @@ def _choice(graph, x, solver) -> dict:
             next(i for i, v in enumerate(x[n.name]) if solver.boolean_value(v)) for n in graph.nodes}
 
 
-def _memory_expr(graph, strategies, costs, x):
+def _memory_expr(graph, strategies, costs, x, scale=1):
     """Bytes per rank, linear in the choices (cost.memory)."""
     terms, const = {}, 0
     for n in graph.nodes:
         for i, s in enumerate(strategies[n.name]):
-            b = costs.memory(n, s)
+            b = costs.memory(n, s) * scale
             if not b:
                 continue
             if x[n.name] is None:
@@ -231,7 +283,7 @@ def _memory_expr(graph, strategies, costs, x):
             else:
                 v = x[n.name][i]
                 terms[v] = terms.get(v, 0) + b
-    return sum(c * v for v, c in terms.items()) + const
+    return _linear(terms.items()) + const
 
 
 def _memory_message(graph, strategies, costs, budget, time_limit) -> str:

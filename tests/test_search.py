@@ -1,0 +1,111 @@
+"""Mesh search and the memory budget, planned on the meta device with no process group."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.passes.search import factorizations
+from autoshard.passes.solve import MemoryBudgetError
+from models import GPT
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
+def _gpt(world_batch=64):
+    with torch.device("meta"):
+        model = GPT(vocab=1024, d=256, heads=4, layers=2, seq=128)
+    idx = torch.zeros(world_batch, 128, dtype=torch.long, device="meta")
+    return model, (idx, idx)
+
+
+def test_factorizations_are_ordered_and_complete():
+    assert factorizations(8, 2) == [(8,), (2, 4), (4, 2)]
+    assert set(factorizations(8, 3)) == {(8,), (2, 4), (4, 2), (2, 2, 2)}
+    assert len(factorizations(256, 4)) == 1 + 7 + 21 + 35   # compositions of 2^8 into up to 4 parts
+    assert factorizations(7, 3) == [(7,)]
+
+
+def test_search_is_no_worse_than_any_mesh_it_considers():
+    model, inputs = _gpt()
+    plan = autoshard.plan(model, inputs, world=8)
+    cands = plan.mesh_candidates
+    assert [tuple(c["mesh"]) for c in cands if c["status"] == "chosen"] == [tuple(plan.mesh_shape)]
+    assert {tuple(c["mesh"]) for c in cands} == {(8,), (2, 4), (4, 2)}
+    for c in cands:
+        fixed = autoshard.plan(model, inputs, mesh=tuple(c["mesh"]))
+        assert plan.cost <= fixed.cost * (1 + 1e-3), (c, fixed.cost)
+        assert c["bound"] <= fixed.cost * (1 + 1e-6)          # the LP bound is a lower bound
+        if c["status"].startswith("pruned"):
+            assert c["bound"] >= plan.cost * (1 - 1e-6)
+    assert "mesh search: 3 shapes" in str(plan)
+    again = autoshard.Plan.from_json(plan.to_json())
+    assert again.mesh_candidates == plan.mesh_candidates
+
+
+def test_world_256_search_on_the_meta_device():
+    model, inputs = _gpt(world_batch=512)
+    plan = autoshard.plan(model, inputs, world=256)
+    assert len(plan.mesh_candidates) == 8 and plan.world == 256
+    one_d = autoshard.plan(model, inputs, mesh=(256,))
+    assert plan.cost <= one_d.cost * (1 + 1e-9)
+
+
+def _big():
+    with torch.device("meta"):
+        model = TwoLayer(4096, 16384)        # 134M parameters: 2.1 GB with gradients and Adam state
+    return model, (torch.empty(64, 4096, device="meta"),) * 2
+
+
+def test_a_model_that_does_not_fit_replicated_is_sharded_within_the_budget():
+    model, inputs = _big()
+    budget = 1e9
+    dp = {"fc1.weight": ("B",), "fc1.bias": ("B",), "fc2.weight": ("B",), "fc2.bias": ("B",)}
+    assert autoshard.plan(model, inputs, mesh=(8,), pin=dp).memory["total"] > budget
+    plan = autoshard.plan(model, inputs, mesh=(8,), memory_budget=budget)
+    assert plan.memory["total"] <= budget and plan.memory["budget"] == budget
+    assert any(p[0].startswith("S(") for p in plan.params.values())
+    with pytest.raises(MemoryBudgetError):
+        autoshard.plan(model, inputs, mesh=(8,), pin=dp, memory_budget=budget)
+
+
+def test_a_budget_nothing_fits_says_what_is_reachable():
+    model, inputs = _big()
+    with pytest.raises(MemoryBudgetError) as info:
+        autoshard.plan(model, inputs, mesh=(8,), memory_budget=1e6)
+    msg = str(info.value)
+    assert "least it can reach is" in msg and "Largest per rank" in msg and "memory_budget=" in msg
+    assert "fc1.weight" in msg or "fc2.weight" in msg
+    with pytest.raises(MemoryBudgetError, match="least it can reach"):
+        autoshard.plan(model, inputs, world=8, memory_budget=1e3)   # mesh search: the same report
+
+
+@pytest.mark.parametrize("budget", [0, -1, "80GB", True])
+def test_a_budget_must_be_a_positive_number(budget):
+    model, inputs = _big()
+    with pytest.raises(ValueError, match="memory_budget is a positive number"):
+        autoshard.plan(model, inputs, mesh=(8,), memory_budget=budget)
+
+
+@pytest.mark.parametrize("mesh,match", [
+    ((4, 1, 2), "at least 2 devices"),
+    ((8, 0), "at least 2 devices"),
+    ((2, 2, 2, 2, 2), "at most 4 axes"),
+])
+def test_bad_meshes(mesh, match):
+    model, inputs = _gpt()
+    with pytest.raises(ValueError, match=match):
+        autoshard.plan(model, inputs, mesh=mesh)
+
+
+def test_a_pin_naming_an_axis_the_mesh_lacks():
+    model, inputs = _gpt()
+    with pytest.raises(ValueError, match="names 3 mesh axes, but the mesh has 2"):
+        autoshard.plan(model, inputs, mesh=(2, 4), pin={"blocks.0.fc.weight": ("S(0)", "B", "B")})
