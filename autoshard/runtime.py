@@ -439,3 +439,50 @@ def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: fl
         for a in axes:
             dist.all_reduce(denom, group=m.groups[a])
     return total / denom.to(total.dtype)
+
+
+def batch_norm_train(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                     placement: tuple):
+    """Batch norm in training mode on this rank's share ``placement`` of the input, with the
+    statistics of the whole batch, as single-device batch norm computes them.
+
+    Each rank takes the mean and the sum of squared deviations (M2) of its share per channel.
+    On each axis that splits a dim the statistics run over, the ranks gather each other's
+    (mean, M2) and combine them (Chan et al.): mean = the mean of the means (the shares are
+    equal), M2 = sum of M2 + n * sum of (mean_i - mean)^2. Unlike sum and sum of squares this
+    does not cancel when the mean is large. Everything is differentiable local ops and the
+    gather, whose backward is the dual reduce-scatter: each rank gets the gradient that every
+    rank's loss sends to its own statistics, so backward is that of the global batch norm too.
+    Running statistics (whole on every rank) move by the global mean and unbiased variance; on
+    axes that split the channels each rank's update is gathered first, so every rank's buffers
+    stay whole and equal."""
+    m = _mesh()
+    pls = tuple(pl.parse(q) for q in placement)
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    dims = [d for d in range(x.dim()) if d != 1]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    n = x.numel() // max(x.shape[1], 1)
+    mean = xs.mean(dims)
+    m2 = (xs - mean.view(shape)).square().sum(dims)
+    for a, q in enumerate(pls):
+        if isinstance(q, pl.Split) and q.dim != 1 and m.shape[a] > 1:
+            both = all_gather(torch.stack([mean, m2]).unsqueeze(0), a, 0)   # (p, 2, C)
+            means = both[:, 0]
+            mean = means.mean(0)
+            m2 = both[:, 1].sum(0) + n * (means - mean).square().sum(0)
+            n *= m.shape[a]
+    var = m2 / n
+    out = (xs - mean.view(shape)) * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    if running_mean is not None or running_var is not None:
+        with torch.no_grad():
+            update = torch.stack([mean, var * (n / max(n - 1, 1))]).detach()
+            channels = tuple(q if isinstance(q, pl.Split) and q.dim == 1 else pl.B for q in pls)
+            update = _convert(update, channels, _whole(len(pls)), m)
+            for buf, new in ((running_mean, update[0]), (running_var, update[1])):
+                if buf is not None:
+                    buf.mul_(1 - momentum).add_(new.to(buf.dtype), alpha=momentum)
+    return out.to(x.dtype)

@@ -33,6 +33,17 @@ def _sdpa_flops(ins, out):
     return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
 
 
+def _conv_flops(ins, out):
+    # every output element is a dot product over its group's input channels and the kernel:
+    # weight (out, in / groups, k...); local shapes, so a channel split is counted as it runs
+    return 2 * math.prod(out) * math.prod(ins[1][1:])
+
+
+def _conv_transpose_flops(ins, out):
+    # every input element is scattered into (out / groups) * k outputs: weight (in, out / groups, k...)
+    return 2 * math.prod(ins[0]) * math.prod(ins[1][1:])
+
+
 FLOPS = {
     aten.linear.default: _matmul_flops,
     aten.mm.default: _matmul_flops,
@@ -41,6 +52,11 @@ FLOPS = {
     aten.addmm.default: _addmm_flops,
     aten.baddbmm.default: _addmm_flops,
     aten.scaled_dot_product_attention.default: _sdpa_flops,
+    **{op: _conv_flops for op in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                                  aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
+                                  aten.convolution.default, aten._convolution.default)},
+    **{op: _conv_transpose_flops for op in (aten.conv_transpose1d.default, aten.conv_transpose2d.input,
+                                            aten.conv_transpose3d.input)},
 }
 
 

@@ -20,6 +20,7 @@ from autoshard.cost import comm
 from autoshard.passes.capture import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes
+from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
 from autoshard.rules.registry import norm_dim
 
 aten = torch.ops.aten
@@ -131,6 +132,53 @@ def lower_cross_entropy(low: Lowering):
         low.arg(5, "label_smoothing", 0.0), tuple(axes)))
 
 
+def lower_conv(low: Lowering):
+    """A grouped convolution split on its channels holds whole groups on each rank: groups / q
+    of them, for the q ranks that share the channels."""
+    groups, _ = conv_groups(low.node.target, low.args, low.kwargs)
+    channel = 1 if len(low.in_shapes[0]) == len(low.in_shapes[1]) else 0
+    q = pl.split_factor(low.in_pl[0], low.mesh_shape, channel)
+    if groups == 1 or q == 1:
+        return low.call()
+    args, kwargs = _with_arg(low, CONV_ARGS[low.node.target][0], "groups", groups // q)
+    return low.call(args=args, kwargs=kwargs)
+
+
+_LAYOUT_STEPS = (runtime.to_local, *runtime.STEP_FUNCTIONS.values())
+
+
+def _fed_whole(arg):
+    """The placeholder of the buffer ``arg`` comes from: buffers are fed whole to every rank, so
+    an in-place update through it reaches the module's buffer whatever layout the plan keeps."""
+    node = arg
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LAYOUT_STEPS:
+        node = node.args[0]
+    fed = isinstance(node, fx.Node) and node.op == "placeholder"
+    if fed and any(u.target is runtime.to_local for u in node.users):
+        return node
+    return arg
+
+
+def lower_batch_norm(low: Lowering):
+    """Training mode: over a split batch (or other non-channel dim), the statistics of the whole
+    batch (``runtime.batch_norm_train``); running statistics updated in the module's buffers."""
+    if not low.arg(5, "training"):
+        return low.call()
+    args, kwargs = list(low.args), dict(low.kwargs)
+    for i, name in ((3, "running_mean"), (4, "running_var")):
+        if len(args) > i:
+            args[i] = _fed_whole(args[i])
+        elif kwargs.get(name) is not None:
+            kwargs[name] = _fed_whole(kwargs[name])
+    stat, channel = batch_norm_axes(low.node.target, args, kwargs, low.in_pl[0])
+    if not any(low.mesh_shape[a] > 1 for a in stat + channel):
+        return low.call(args=args, kwargs=kwargs)
+    tensors = [args[i] if len(args) > i else kwargs.get(n) for i, n in
+               enumerate(("input", "weight", "bias", "running_mean", "running_var"))]
+    return low.g.call_function(runtime.batch_norm_train, (
+        *tensors, low.arg(6, "momentum"), low.arg(7, "eps"), pl.to_strings(low.in_pl[0])))
+
+
 def default(low: Lowering):
     return low.call()
 
@@ -154,6 +202,8 @@ LOWERINGS = {
     aten.huber_loss.default: lower_pointwise_loss,
     aten.dropout.default: lower_dropout,
     aten.cross_entropy_loss.default: lower_cross_entropy,
+    aten.batch_norm.default: lower_batch_norm,
+    **{op: lower_conv for op in CONV_ARGS},
 }
 
 

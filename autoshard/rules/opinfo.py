@@ -76,6 +76,7 @@ UNCOMPARABLE = {
 # entries run only for the rule overloads they dispatch to (their own aten op has no rule)
 DISPATCH_ONLY = (
     "mT", "narrow", "ravel", "broadcast_to", "column_stack", "hstack", "nn.functional.softmin",
+    "nn.functional.interpolate", "nn.functional.upsample_nearest", "nn.functional.upsample_bilinear",
 )
 
 _REDUCTION = {"none": 0, "mean": 1, "sum": 2}
@@ -100,6 +101,12 @@ def _cross_entropy(x, target, weight=None, size_average=None, ignore_index=-100,
             (x, target, weight, _REDUCTION[reduction], ignore_index, label_smoothing), {})
 
 
+def _batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """F.batch_norm's arguments -> aten.batch_norm's (the affine parameters come first there)."""
+    return (aten.batch_norm.default,
+            (x, weight, bias, running_mean, running_var, training, momentum, eps, False), {})
+
+
 # OpInfo name -> function of the sample's (input, *args, **kwargs) giving (overload, args, kwargs)
 ADAPTERS: dict = {
     "where": lambda x, cond, other: (aten.where.self, (cond, x, other), {}),
@@ -110,6 +117,7 @@ ADAPTERS: dict = {
     "nn.functional.l1_loss": _loss(aten.l1_loss.default),
     "nn.functional.smooth_l1_loss": _loss(aten.smooth_l1_loss.default, "beta"),
     "nn.functional.huber_loss": _loss(aten.huber_loss.default, "delta"),
+    "nn.functional.batch_norm": _batch_norm,
 }
 
 

@@ -26,6 +26,10 @@ Skipped (their local form calls a runtime function that needs a process group, a
 the multi-process tests instead): ``dropout`` (every signature: it draws random numbers), and
 ``cross_entropy_loss`` with reduction mean over a split batch (it all-reduces the count of targets).
 ``cross_entropy_loss`` with reduction ``none`` or ``sum``, and mean with the batch whole, are checked.
+So is ``batch_norm`` in training with its statistics dims whole, but not over a split batch (or
+other non-channel dim: ``runtime.batch_norm_train`` gathers the statistics) nor over split
+channels while it keeps running statistics (it gathers their update); in eval mode every
+signature is checked.
 
 Command line: ``python -m autoshard.rules.validate [-p 2 4] [-v]`` checks the built-in cases
 (``default_cases()``), prints the report per ``p`` and exits 1 on any failure.
@@ -44,6 +48,7 @@ import torch.fx as fx
 from autoshard import placement as pl
 from autoshard.placement import B, Broadcast, Partial, Split
 from autoshard.rules.registry import RULES, OpCtx, Sig, rule_for
+from autoshard.rules.conv import batch_norm_axes
 from autoshard.rules.nn import count_axes
 
 aten = torch.ops.aten
@@ -77,7 +82,7 @@ class Report:
             f"  signatures checked:   {self.checked} ({self.checked_nontrivial} besides all-B)",
             f"  not applicable:       {self.not_applicable} (split not divisible by p, or P on a non-float)",
             f"  skipped:              {len(self.skipped)} (runtime-lowered: dropout, mean cross_entropy "
-            "over a split batch)",
+            "over a split batch, batch norm in training that gathers statistics)",
             f"  failures:             {len(self.failures)}",
         ]
         if self.no_rule:
@@ -208,6 +213,9 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
         return "dropout draws from the generator all ranks share (runtime.dropout)"
     if count_axes(target, fx_args, fx_kwargs, [(q,) for q in sig.inputs]):
         return "mean cross_entropy over a split batch all-reduces its count (runtime.cross_entropy_mean)"
+    if sig.inputs and any(batch_norm_axes(target, fx_args, fx_kwargs, (sig.inputs[0],))):
+        return ("batch norm in training gathers the statistics of a split batch, or the running-statistics "
+                "update of split channels (runtime.batch_norm_train)")
     return None
 
 
@@ -605,6 +613,48 @@ def default_cases(seed: int = 0) -> list:
         add(aten.smooth_l1_loss.default, r(8, 12), r(8, 12), red, 0.5)
         add(aten.huber_loss.default, r(8, 12), r(8, 12), red, 0.5)
     add(aten.dropout.default, r(8, 12), 0.5, True)  # random: skipped
+
+    # -- convolutional networks (conv.py)
+    x4 = r(4, 8, 6, 6)
+    add(aten.conv2d.default, x4, r(12, 8, 3, 3), r(12), [1, 1], [1, 1])
+    add(aten.conv2d.default, x4, r(12, 8, 3, 3), None, [2, 2], [1, 1])
+    add(aten.conv2d.default, x4, r(8, 1, 3, 3), r(8), [1, 1], [1, 1], [1, 1], 8)   # depthwise
+    add(aten.conv2d.default, x4, r(4, 2, 3, 3), r(4), [1, 1], [0, 0], [1, 1], 4)   # groups, gcd 1
+    add(aten.conv2d.default, x4, r(8, 2, 3, 3), r(8), [1, 1], [1, 1], [1, 1], 4)   # groups, gcd 2
+    add(aten.conv2d.default, r(8, 6, 6), r(12, 8, 3, 3), r(12))                     # unbatched
+    add(aten.conv2d.padding, x4, r(12, 8, 3, 3), r(12), [1, 1], "same", [2, 2])
+    add(aten.conv1d.default, r(4, 8, 10), r(12, 8, 3), r(12), [2], [1])
+    add(aten.conv3d.default, r(2, 4, 4, 4, 4), r(8, 4, 3, 3, 3), None, [1, 1, 1], [1, 1, 1])
+    add(aten.convolution.default, x4, r(12, 8, 3, 3), r(12), [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    add(aten.convolution.default, r(4, 8, 5, 5), r(8, 12, 3, 3), r(12), [2, 2], [1, 1], [1, 1], True, [1, 1], 1)
+    add(aten.conv_transpose2d.input, r(4, 8, 5, 5), r(8, 12, 3, 3), r(12), [2, 2], [1, 1], [1, 1])
+    add(aten.conv_transpose2d.input, r(4, 8, 5, 5), r(8, 1, 3, 3), r(4), [1, 1], [0, 0], [0, 0], 4)
+    add(aten.conv_transpose1d.default, r(4, 8, 5), r(8, 4, 3))
+    rm, rv = r(8), pos(8)
+    add(aten.batch_norm.default, x4, pos(8), r(8), rm.clone(), rv.clone(), True, 0.1, 1e-5, False)
+    add(aten.batch_norm.default, x4, pos(8), r(8), None, None, True, 0.1, 1e-5, False)
+    add(aten.batch_norm.default, r(8, 12), None, None, None, None, True, 0.1, 1e-5, False)
+    add(aten.batch_norm.default, x4, pos(8), r(8), rm, rv, False, 0.1, 1e-5, False)       # eval
+    add(aten.batch_norm.default, r(8, 8, 6), None, None, rm, rv, False, 0.1, 1e-5, False)
+    add(aten.group_norm.default, x4, 2, r(8), r(8), 1e-5, False)
+    add(aten.group_norm.default, r(4, 8, 6), 4)
+    add(aten.max_pool2d.default, x4, [2, 2], [2, 2])
+    add(aten.max_pool2d.default, r(8, 6, 6), [3, 3], [2, 2], [1, 1], [1, 1], True)     # unbatched
+    add(aten.max_pool2d_with_indices.default, x4, [3, 3], [2, 2], [1, 1])
+    add(aten.max_pool1d.default, r(4, 8, 10), [2])
+    add(aten.avg_pool2d.default, x4, [2, 2], [2, 2])
+    add(aten.avg_pool2d.default, x4, [3, 3], [2, 2], [1, 1], True, False)
+    add(aten.avg_pool3d.default, r(2, 4, 4, 4, 4), [2, 2, 2])
+    add(aten.adaptive_avg_pool2d.default, x4, [1, 1])
+    add(aten.adaptive_avg_pool2d.default, x4, [4, 3])
+    add(aten._adaptive_avg_pool2d.default, x4, [2, 2])
+    add(aten.adaptive_max_pool2d.default, x4, [2, 2])
+    add(aten.upsample_nearest2d.vec, r(4, 8, 3, 3), None, [2.0, 2.0])
+    add(aten.upsample_nearest2d.default, r(4, 8, 3, 3), [6, 5])
+    add(aten.upsample_bilinear2d.vec, r(4, 8, 3, 3), None, False, [2.0, 2.0])
+    add(aten.upsample_bilinear2d.vec, r(4, 8, 3, 3), [5, 7], True, None)
+    add(aten.upsample_bicubic2d.vec, r(4, 8, 3, 3), None, False, [2.0, 2.0])
+    add(aten.upsample_linear1d.vec, r(4, 8, 5), None, False, [2.0])
 
     # -- factories: only all-B
     add(aten.arange.default, 8, dtype=torch.int64)
