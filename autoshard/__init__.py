@@ -6,6 +6,7 @@ from autoshard.api import ParallelModule, parallelize, plan
 from autoshard.cluster import Cluster, PRESETS
 from autoshard.passes.capture import CaptureError
 from autoshard.plan import Collective, Plan
+from autoshard import schemes  # noqa: F401 - hand-designed plans as pins (DESIGN.md section 6)
 
 __all__ = ["plan", "parallelize", "Plan", "Collective", "Cluster", "PRESETS", "ParallelModule", "CaptureError"]
 __version__ = "0.1.0"
