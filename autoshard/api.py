@@ -94,12 +94,16 @@ def resolve_budget(memory_budget, cluster: Cluster) -> float:
     return float(memory_budget)
 
 
+def check_bucket(bucket_bytes) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
+
+
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
                bucket_bytes=BUCKET_BYTES, memory_budget=None) -> Plan:
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
+    check_bucket(bucket_bytes)
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes)
@@ -130,8 +134,7 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
     """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
+    check_bucket(bucket_bytes)
     arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}
     if len(arity) > 1:
         raise ValueError(f"the pins name different numbers of mesh axes ({sorted(arity)}); give every pin "

@@ -210,8 +210,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
             dst = strat.inputs[slot]
             cost = cost + costs.convert(value, src, dst, n)
             meta = graph.meta(value)
-            steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
-            hidden = bool(steps) and steps[0].kind == "all_gather" and costs.overlapped(value, src)
+            steps, hidden = costs.conversion(value, src, dst)
             phases = [("forward", steps)]
             if costs.training and meta.floating and n.kind != "output" and producer.requires_grad:
                 phases.append(("backward", comm.dual_steps(steps, mesh)))

@@ -56,6 +56,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class TwoLayer(nn.Module):
+    """Two linears that return their training loss, as a training step would."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
 MEGATRON_BLOCK = {"qkv.weight": ("S(0)",), "qkv.bias": ("S(0)",), "proj.weight": ("S(1)",),
                   "fc.weight": ("S(0)",), "fc.bias": ("S(0)",), "fc2.weight": ("S(1)",)}
 

@@ -7,22 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autoshard
 from autoshard.passes.annotate import UnknownOpWarning
-from models import GPT, MLP, megatron_pins
-
-
-class TwoLayer(nn.Module):
-    """Returns its training loss, as a training step would."""
-
-    def __init__(self, d, hidden):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x, y):
-        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+from models import GPT, MLP, TwoLayer, megatron_pins
 
 
 def _meta(module_fn, *shape):

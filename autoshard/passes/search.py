@@ -64,7 +64,7 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             continue
         costs = Costs(graph, mesh, cluster, training, bucket_bytes)
         entry["bound"] = lower_bound(graph, strategies, costs, budget)
-        entry["_work"] = entry["_strategies"] = (strategies, costs)
+        entry["_work"] = (strategies, costs)
         if math.isinf(entry["bound"]):
             entry["status"] = "does not fit in memory"
     best, best_entry, errors = None, None, []
@@ -87,19 +87,15 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             best, best_entry = plan, entry
     for w in seen.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    for e in candidates:
-        e.pop("_work", None)
-        if best is not None:
-            e.pop("_strategies", None)
-    if best is None and pin_errors and not any("bound" in e and e["bound"] is not None for e in candidates):
+    tried = [e.pop("_work") for e in candidates if "_work" in e]
+    if best is None and pin_errors and all(e["bound"] is None for e in candidates):
         raise pin_errors[0]
     if best is None:
         if errors:
             raise errors[0]
-        tried = [e for e in candidates if "_strategies" in e]
         if tried:
             # solve the first for its report of the least memory it reaches
-            strategies, costs = tried[0]["_strategies"]
+            strategies, costs = tried[0]
             solve(graph, strategies, costs, time_limit, budget)
         raise ValueError(f"no mesh of {world} devices with at most {max_axes} axes takes the pins given: "
                          + "; ".join(f"{tuple(e['mesh'])}: {e['status']}" for e in candidates))

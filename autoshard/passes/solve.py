@@ -111,6 +111,12 @@ class Costs:
         synced = self.training and producer.requires_grad
         return not (synced and any(isinstance(p, pl.Broadcast) and n > 1 for p, n in zip(src, self.mesh_shape)))
 
+    def conversion(self, value, src, dst):
+        """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""
+        meta = self.graph.meta(value)
+        steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape)
+        return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
+
     def convert(self, value, src, dst, consumer: Node) -> Cost:
         meta = self.graph.meta(value)
         backward = (self.training and meta.floating and consumer.kind != "output"
@@ -118,10 +124,10 @@ class Costs:
         key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward)
         if key not in self._conv:
             mesh, links = self.mesh_shape, self.links
-            steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
+            steps, prefetched = self.conversion(value, src, dst)
             fwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in steps]
             bwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in comm.dual_steps(steps, mesh)] if backward else []
-            if steps and steps[0].kind == "all_gather" and self.overlapped(value, src):
+            if prefetched:
                 # the first gather is prefetched; its dual, the last backward step, waits late
                 hb = bwd[-1] if bwd else 0.0
                 self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb, hidden_fwd=fwd[0], hidden_bwd=hb)
