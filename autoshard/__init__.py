@@ -4,9 +4,11 @@ model -> fx graph (torch.export) -> SBP strategies -> ILP -> plan -> per-rank pr
 """
 from autoshard.api import ParallelModule, parallelize, plan
 from autoshard.cluster import Cluster, PRESETS
+from autoshard.coverage import Coverage, coverage
 from autoshard.passes.capture import CaptureError
 from autoshard.plan import Collective, Plan
 from autoshard import schemes  # noqa: F401 - hand-designed plans as pins (DESIGN.md section 6)
 
-__all__ = ["plan", "parallelize", "Plan", "Collective", "Cluster", "PRESETS", "ParallelModule", "CaptureError"]
+__all__ = ["plan", "parallelize", "coverage", "Plan", "Collective", "Cluster", "PRESETS", "ParallelModule",
+           "Coverage", "CaptureError"]
 __version__ = "0.1.0"

@@ -6,7 +6,8 @@ Blocks are tied with period 2: every even layer takes block 0's layout and every
 1's, which keeps the layouts that alternate per layer (3-D tensor parallelism swaps its input and
 output axes every layer) within reach. A block is tied only when its ops, shapes, internal
 wiring, parameters and legal strategies (pins included) all equal those of the block it is tied
-to; anything else keeps its own variables.
+to; anything else keeps its own variables. Tied nodes and edges have equal costs, so the solver
+prices one and counts it as many times as it occurs.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _signature(members, graph, strategies, container):
             else:
                 ins.append(("ext", graph.meta(v).shape))
         rel = n.fqn.split(".", len(container.split(".")) + 1)[-1] if n.fqn else None
-        sig.append((n.kind, n.op_name, rel, tuple(m.shape for m in n.outputs), tuple(ins),
-                    tuple(strategies[n.name])))
+        sig.append((n.kind, n.op_name, rel, n.requires_grad, tuple(m.shape for m in n.outputs),
+                    tuple(m.dtype for m in n.outputs), tuple(ins), tuple(strategies[n.name])))
     return tuple(sig)
 
 

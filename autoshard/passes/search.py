@@ -74,9 +74,8 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             entry["status"] = "pruned: its lower bound is no better than the best plan"
             continue
         strategies, costs = entry["_work"]
-        left = max(1.0, time_limit - (time.perf_counter() - start))
         try:
-            solution = solve(graph, strategies, costs, left, budget)
+            solution = solve(graph, strategies, costs, time_limit, budget)   # time_limit: per solve
         except MemoryBudgetError as e:
             entry["status"] = "does not fit in memory"
             errors.append(e)

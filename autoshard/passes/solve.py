@@ -41,7 +41,7 @@ from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import BUCKET_BYTES
 
 PICO = 1e12
-GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.01% of the best: closing the last sliver can take minutes
+GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.1% of the best: closing the last sliver can take minutes
 
 
 @dataclass
@@ -149,9 +149,10 @@ class _Sums:
         self.coef = {part: {} for part in PARTS}
         self.const = {part: 0 for part in PARTS}
 
-    def add(self, var, cost: Cost) -> None:
+    def add(self, var, cost: Cost, times: int = 1) -> None:
+        """Add ``times`` copies of ``cost`` on ``var`` (None: the constant)."""
         for part in PARTS:
-            c = _ps(getattr(cost, part)) if self.unit == PICO else getattr(cost, part) * self.unit
+            c = times * (_ps(getattr(cost, part)) if self.unit == PICO else getattr(cost, part) * self.unit)
             if not c:
                 continue
             if var is None:
@@ -160,16 +161,28 @@ class _Sums:
                 terms = self.coef[part]
                 terms[var] = terms.get(var, 0) + c
 
-    def expr(self, part):
-        return _linear(self.coef[part].items()) + self.const[part]
-
-    def scaled(self, part, factor: float):
+    def terms(self, *parts, scale: float = 1.0) -> tuple:
+        """(coefficient per variable, constant) of the parts' sum, each times ``scale``."""
         r = (lambda c: int(round(c))) if self.unit == PICO else (lambda c: c)
-        return (_linear((v, r(c * factor)) for v, c in self.coef[part].items())
-                + r(self.const[part] * factor))
+        out, const = {}, 0
+        for part in parts:
+            for v, c in self.coef[part].items():
+                out[v] = out.get(v, 0) + c * scale
+            const += self.const[part] * scale
+        return {v: r(c) for v, c in out.items()}, r(const)
 
     def most(self, part) -> int:
         return sum(max(c, 0) for c in self.coef[part].values()) + max(self.const[part], 0)
+
+
+def _plus(*sums) -> tuple:
+    """The sum of (terms, constant) pairs."""
+    out, const = {}, 0
+    for terms, c in sums:
+        for v, k in terms.items():
+            out[v] = out.get(v, 0) + k
+        const += c
+    return out, const
 
 
 class MemoryBudgetError(ValueError):
@@ -177,35 +190,39 @@ class MemoryBudgetError(ValueError):
 
 
 def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
-    """The integer program of the module docstring on ``model`` (CP-SAT, or its LP relaxation);
-    returns the x variables and the objective, in ``unit`` per second."""
+    """The integer program of the module docstring on ``model`` (``_CpSat``, or ``_LP`` for its
+    relaxation); returns the x variables and the objective as (terms, constant), in ``unit`` per
+    second."""
     sums = _Sums(unit)
     rep = tie_repeated(graph, strategies)
     x = _node_vars(model, graph, strategies, costs, sums, rep)
     _edge_vars(model, graph, strategies, costs, x, sums, rep)
-    objective = sums.expr("compute_fwd") + sums.expr("compute_bwd") + sums.expr("comm")
+    objective = sums.terms("compute_fwd", "compute_bwd", "comm")
     for phase in ("fwd", "bwd"):
         # exposed = max(0, hidden - compute) of the phase (cost.step)
         hidden, work = f"hidden_{phase}", f"compute_{phase}"
         if not sums.most(hidden):
             continue
-        exposed = model.new_int_var(0, sums.most(hidden), f"exposed_{phase}")
-        model.add(exposed >= sums.expr(hidden) - sums.expr(work))
-        objective = objective + exposed + sums.scaled(hidden, DRAG)
+        exposed = model.int_var(0, sums.most(hidden))
+        # exposed - hidden + compute >= 0
+        terms, const = _plus(({exposed: 1}, 0), sums.terms(hidden, scale=-1), sums.terms(work))
+        model.at_least(terms, -const)
+        objective = _plus(objective, ({exposed: 1}, 0), sums.terms(hidden, scale=DRAG))
     if memory_budget is not None:
         scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
         limit = int(memory_budget) if unit == PICO else memory_budget * scale
-        model.add(_memory_expr(graph, strategies, costs, x, scale) <= limit)
+        terms, const = _memory_terms(graph, strategies, costs, x, rep, scale)
+        model.at_most(terms, limit - const)
     return x, objective
 
 
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
           memory_budget: Optional[float] = None) -> Solution:
     start = time.perf_counter()
-    model = cp_model.CpModel()
+    model = _CpSat()
     x, objective = _build(model, graph, strategies, costs, memory_budget)
-    model.minimize(objective)
-    solver, status = _run(model, time_limit)
+    model.minimize(*objective)
+    solver, status = _run(model.model, time_limit)
     name = solver.status_name(status)
     if status == cp_model.INFEASIBLE and memory_budget is not None:
         raise MemoryBudgetError(_memory_message(graph, strategies, costs, memory_budget, time_limit))
@@ -223,7 +240,7 @@ def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Opt
     program (GLOP). inf when even the relaxation breaks the memory budget."""
     lp = _LP()
     _, objective = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
-    lp.solver.Minimize(objective)
+    lp.minimize(*objective)
     status = lp.solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
@@ -232,30 +249,76 @@ def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Opt
     return lp.solver.Objective().Value() / 1e6
 
 
+class _CpSat:
+    """The model-building calls ``_build`` makes, on a CP-SAT model. Linear terms are dicts of
+    variable -> coefficient."""
+
+    def __init__(self):
+        self.model = cp_model.CpModel()
+
+    def bool_var(self):
+        return self.model.new_bool_var("")
+
+    def int_var(self, lo, hi):
+        return self.model.new_int_var(lo, hi, "")
+
+    def exactly_one(self, vs):
+        self.model.add_exactly_one(vs)
+
+    def equal(self, lhs, rhs):
+        """sum(lhs) == sum(rhs)"""
+        self.model.add(cp_model.LinearExpr.sum(lhs) == cp_model.LinearExpr.sum(rhs))
+
+    def at_least(self, terms: dict, bound):
+        self.model.add(_weighted(terms) >= bound)
+
+    def at_most(self, terms: dict, bound):
+        self.model.add(_weighted(terms) <= bound)
+
+    def minimize(self, terms: dict, const):
+        self.model.minimize(_weighted(terms) + const)
+
+
+def _weighted(terms: dict):
+    return cp_model.LinearExpr.weighted_sum(list(terms), list(terms.values()))
+
+
 class _LP:
-    """The model-building calls ``_build`` makes, on a linear program: every variable continuous."""
+    """The same calls on a linear program (GLOP): every variable continuous. Constraints are
+    set coefficient by coefficient, several times faster than the natural API's expressions."""
 
     def __init__(self):
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
 
-    def new_bool_var(self, name):
+    def bool_var(self):
         return self.solver.NumVar(0.0, 1.0, "")
 
-    def new_int_var(self, lo, hi, name):
+    def int_var(self, lo, hi):
         return self.solver.NumVar(float(lo), float(hi), "")
 
-    def add_exactly_one(self, vs):
-        self.solver.Add(pywraplp.SumArray(vs) == 1)
+    def _row(self, lo, hi, terms):
+        row = self.solver.Constraint(lo, hi)
+        for v, c in terms:
+            row.SetCoefficient(v, c)
 
-    def add(self, constraint):
-        self.solver.Add(constraint)
+    def exactly_one(self, vs):
+        self._row(1.0, 1.0, ((v, 1.0) for v in vs))
 
+    def equal(self, lhs, rhs):
+        self._row(0.0, 0.0, [(v, 1.0) for v in lhs] + [(v, -1.0) for v in rhs])
 
-def _linear(terms):
-    terms = list(terms)
-    if terms and isinstance(terms[0][0], cp_model.IntVar):
-        return cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [c for _, c in terms])
-    return pywraplp.SumArray([c * v for v, c in terms]) if terms else 0
+    def at_least(self, terms: dict, bound):
+        self._row(float(bound), self.solver.infinity(), terms.items())
+
+    def at_most(self, terms: dict, bound):
+        self._row(-self.solver.infinity(), float(bound), terms.items())
+
+    def minimize(self, terms: dict, const):
+        objective = self.solver.Objective()
+        for v, c in terms.items():
+            objective.SetCoefficient(v, float(c))
+        objective.SetOffset(float(const))
+        objective.SetMinimization()
 
 
 def _run(model, time_limit):
@@ -267,6 +330,10 @@ def _run(model, time_limit):
     # branch on the LP's values: its relaxation is nearly tight, and the default search takes
     # 5x longer to find the plan the LP points at (24-layer GPT at world 256: 24 s against 4.4 s)
     solver.parameters.search_branching = cp_model.LP_SEARCH
+    # presolve's probing and symmetry detection find little in this model and cost most of the
+    # time (24-layer GPT on mesh (64, 4): 12 s with them, 3.5 s without, the same plan)
+    solver.parameters.cp_model_probing_level = 0
+    solver.parameters.symmetry_level = 0
     solver.parameters.max_time_in_seconds = float(time_limit)
     return solver, solver.solve(model)
 
@@ -276,12 +343,15 @@ def _choice(graph, x, solver) -> dict:
             next(i for i, v in enumerate(x[n.name]) if solver.boolean_value(v)) for n in graph.nodes}
 
 
-def _memory_expr(graph, strategies, costs, x, scale=1):
-    """Bytes per rank, linear in the choices (cost.memory)."""
+def _memory_terms(graph, strategies, costs, x, rep, scale=1) -> tuple:
+    """Bytes per rank, linear in the choices (cost.memory): (terms, constant)."""
     terms, const = {}, 0
+    count = _count(rep[n.name] for n in graph.nodes)
     for n in graph.nodes:
+        if rep[n.name] != n.name:
+            continue
         for i, s in enumerate(strategies[n.name]):
-            b = costs.memory(n, s) * scale
+            b = costs.memory(n, s) * scale * count[n.name]
             if not b:
                 continue
             if x[n.name] is None:
@@ -289,16 +359,16 @@ def _memory_expr(graph, strategies, costs, x, scale=1):
             else:
                 v = x[n.name][i]
                 terms[v] = terms.get(v, 0) + b
-    return _linear(terms.items()) + const
+    return terms, const
 
 
 def _memory_message(graph, strategies, costs, budget, time_limit) -> str:
     """What the least memory any layout reaches is, and which tensors take it."""
-    model = cp_model.CpModel()
+    model = _CpSat()
     rep = tie_repeated(graph, strategies)
     x = _node_vars(model, graph, strategies, costs, _Sums(), rep)
-    model.minimize(_memory_expr(graph, strategies, costs, x))
-    solver, status = _run(model, time_limit)
+    model.minimize(*_memory_terms(graph, strategies, costs, x, rep))
+    solver, status = _run(model.model, time_limit)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return f"no layout fits in a memory budget of {_gb(budget)} per rank"
     choice = _choice(graph, x, solver)
@@ -325,23 +395,45 @@ def _gb(n: float) -> str:
 
 def _node_vars(model, graph, strategies, costs, sums: _Sums, rep: dict) -> dict:
     x = {}
+    count = _count(rep[n.name] for n in graph.nodes)
     for n in graph.nodes:
         strats = strategies[n.name]
         if not strats:
             raise AssertionError(f"node {n.name} has no strategy")
+        if rep[n.name] != n.name:       # a repeated block's node: its twin's variables and costs
+            x[n.name] = x[rep[n.name]]
+            continue
+        times = count[n.name]
         if len(strats) == 1:
             x[n.name] = None
-            sums.add(None, costs.node(n, strats[0]))
+            sums.add(None, costs.node(n, strats[0]), times)
             continue
-        if rep[n.name] != n.name:       # a repeated block's node: its twin's variables
-            vs = x[n.name] = x[rep[n.name]]
-        else:
-            vs = [model.new_bool_var(f"x[{n.name},{i}]") for i in range(len(strats))]
-            model.add_exactly_one(vs)
-            x[n.name] = vs
+        vs = [model.bool_var() for _ in strats]
+        model.exactly_one(vs)
+        x[n.name] = vs
         for v, s in zip(vs, strats):
-            sums.add(v, costs.node(n, s))
+            sums.add(v, costs.node(n, s), times)
     return x
+
+
+def _count(keys) -> dict:
+    out: dict = {}
+    for k in keys:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def _edges(graph, rep: dict) -> list:
+    """(producer, value, consumer, slot, times) once per set of twin edges: the edges of repeated
+    blocks that join twin nodes share their variables and their costs (passes.repeat)."""
+    first, count = {}, {}
+    for v in graph.nodes:
+        for slot, value in enumerate(v.inputs):
+            key = (rep[value[0]], value[1], rep[v.name], slot)
+            if key not in first:
+                first[key] = (graph.by_name[value[0]], value, v, slot)
+            count[key] = count.get(key, 0) + 1
+    return [first[k] + (count[k],) for k in first]
 
 
 def _groups(strats, pick):
@@ -352,35 +444,27 @@ def _groups(strats, pick):
 
 
 def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict) -> None:
-    shared: dict = {}   # edges of repeated blocks share their twin's variables
-    for v in graph.nodes:
-        for slot, value in enumerate(v.inputs):
-            u = graph.by_name[value[0]]
-            src = _groups(strategies[u.name], lambda s: s.outputs[value[1]])
-            dst = _groups(strategies[v.name], lambda s: s.inputs[slot])
-            cost = {(a, b): costs.convert(value, a, b, v) for a in src for b in dst}
-            if len(src) == 1 or len(dst) == 1:
-                # one side fixed: the conversion's cost rides on the other side's choice
-                for (a, b), c in cost.items():
-                    if c == Cost():
-                        continue
-                    side, idx = (v, dst[b]) if len(src) == 1 else (u, src[a])
-                    if (len(src) == 1 and len(dst) == 1) or x[side.name] is None:
-                        sums.add(None, c)
-                        continue
-                    for i in idx:
-                        sums.add(x[side.name][i], c)
-                continue
-            key = (rep[u.name], value[1], rep[v.name], slot)
-            if key in shared:
-                for ab, c in cost.items():
-                    sums.add(shared[key][ab], c)
-                continue
-            y = shared[key] = {}
+    for u, value, v, slot, times in _edges(graph, rep):
+        src = _groups(strategies[u.name], lambda s: s.outputs[value[1]])
+        dst = _groups(strategies[v.name], lambda s: s.inputs[slot])
+        cost = {(a, b): costs.convert(value, a, b, v) for a in src for b in dst}
+        if len(src) == 1 or len(dst) == 1:
+            # one side fixed: the conversion's cost rides on the other side's choice
             for (a, b), c in cost.items():
-                y[a, b] = model.new_bool_var(f"y[{value[0]}:{value[1]}->{v.name}:{slot},{a},{b}]")
-                sums.add(y[a, b], c)
-            for a, idx in src.items():
-                model.add(sum(y[a, b] for b in dst) == sum(x[u.name][i] for i in idx))
-            for b, idx in dst.items():
-                model.add(sum(y[a, b] for a in src) == sum(x[v.name][i] for i in idx))
+                if c == Cost():
+                    continue
+                side, idx = (v, dst[b]) if len(src) == 1 else (u, src[a])
+                if (len(src) == 1 and len(dst) == 1) or x[side.name] is None:
+                    sums.add(None, c, times)
+                    continue
+                for i in idx:
+                    sums.add(x[side.name][i], c, times)
+            continue
+        y = {}
+        for (a, b), c in cost.items():
+            y[a, b] = model.bool_var()
+            sums.add(y[a, b], c, times)
+        for a, idx in src.items():
+            model.equal([y[a, b] for b in dst], [x[u.name][i] for i in idx])
+        for b, idx in dst.items():
+            model.equal([y[a, b] for a in src], [x[v.name][i] for i in idx])
