@@ -22,6 +22,7 @@ from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, schedule
 from autoshard.passes.search import search
+from autoshard.passes.descend import EXACT_PAIRS, edge_pairs, solve_large
 from autoshard.passes.solve import Costs, solve
 from autoshard.plan import Plan, make_plan
 
@@ -107,7 +108,10 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes)
-    solution = solve(graph, strategies, costs, time_limit, budget)
+    if len(mesh_shape) > 2 and edge_pairs(graph, strategies) > EXACT_PAIRS:   # one axis at a time
+        solution = solve_large(graph, strategies, costs, time_limit, budget, pinned=bool(pins))
+    else:
+        solution = solve(graph, strategies, costs, time_limit, budget)
     plan = make_plan(graph, strategies, solution, costs)
     plan.memory["budget"] = budget
     return plan

@@ -107,8 +107,8 @@ class Plan:
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         per_axis: dict = {}
         for c in self.collectives:
-            for a in c.axes:
-                per_axis[a] = per_axis.get(a, 0.0) + c.seconds
+            for a in c.axes:   # a collective over several axes at once: an equal share to each
+                per_axis[a] = per_axis.get(a, 0.0) + c.seconds / len(c.axes)
         head = (f"autoshard plan: mesh {tuple(self.mesh_shape)} ({self.world} devices"
                 f"{', ' + self.cluster.name if self.cluster else ''}), "
                 f"{'training' if self.training else 'inference'}")
@@ -131,8 +131,10 @@ class Plan:
             foot.append(f"mesh search: {len(self.mesh_candidates)} shapes, {len(ranked)} solved, best first: "
                         + ", ".join(f"{tuple(c['mesh'])} {_fmt_s(c['cost'])}" for c in ranked[:5]))
         if solver:
+            gap = solver.get("gap")
             foot.append(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
-                        f"optimality gap {100 * solver.get('gap', 0):.2f}%")
+                        + (f"optimality gap {100 * gap:.2f}%" if gap is not None else
+                           "a local optimum of one-axis descent (no bound on this mesh)"))
         return "\n".join([head, ""] + lines + foot)
 
     # ---- saving -----------------------------------------------------------------------------
@@ -221,8 +223,8 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
                         over = hidden and i == (0 if phase == "forward" else len(sts) - 1)
                         colls.append(Collective(st.kind, phase, (st.axis,), comm.step_bytes(st, meta.itemsize),
                                                 n.name, t, over))
-        for a, nbytes, t in costs.grad_syncs(n, strat):
-            colls.append(Collective("all_reduce", "backward", (a,), nbytes, n.name, t, True))
+        for axes, nbytes, t in costs.grad_syncs(n, strat):
+            colls.append(Collective("all_reduce", "backward", axes, nbytes, n.name, t, True))
         if n.kind == "op":
             for c in comm.op_collectives(n, strat, graph, mesh):
                 t = comm.all_reduce_time(c.nbytes, mesh[c.axis], links[c.axis])

@@ -96,7 +96,7 @@ def timed_plan(model, inputs, args, pin=None):
 def status(plan):
     s = plan.solver
     text = s["status"].lower()
-    return text if s["gap"] == 0 else f"{text} ({100 * s['gap']:.1f}% gap)"
+    return text if not s["gap"] else f"{text} ({100 * s['gap']:.1f}% gap)"
 
 
 def broadcast(values, n, flag):

@@ -10,9 +10,11 @@ One mesh axis of size p, T the bytes of the tensor as that axis sees it:
     S(i) -> S(j)   all_to_all        (p-1)/p^2 * T            all_to_all back
     B -> P         keep (local)      0                        keep
 
-A ring collective takes (p-1) latency steps (all-reduce 2(p-1)). On several axes the conversion
+A ring collective takes (p-1) latency steps; an all-reduce takes the faster of a ring (2(p-1)
+steps) and a tree (2 log2 p steps, the whole tensor each way). On several axes the conversion
 runs one axis at a time: gathers innermost axis first, splits outermost first, so a dim cut by
-several axes always holds the contiguous chunk DTensor's order prescribes. This module is the one
+several axes always holds the contiguous chunk DTensor's order prescribes. A partial sum over
+several axes is reduced hierarchically (reduce-scatter inside, all-reduce across, all-gather). This module is the one
 place that decides which steps a conversion takes; the cost model and the rewriter both use it.
 """
 from __future__ import annotations
@@ -93,11 +95,26 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
         steps.append(st)
         shape = _apply_shape(shape, st, mesh_shape[a])
 
-    # partial sums that end broadcast: reduce while the tensor is smallest
-    for a in range(n):
-        if isinstance(cur[a], Partial) and isinstance(dst[a], Broadcast):
+    # partial sums that end broadcast: reduce while the tensor is smallest. Over several axes,
+    # the inner ones reduce-scatter, the outermost all-reduces what is left, and the inner ones
+    # gather it back: 2(p-1)/p of the tensor on each inner axis, as an all-reduce there would
+    # cost, but the outer all-reduce moves only a 1/(inner ranks) piece
+    summed = [a for a in range(n) if isinstance(cur[a], Partial) and isinstance(dst[a], Broadcast)]
+    inner = summed[1:]
+    q = math.prod(mesh_shape[a] for a in inner)
+    dims = [d for d in range(len(shape)) if shape[d] % q == 0] if inner else []
+    if dims:
+        d = max(dims, key=lambda i: shape[i])
+        for a in reversed(inner):
+            emit("reduce_scatter", a, d)
+        emit("all_reduce", summed[0])
+        for a in inner:
+            emit("all_gather", a, d)
+    else:
+        for a in summed:
             emit("all_reduce", a)
-            cur[a] = B
+    for a in summed:
+        cur[a] = B
     for a in sorted(unshard, reverse=True):
         d = cur[a].dim
         other = [b for b in range(n) if b != a and any(isinstance(x, Split) and x.dim in (d, getattr(dst[a], "dim", None))
@@ -155,7 +172,7 @@ def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
     elif step.kind == "reduce_scatter":
         sent, hops = (p - 1) / p * n, p - 1        # T = input
     elif step.kind == "all_reduce":
-        sent, hops = 2 * (p - 1) / p * n, 2 * (p - 1)
+        return all_reduce_time(n, p, links[step.axis])
     else:  # all_to_all, T = p * input as seen on the axis
         sent, hops = (p - 1) / p * n, p - 1
     return overhead + hops * alpha + sent / beta
@@ -170,10 +187,31 @@ def conversion_time(local_shape, itemsize, src, dst, mesh_shape, links, backward
 
 
 def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
-    """Ring all-reduce; ``share`` < 1 when the tensor rides in a bucket with others and pays only
-    that part of the bucket's launch and latency."""
+    """The faster of a ring all-reduce (2(p-1) latency steps, 2(p-1)/p of the tensor sent) and a
+    tree (2 log2 p steps, the whole tensor up and down), as NCCL picks by size: small tensors
+    (a loss's sum, a norm's statistics) pay log p latency, not p. ``share`` < 1 when the tensor
+    rides in a bucket with others and pays only that part of the bucket's launch and latency."""
     alpha, beta, overhead = link
-    return share * (overhead + 2 * (p - 1) * alpha) + 2 * (p - 1) / p * nbytes / beta
+    ring = share * 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+    tree = share * 2 * math.ceil(math.log2(p)) * alpha + 2 * nbytes / beta
+    return share * overhead + min(ring, tree)
+
+
+def group_all_reduce_time(nbytes: int, axes: Sequence[int], mesh_shape, links, share: float = 1.0) -> float:
+    """All-reduce over the ranks of several axes at once (a gradient bucket's group), run
+    hierarchically: reduce-scatter on each inner axis, all-reduce of the remaining piece on the
+    outermost, all-gather back; ``share`` as in ``all_reduce_time``."""
+    axes = sorted(axes)
+    if len(axes) == 1:
+        return all_reduce_time(nbytes, mesh_shape[axes[0]], links[axes[0]], share)
+    t, n = 0.0, nbytes
+    for a in reversed(axes[1:]):
+        alpha, beta, overhead = links[a]
+        p = mesh_shape[a]
+        # reduce-scatter of n, then (below) all-gather back to n: (p-1)/p * n each way
+        t += 2 * (share * (overhead + (p - 1) * alpha) + (p - 1) / p * n / beta)
+        n /= p
+    return t + all_reduce_time(n, mesh_shape[axes[0]], links[axes[0]], share)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 from autoshard import placement as pl
@@ -23,6 +23,9 @@ from autoshard.rules import OpCtx, Sig, rule_for
 class Strategy:
     inputs: tuple    # nd placement per tensor input
     outputs: tuple   # nd placement per tensor output
+    # per mesh axis, which one-axis choice (signature or storage placement) it takes there; lets
+    # passes.descend compare strategies off one axis without comparing placements
+    axes: tuple = field(default=(), compare=False, repr=False)
 
     def __repr__(self) -> str:
         ins = ", ".join(pl.format_nd(p) for p in self.inputs)
@@ -55,12 +58,13 @@ def one_axis_sigs(node: Node, graph: Graph) -> list:
 def expand(sigs: list, metas_in: list, metas_out: list, mesh_shape) -> list:
     """All valid nd combinations of one-axis signatures."""
     out = []
-    for combo in itertools.product(sigs, repeat=len(mesh_shape)):
+    for picks in itertools.product(range(len(sigs)), repeat=len(mesh_shape)):
+        combo = [sigs[k] for k in picks]
         ins = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(metas_in)))
         outs = tuple(tuple(c.outputs[i] for c in combo) for i in range(len(metas_out)))
         if all(pl.is_valid(m.shape, p, mesh_shape, m.floating) for m, p in zip(metas_in, ins)) and \
            all(pl.is_valid(m.shape, p, mesh_shape, m.floating) for m, p in zip(metas_out, outs)):
-            out.append(Strategy(ins, outs))
+            out.append(Strategy(ins, outs, picks))
     return out
 
 
@@ -68,9 +72,10 @@ def storage_options(meta, mesh_shape) -> list:
     """Placements a graph input may take: split on any dim, or broadcast, per axis (never P)."""
     one_axis = [B] + [Split(d) for d in range(len(meta.shape)) if meta.shape[d] > 1]
     out = []
-    for combo in itertools.product(one_axis, repeat=len(mesh_shape)):
+    for picks in itertools.product(range(len(one_axis)), repeat=len(mesh_shape)):
+        combo = tuple(one_axis[k] for k in picks)
         if pl.local_shape(meta.shape, combo, mesh_shape) is not None:
-            out.append(Strategy((), (tuple(combo),)))
+            out.append(Strategy((), (combo,), picks))
     return out
 
 
@@ -78,6 +83,7 @@ def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
     """node name -> list of Strategy. Warns once for each op that has no rule."""
     strategies: dict = {}
     missing: set = set()
+    expanded: dict = {}   # the layers of a stack expand the same signatures on the same shapes
     for node in graph.nodes:
         if node.kind in ("param", "buffer", "input"):
             strategies[node.name] = storage_options(node.outputs[0], mesh_shape) if node.outputs else [Strategy((), ())]
@@ -87,7 +93,12 @@ def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
             sigs, known = one_axis_sigs(node, graph)
             if not known and node.outputs:
                 missing.add(node.op_name)
-            strategies[node.name] = expand(sigs, [graph.meta(v) for v in node.inputs], node.outputs, mesh_shape)
+            metas_in = [graph.meta(v) for v in node.inputs]
+            key = (tuple(sigs), tuple((m.shape, m.floating) for m in metas_in),
+                   tuple((m.shape, m.floating) for m in node.outputs))
+            if key not in expanded:
+                expanded[key] = expand(sigs, metas_in, node.outputs, mesh_shape)
+            strategies[node.name] = expanded[key]
     for op in sorted(missing):
         warnings.warn(f"autoshard has no sharding rule for {op}; it runs replicated (correct, "
                       "maybe slower)", UnknownOpWarning, stacklevel=3)

@@ -1,11 +1,22 @@
 """Mesh search: how ``world`` devices factor into mesh axes, chosen outside the ILP (DESIGN.md
 section 5).
 
-Every ordered factorization of ``world`` into at most ``max_axes`` axes of 2 or more devices is a
-candidate; the order matters, since the last axis is innermost on the hardware (the cluster maps
-it onto the fastest links). Each candidate gets a lower bound, the LP relaxation of its integer
-program; candidates are solved best bound first, and one whose bound is no better than the best
-plan found is pruned without solving. Every candidate's fate is kept in ``plan.mesh_candidates``.
+Every ordered factorization of ``world`` into at most 4 axes of 2 or more devices is a candidate;
+the order matters, since the last axis is innermost on the hardware (the cluster maps it onto the
+fastest links). The search runs in two phases:
+
+1. Meshes of one and two axes, exactly. Each gets a lower bound, the LP relaxation of its
+   integer program; they are solved best bound first, and one whose bound is no better than the
+   best plan found is pruned without solving.
+2. Refinement, up to 4 axes. Each axis of the best mesh so far is split in two in every way
+   ((64, 4) -> (8, 8, 4), (64, 2, 2), ...); the best plan lifts onto each refinement exactly and
+   improves there by one-axis descent (passes.descend). The best refinement becomes the mesh to
+   refine next, while refining still pays.
+
+Three- and four-axis meshes have too many layouts to bound or solve whole in seconds, so a mesh
+that refines none of the chosen meshes is not tried; its entry in ``plan.mesh_candidates`` says
+so. When the pins name three or four axes, phase 1 has nothing to solve: every mesh of that many
+axes descends from the pins' own layout.
 """
 from __future__ import annotations
 
@@ -14,10 +25,12 @@ import time
 import warnings
 
 from autoshard.passes.annotate import annotate
+from autoshard.passes.descend import EXACT_PAIRS, descend, edge_pairs, lift, start_choice
 from autoshard.passes.solve import Costs, MemoryBudgetError, lower_bound, solve
 from autoshard.plan import make_plan
 
-MAX_SEARCH_AXES = 2   # 3- and 4-axis strategy spaces are too large to solve in seconds: name them with mesh=
+MAX_SEARCH_AXES = 4
+EXACT_AXES = 2   # meshes of up to this many axes are bounded and solved whole
 
 
 def factorizations(world: int, max_axes: int) -> list:
@@ -39,38 +52,72 @@ def factorizations(world: int, max_axes: int) -> list:
     return sorted(set(out), key=lambda m: (len(m), m))
 
 
+def splits(mesh: tuple) -> list:
+    """(finer mesh, groups): each axis of ``mesh`` split into two ordered factors, one at a time."""
+    out = []
+    for i, n in enumerate(mesh):
+        for f in range(2, n // 2 + 1):
+            if n % f == 0:
+                fine = mesh[:i] + (f, n // f) + mesh[i + 1:]
+                out.append((fine, tuple(2 if j == i else 1 for j in range(len(mesh)))))
+    return out
+
+
+class _Candidates:
+    """Every candidate mesh's entry (mesh, bound, cost, status) and its annotated work."""
+
+    def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes):
+        self.graph, self.cluster, self.training, self.bucket_bytes = graph, cluster, training, bucket_bytes
+        self.pins_for = pins_for
+        self.entries = {m: {"mesh": list(m), "bound": None, "cost": None, "status": "not tried: refines none "
+                            "of the meshes chosen so far"} for m in factorizations(world, max_axes)}
+        self.pin_errors, self.warned = [], {}
+
+    def work(self, mesh):
+        """(strategies, costs) of the mesh, or None when the pins do not fit it."""
+        entry = self.entries[mesh]
+        if "_work" in entry:
+            return entry["_work"]
+        pins = self.pins_for(mesh)
+        if pins is None:
+            entry["status"] = "pins name another number of axes"
+            return None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                strategies = annotate(self.graph, mesh, pins)
+            for w in caught:   # once per search, not once per mesh
+                self.warned.setdefault(str(w.message), w)
+        except ValueError as e:
+            entry["status"] = f"pins cannot hold: {str(e).split(':')[0]}"
+            self.pin_errors.append(e)
+            return None
+        entry["_work"] = (strategies, Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes))
+        return entry["_work"]
+
+
 def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_bytes, budget,
            max_axes: int = MAX_SEARCH_AXES):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh)."""
     start = time.perf_counter()
-    candidates, pin_errors, seen = [], [], {}
-    for mesh in factorizations(world, max_axes):
-        entry = {"mesh": list(mesh), "bound": None, "cost": None, "status": ""}
-        candidates.append(entry)
-        pins = pins_for(mesh)
-        if pins is None:
-            entry["status"] = "pins name another number of axes"
+    cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes)
+    errors: list = []
+    best = None   # (plan, mesh, strategies, choice)
+
+    # phase 1: one and two axes, bounded and solved whole
+    small = [m for m in cands.entries if len(m) <= EXACT_AXES]
+    for mesh in small:
+        work = cands.work(mesh)
+        if work is None:
             continue
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                strategies = annotate(graph, mesh, pins)
-            for w in caught:   # once per search, not once per mesh
-                seen.setdefault(str(w.message), w)
-        except ValueError as e:
-            entry["status"] = f"pins cannot hold: {str(e).split(':')[0]}"
-            pin_errors.append(e)
-            continue
-        costs = Costs(graph, mesh, cluster, training, bucket_bytes)
-        entry["bound"] = lower_bound(graph, strategies, costs, budget)
-        entry["_work"] = (strategies, costs)
-        if math.isinf(entry["bound"]):
-            entry["status"] = "does not fit in memory"
-    best, best_entry, errors = None, None, []
-    for entry in sorted((e for e in candidates if "_work" in e and not math.isinf(e["bound"])),
-                        key=lambda e: e["bound"]):
-        if best is not None and entry["bound"] >= best.cost * (1 - 1e-6):
+        entry = cands.entries[mesh]
+        entry["bound"] = lower_bound(graph, *work, budget)
+        entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
+    for mesh in sorted((m for m in small if cands.entries[m]["status"] == "bounded"),
+                       key=lambda m: cands.entries[m]["bound"]):
+        entry = cands.entries[mesh]
+        if best is not None and entry["bound"] >= best[0].cost * (1 - 1e-6):
             entry["status"] = "pruned: its lower bound is no better than the best plan"
             continue
         strategies, costs = entry["_work"]
@@ -80,15 +127,31 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             entry["status"] = "does not fit in memory"
             errors.append(e)
             continue
-        plan = make_plan(graph, strategies, solution, costs)
-        entry["cost"], entry["status"] = plan.cost, "solved"
-        if best is None or plan.cost < best.cost:
-            best, best_entry = plan, entry
-    for w in seen.values():
+        best = _keep(best, graph, strategies, solution, costs, entry, mesh)
+
+    # phase 2: refine the best mesh, one axis split at a time
+    frontier = [] if best is None else [best]
+    if best is None:   # the pins name more axes than phase 1 solves: descend from the pins
+        for mesh in [m for m in cands.entries if len(m) > EXACT_AXES]:
+            best = _descend_from(cands, graph, mesh, None, time_limit, budget, errors, best)
+    while frontier:
+        plan, mesh, strategies, choice = frontier.pop()
+        round_best = None
+        for fine, groups in splits(mesh):
+            if len(fine) > max_axes or fine not in cands.entries:
+                continue
+            lifted = (strategies, choice, groups)
+            round_best = _descend_from(cands, graph, fine, lifted, time_limit, budget, errors, round_best)
+        if round_best is not None and round_best[0].cost < best[0].cost * (1 - 1e-6):
+            best = round_best
+            frontier.append(round_best)
+
+    for w in cands.warned.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    tried = [e.pop("_work") for e in candidates if "_work" in e]
-    if best is None and pin_errors and all(e["bound"] is None for e in candidates):
-        raise pin_errors[0]
+    tried = [e.pop("_work") for e in cands.entries.values() if "_work" in e]
+    candidates = list(cands.entries.values())
+    if best is None and cands.pin_errors and all(e["bound"] is None and e["cost"] is None for e in candidates):
+        raise cands.pin_errors[0]
     if best is None:
         if errors:
             raise errors[0]
@@ -98,8 +161,42 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             solve(graph, strategies, costs, time_limit, budget)
         raise ValueError(f"no mesh of {world} devices with at most {max_axes} axes takes the pins given: "
                          + "; ".join(f"{tuple(e['mesh'])}: {e['status']}" for e in candidates))
-    best_entry["status"] = "chosen"
-    best.mesh_candidates = sorted(candidates, key=lambda e: (e["cost"] is None, e["cost"] or 0,
+    plan = best[0]
+    cands.entries[best[1]]["status"] = "chosen"
+    plan.mesh_candidates = sorted(candidates, key=lambda e: (e["cost"] is None, e["cost"] or 0,
                                                              e["bound"] is None, e["bound"] or 0))
-    best.solver["search_seconds"] = time.perf_counter() - start
+    plan.solver["search_seconds"] = time.perf_counter() - start
+    return plan
+
+
+def _keep(best, graph, strategies, solution, costs, entry, mesh):
+    """Record a solved candidate; the better of it and ``best``."""
+    plan = make_plan(graph, strategies, solution, costs)
+    entry["cost"] = plan.cost
+    entry["status"] = f"refined ({solution.status.lower()})" if solution.status.startswith("LOCAL") else "solved"
+    if best is None or plan.cost < best[0].cost:
+        return plan, mesh, strategies, solution.choice
     return best
+
+
+def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors, best):
+    """Descend on ``mesh`` from the lifted coarse plan (or the pins' layout); the better of it
+    and ``best``."""
+    work = cands.work(mesh)
+    if work is None:
+        return best
+    strategies, costs = work
+    entry = cands.entries[mesh]
+    try:
+        if edge_pairs(graph, strategies) <= EXACT_PAIRS:
+            solution = solve(graph, strategies, costs, time_limit, budget)
+        else:
+            choice = lift(graph, *lifted, strategies) if lifted else None
+            if choice is None:
+                choice = start_choice(graph, strategies, costs, budget)
+            solution = descend(graph, strategies, costs, choice, time_limit, budget)
+    except MemoryBudgetError as e:
+        entry["status"] = "does not fit in memory"
+        errors.append(e)
+        return best
+    return _keep(best, graph, strategies, solution, costs, entry, mesh)

@@ -48,12 +48,14 @@ GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.1% of the best: closi
 class Solution:
     choice: dict        # node name -> index into its strategies
     objective: float    # seconds
-    bound: float        # seconds, proven lower bound
+    bound: Optional[float]   # seconds, proven lower bound; None when nothing is proven (passes.descend)
     status: str
     seconds: float      # wall time of the solve
 
     @property
-    def gap(self) -> float:
+    def gap(self) -> Optional[float]:
+        if self.bound is None:
+            return None
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
@@ -70,16 +72,19 @@ class Costs:
         self._conv: dict = {}
 
     def grad_syncs(self, node: Node, strat) -> list:
-        """(axis, bytes, seconds) of each gradient all-reduce of a parameter stored broadcast:
-        bucketed, so its launch and latency are shared with the bucket in proportion to size."""
+        """(axes, bytes, seconds) of the gradient all-reduce of a parameter stored broadcast, over
+        every axis it is broadcast on at once (the schedule pass's bucket groups): bucketed, so
+        its launch and latency are shared with the bucket in proportion to size."""
         mesh = self.mesh_shape
         if node.kind != "param" or not (self.training and node.requires_grad):
+            return []
+        axes = tuple(a for a, p in enumerate(strat.outputs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
+        if not axes:
             return []
         meta = node.outputs[0]
         nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * meta.itemsize
         share = min(1.0, nbytes / self.bucket_bytes)
-        return [(a, nbytes, comm.all_reduce_time(nbytes, mesh[a], self.links[a], share))
-                for a, p in enumerate(strat.outputs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1]
+        return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.links, share))]
 
     def node(self, node: Node, strat) -> Cost:
         mesh = self.mesh_shape
@@ -217,11 +222,19 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
 
 
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
-          memory_budget: Optional[float] = None) -> Solution:
+          memory_budget: Optional[float] = None, hint: Optional[dict] = None) -> Solution:
+    """The cheapest strategy per node. ``hint`` (node name -> strategy index), a plan the solver
+    starts from."""
     start = time.perf_counter()
     model = _CpSat()
     x, objective = _build(model, graph, strategies, costs, memory_budget)
     model.minimize(*objective)
+    hinted = set()
+    for name, i in (hint or {}).items():
+        if x[name] is not None and id(x[name]) not in hinted:   # twins share their variables
+            hinted.add(id(x[name]))
+            for k, v in enumerate(x[name]):
+                model.model.add_hint(v, k == i)
     solver, status = _run(model.model, time_limit)
     name = solver.status_name(status)
     if status == cp_model.INFEASIBLE and memory_budget is not None:
@@ -233,6 +246,18 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     obj = solver.objective_value / PICO
     bound = solver.best_objective_bound / PICO
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
+
+
+def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs) -> float:
+    """Estimated seconds per step of a whole plan (node name -> strategy index)."""
+    total = Cost()
+    for n in graph.nodes:
+        strat = strategies[n.name][choice[n.name]]
+        total = total + costs.node(n, strat)
+        for slot, value in enumerate(n.inputs):
+            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+            total = total + costs.convert(value, src, strat.inputs[slot], n)
+    return total.step
 
 
 def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None) -> float:

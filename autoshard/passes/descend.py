@@ -1,0 +1,192 @@
+"""Large meshes: solve one mesh axis at a time (DESIGN.md section 5).
+
+On three or four axes the integer program of ``passes.solve`` has a variable for every pair of
+layouts an edge can join, and there are millions (a GPT block on (8, 8, 4) has 326k, on
+(4, 4, 4, 4) 9M). Such a mesh is solved by block coordinate descent instead:
+
+    start from a plan (lifted from a coarser mesh, or the pins' own layout)
+    repeat until a round improves nothing:
+        for each mesh axis a:
+            keep every node's placements on the other axes as they are, and let the integer
+            program choose every node's placement on axis a, jointly, at the exact cost
+
+Each step solves an exact integer program of one-axis size (each node keeps only the strategies
+that agree with the current plan off axis a, so the current plan is one of its solutions), and
+its objective is the whole mesh's cost: the plan never gets worse, and it moves whole layers of
+the mesh at once (turn axis 2 from data parallel to tensor parallel, across every layer). It is
+a local optimum, not a proven one; ``Solution.status`` says so.
+
+A plan on a mesh whose axes group into a coarser mesh's lifts exactly: (a*b, c) -> (a, b, c)
+repeats each placement on the axes it covers, since a dim split over a then b is cut into the
+same a*b chunks, in the same order, as a split over a*b.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+from autoshard.cost import memory
+from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
+
+EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
+
+
+def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
+    """How many y variables the whole-mesh integer program would have (passes.solve._edge_vars)."""
+    from autoshard.passes.repeat import tie_repeated
+    from autoshard.passes.solve import _edges
+    rep = rep or tie_repeated(graph, strategies)
+    total = 0
+    for u, value, v, slot, _ in _edges(graph, rep):
+        src = {s.outputs[value[1]] for s in strategies[u.name]}
+        dst = {s.inputs[slot] for s in strategies[v.name]}
+        if len(src) > 1 and len(dst) > 1:
+            total += len(src) * len(dst)
+    return total
+
+
+def _off_axis(strat, axis):
+    """The strategy's placements on every axis but ``axis``."""
+    return (tuple(p[:axis] + p[axis + 1:] for p in strat.inputs),
+            tuple(p[:axis] + p[axis + 1:] for p in strat.outputs))
+
+
+class _ByOffAxis:
+    """For a strategy list (the layers of a stack share theirs): the indices of the strategies
+    that agree with strategy i off ``axis``, computed once per list and axis."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def __call__(self, strats, axis, i) -> list:
+        key = (id(strats), axis)
+        if key not in self._cache:
+            groups: dict = {}
+            keys = [s.axes[:axis] + s.axes[axis + 1:] if s.axes else _off_axis(s, axis) for s in strats]
+            for k, kk in enumerate(keys):
+                groups.setdefault(kk, []).append(k)
+            self._cache[key] = (strats, [groups[kk] for kk in keys])   # strats: keep its id alive
+        return self._cache[key][1][i]
+
+
+def start_choice(graph, strategies, costs: Costs, budget: Optional[float]) -> dict:
+    """A plan to descend from when there is nothing to lift: every node's first strategy (all
+    broadcast, or what its pin says); when that breaks the memory budget, every node's
+    least-memory strategy."""
+    choice = {n.name: 0 for n in graph.nodes}
+    if budget is None or _memory(graph, strategies, choice, costs) <= budget:
+        return choice
+    return {n.name: min(range(len(strategies[n.name])),
+                        key=lambda i: costs.memory(n, strategies[n.name][i]))
+            for n in graph.nodes}
+
+
+def _memory(graph, strategies, choice, costs) -> int:
+    return memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training)["total"]
+
+
+def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 60.0,
+            budget: Optional[float] = None, max_rounds: int = 4) -> Solution:
+    """Block coordinate descent from ``choice`` (node name -> strategy index), one mesh axis per
+    step, until a round over every axis improves nothing."""
+    start = time.perf_counter()
+    naxes = len(costs.mesh_shape)
+    best = choice_cost(graph, strategies, choice, costs)
+    if budget is not None and _memory(graph, strategies, choice, costs) > budget:
+        raise MemoryBudgetError(f"the starting plan needs {_memory(graph, strategies, choice, costs) / 1e9:.2f} GB "
+                                f"per rank, over the budget of {budget / 1e9:.2f} GB")
+    steps, agree, subs = 0, _ByOffAxis(), {}
+    for _ in range(max_rounds):
+        improved = False
+        for axis in range(naxes):
+            if costs.mesh_shape[axis] == 1:
+                continue
+            keep = {n.name: agree(strategies[n.name], axis, choice[n.name]) for n in graph.nodes}
+            sub = {}
+            for name, idx in keep.items():   # equal index lists give one shared list (tying needs it)
+                sub[name] = subs.setdefault((id(strategies[name]), tuple(idx)),
+                                            [strategies[name][i] for i in idx])
+            hint = {name: idx.index(choice[name]) for name, idx in keep.items()}
+            left = max(1.0, time_limit - (time.perf_counter() - start))
+            sol = solve(graph, sub, costs, left, budget, hint=hint)
+            steps += 1
+            if sol.objective < best * (1 - 1e-9):
+                choice = {name: keep[name][i] for name, i in sol.choice.items()}
+                best, improved = sol.objective, True
+        if not improved:
+            break
+    return Solution(choice, best, None, f"LOCAL_OPTIMUM ({steps} one-axis solves)",
+                    time.perf_counter() - start)
+
+
+def lift(graph, coarse_strategies, coarse_choice: dict, groups, strategies) -> Optional[dict]:
+    """The coarse plan on the fine mesh: ``groups[i]`` is how many fine axes coarse axis i covers
+    (in order). None when a lifted strategy is not among the fine mesh's (a pin forbids it)."""
+    indices: dict = {}   # per strategy list (shared by the layers of a stack)
+
+    def nd(p):
+        return tuple(q for q, k in zip(p, groups) for _ in range(k))
+
+    choice = {}
+    for n in graph.nodes:
+        strats = strategies[n.name]
+        if id(strats) not in indices:
+            indices[id(strats)] = {s: i for i, s in enumerate(strats)}
+        s = coarse_strategies[n.name][coarse_choice[n.name]]
+        fine = type(s)(tuple(nd(p) for p in s.inputs), tuple(nd(p) for p in s.outputs))
+        i = indices[id(strats)].get(fine)
+        if i is None:
+            return None
+        choice[n.name] = i
+    return choice
+
+
+def coarsenings(mesh: tuple) -> list:
+    """(coarse mesh, groups) for every way of merging neighbouring axes of ``mesh`` into fewer."""
+    n, out = len(mesh), []
+    for mask in range(1 << (n - 1)):        # bit i: the group ends after axis i
+        sizes, run = [], 1
+        for i in range(n - 1):
+            if mask >> i & 1:
+                sizes.append(run)
+                run = 1
+            else:
+                run += 1
+        sizes.append(run)
+        if len(sizes) < n:
+            ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+            coarse = tuple(math.prod(mesh[e - k:e]) for e, k in zip(ends, sizes))
+            out.append((coarse, tuple(sizes)))
+    return out
+
+
+def solve_large(graph, strategies, costs: Costs, time_limit: float, budget: Optional[float],
+                pinned: bool) -> Solution:
+    """A mesh too large to solve whole: descend from the best start. Without pins, the starts
+    are the exact plans of every two-axis mesh it coarsens to, lifted; with pins (which name
+    this mesh's axes), the pins' own layout."""
+    from autoshard.passes.annotate import annotate
+    mesh = costs.mesh_shape
+    starts = []
+    if not pinned:
+        for coarse, groups in coarsenings(mesh):
+            if len(coarse) > 2:
+                continue
+            cs = annotate(graph, coarse)
+            cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes)
+            try:
+                sol = solve(graph, cs, cc, time_limit, budget)
+            except MemoryBudgetError:
+                continue
+            choice = lift(graph, cs, sol.choice, groups, strategies)
+            if choice is not None:
+                starts.append(choice)
+    if not starts:
+        starts.append(start_choice(graph, strategies, costs, budget))
+    best = None
+    for choice in starts:
+        sol = descend(graph, strategies, costs, choice, time_limit, budget)
+        if best is None or sol.objective < best.objective:
+            best = sol
+    return best
