@@ -8,8 +8,8 @@ fastest links). The search runs in two phases:
 1. Meshes of one and two axes, exactly. Each gets a lower bound, the LP relaxation of its
    integer program; they are solved best bound first, and one whose bound is no better than the
    best plan found is pruned without solving.
-2. Refinement, up to 4 axes. Each axis of the best mesh so far is split in two in every way
-   ((64, 4) -> (8, 8, 4), (64, 2, 2), ...); the best plan lifts onto each refinement exactly and
+2. Refinement, up to 4 axes. Each axis of the best two-axis mesh is split in two in every way
+   ((64, 4) -> (8, 8, 4), (64, 2, 2), ...); its plan lifts onto each refinement exactly and
    improves there by one-axis descent (passes.descend). The best refinement becomes the mesh to
    refine next, while refining still pays.
 
@@ -103,7 +103,8 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
     start = time.perf_counter()
     cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes)
     errors: list = []
-    best = None   # (plan, mesh, strategies, choice)
+    best = None     # (plan, mesh, strategies, choice)
+    widest = None   # the same, of the best mesh with EXACT_AXES axes
 
     # phase 1: one and two axes, bounded and solved whole
     small = [m for m in cands.entries if len(m) <= EXACT_AXES]
@@ -127,24 +128,41 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             entry["status"] = "does not fit in memory"
             errors.append(e)
             continue
-        best = _keep(best, graph, strategies, solution, costs, entry, mesh)
+        got = _record(graph, strategies, solution, costs, entry, mesh)
+        best = _better(best, got)
+        if len(mesh) == EXACT_AXES:
+            widest = _better(widest, got)
 
-    # phase 2: refine the best mesh, one axis split at a time
-    frontier = [] if best is None else [best]
+    # phase 2: refine the best two-axis mesh (one axis is refined by the two-axis meshes
+    # already), one axis split at a time. A mesh of more axes may beat the bound of the mesh it
+    # refines, so when every two-axis mesh was pruned, the one with the best bound is solved
+    # to refine it
+    pruned = [m for m in small if len(m) == EXACT_AXES and cands.entries[m]["status"].startswith("pruned")]
+    if widest is None and pruned and max_axes > EXACT_AXES:
+        mesh = min(pruned, key=lambda m: cands.entries[m]["bound"])
+        entry = cands.entries[mesh]
+        strategies, costs = entry["_work"]
+        try:
+            widest = _record(graph, strategies, solve(graph, strategies, costs, time_limit, budget),
+                             costs, entry, mesh)
+        except MemoryBudgetError:
+            entry["status"] = "does not fit in memory"
+    frontier = [widest] if widest is not None else []
     if best is None:   # the pins name more axes than phase 1 solves: descend from the pins
         for mesh in [m for m in cands.entries if len(m) > EXACT_AXES]:
-            best = _descend_from(cands, graph, mesh, None, time_limit, budget, errors, best)
+            best = _better(best, _descend_from(cands, graph, mesh, None, time_limit, budget, errors))
     while frontier:
         plan, mesh, strategies, choice = frontier.pop()
         round_best = None
         for fine, groups in splits(mesh):
-            if len(fine) > max_axes or fine not in cands.entries:
+            if len(fine) > max_axes or fine not in cands.entries or cands.entries[fine]["cost"] is not None:
                 continue
             lifted = (strategies, choice, groups)
-            round_best = _descend_from(cands, graph, fine, lifted, time_limit, budget, errors, round_best)
-        if round_best is not None and round_best[0].cost < best[0].cost * (1 - 1e-6):
-            best = round_best
+            round_best = _better(round_best, _descend_from(cands, graph, fine, lifted, time_limit, budget, errors))
+        if round_best is not None and round_best[0].cost < plan.cost * (1 - 1e-6):
             frontier.append(round_best)
+            if round_best[0].cost < best[0].cost:
+                best = round_best
 
     for w in cands.warned.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -169,22 +187,27 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
     return plan
 
 
-def _keep(best, graph, strategies, solution, costs, entry, mesh):
-    """Record a solved candidate; the better of it and ``best``."""
+def _record(graph, strategies, solution, costs, entry, mesh):
+    """A solved candidate's plan in its entry; (plan, mesh, strategies, choice)."""
     plan = make_plan(graph, strategies, solution, costs)
     entry["cost"] = plan.cost
     entry["status"] = f"refined ({solution.status.lower()})" if solution.status.startswith("LOCAL") else "solved"
-    if best is None or plan.cost < best[0].cost:
-        return plan, mesh, strategies, solution.choice
-    return best
+    return plan, mesh, strategies, solution.choice
 
 
-def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors, best):
-    """Descend on ``mesh`` from the lifted coarse plan (or the pins' layout); the better of it
-    and ``best``."""
+def _better(a, b):
+    """The cheaper of two (plan, ...) results, either of which may be None."""
+    if a is None or (b is not None and b[0].cost < a[0].cost):
+        return b
+    return a
+
+
+def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors):
+    """Descend on ``mesh`` from the lifted coarse plan (or the pins' layout): its result, or
+    None."""
     work = cands.work(mesh)
     if work is None:
-        return best
+        return None
     strategies, costs = work
     entry = cands.entries[mesh]
     try:
@@ -198,5 +221,5 @@ def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors, best):
     except MemoryBudgetError as e:
         entry["status"] = "does not fit in memory"
         errors.append(e)
-        return best
-    return _keep(best, graph, strategies, solution, costs, entry, mesh)
+        return None
+    return _record(graph, strategies, solution, costs, entry, mesh)
