@@ -105,3 +105,47 @@ def test_a_pin_naming_an_axis_the_mesh_lacks():
     model, inputs = _gpt()
     with pytest.raises(ValueError, match="names 3 mesh axes, but the mesh has 2"):
         autoshard.plan(model, inputs, mesh=(2, 4), pin={"blocks.0.fc.weight": ("S(0)", "B", "B")})
+
+
+# ---- three and four axes: lifting and descent (passes.descend) -------------------------------------
+
+def test_coarsenings_merge_neighbouring_axes():
+    from autoshard.passes.descend import coarsenings
+    assert sorted(coarsenings((2, 4, 8))) == sorted([((8, 8), (2, 1)), ((2, 32), (1, 2)), ((64,), (3,))])
+    assert len(coarsenings((2, 2, 2, 2))) == 7
+
+
+def test_a_plan_lifts_exactly_and_descent_only_improves_it():
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    from autoshard.passes.descend import descend, lift
+    from autoshard.passes.solve import Costs, choice_cost, solve
+    from autoshard.cluster import PRESETS
+    from autoshard import placement as pl
+    model, inputs = _gpt(world_batch=64)
+    graph = capture(model, inputs)
+    cluster = PRESETS["a100-80gb-nvlink-ib"]
+    coarse, fine = (8, 4), (2, 4, 4)
+    cs = annotate(graph, coarse)
+    sol = solve(graph, cs, Costs(graph, coarse, cluster, True))
+    fs = annotate(graph, fine)
+    choice = lift(graph, cs, sol.choice, (2, 1), fs)
+    assert choice is not None
+    for n in graph.nodes:   # the same shares on every rank: equal local shapes, axis 0 of 8 -> 2 x 4
+        a, b = cs[n.name][sol.choice[n.name]], fs[n.name][choice[n.name]]
+        for meta, p, q in zip(n.outputs, a.outputs, b.outputs):
+            assert pl.local_shape(meta.shape, p, coarse) == pl.local_shape(meta.shape, q, fine)
+            assert q[0] == q[1] == p[0] and q[2] == p[1]
+    costs = Costs(graph, fine, cluster, True)
+    start = choice_cost(graph, fs, choice, costs)
+    result = descend(graph, fs, costs, choice)
+    assert result.objective <= start * (1 + 1e-9) and result.bound is None
+    assert result.objective == pytest.approx(choice_cost(graph, fs, result.choice, costs), rel=1e-6)
+
+
+def test_a_four_axis_mesh_too_large_to_solve_whole_descends():
+    model, inputs = _gpt(world_batch=256)
+    plan = autoshard.plan(model, inputs, mesh=(4, 4, 4, 4))
+    assert plan.solver["status"].startswith("LOCAL_OPTIMUM") and plan.solver["gap"] is None
+    assert "local optimum of one-axis descent" in str(plan)
+    assert plan.world == 256 and plan.memory["total"] <= plan.memory["budget"]
