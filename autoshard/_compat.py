@@ -4,3 +4,23 @@ torch.utils._pytree flattens and rebuilds nested inputs and outputs exactly as t
 them (ExportedProgram.call_spec holds its TreeSpecs); torch has no public equivalent yet.
 """
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
+
+
+def thread_local_c10d():
+    """(install, uninstall, isolate) for running every rank of a group as a thread of this process
+    (autoshard.simulate). c10d keeps its groups in one process-wide registry and the functional
+    collectives resolve a group by name in a C++ registry: install swaps the former for one per
+    thread (torch's own, which its threaded test backend uses, so it follows c10d's changes),
+    isolate(True) makes the latter per thread. Imported on use, so that a torch without them fails
+    only the simulation, saying so."""
+    try:
+        from torch._C._distributed_c10d import _set_thread_isolation_mode
+        from torch.testing._internal.distributed.multi_threaded_pg import (
+            _install_threaded_pg, _uninstall_threaded_pg)
+    except ImportError as e:
+        import torch
+        raise RuntimeError(
+            f"autoshard.simulate needs torch's thread-local process-group world (torch.testing._internal."
+            f"distributed.multi_threaded_pg) and c10d's thread isolation mode, which torch {torch.__version__} "
+            f"lacks ({e}). Run the ranks as processes instead: autoshard.launch.LocalWorld.") from e
+    return _install_threaded_pg, _uninstall_threaded_pg, _set_thread_isolation_mode

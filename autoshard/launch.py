@@ -8,6 +8,7 @@ import os
 import queue
 import socket
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
@@ -31,7 +32,9 @@ def _worker(rank, world, port, backend, timeout_s, jobs, results):
             break
         fn, args, kwargs = job
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            # pickled here: the queue would pickle in a thread of its own, and a result that cannot
+            # cross (a tensor that requires grad) would be dropped there, the caller left waiting
+            results.put((rank, True, bytes(ForkingPickler.dumps(fn(*args, **kwargs)))))
         except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -72,7 +75,7 @@ class LocalWorld:
                 raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on every rank within "
                                    f"{self.timeout_s + 60:.0f} s") from None
             if ok:
-                out[rank] = value
+                out[rank] = ForkingPickler.loads(value)
             else:
                 errors[rank] = value
         if errors:
