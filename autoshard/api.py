@@ -314,6 +314,7 @@ class ParallelModule(nn.Module):
 
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
         program, graph, plan = self._program_for(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         user = [x for x in leaves if isinstance(x, torch.Tensor)]

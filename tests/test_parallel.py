@@ -166,6 +166,29 @@ def test_plans_at_first_call_and_rejects_new_shapes(world4):
         assert msg is not None and "differ from the shapes the plan was made for" in msg
 
 
+class Difference(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, a, b):
+        return self.fc(a) - b
+
+
+def keyword_order_case():
+    torch.manual_seed(0)
+    model = Difference()
+    a, b = torch.randn(4, 8), torch.randn(4, 8) + 10
+    want = model(a, b)
+    pm = autoshard.parallelize(model, dict(a=a, b=b))
+    return [(pm(a=a, b=b) - want).abs().max().item(), (pm(b=b, a=a) - want).abs().max().item()]
+
+
+def test_keyword_arguments_in_any_order(world2):
+    for errs in world2.run(keyword_order_case):
+        assert max(errs) <= 1e-6, errs
+
+
 def world_mismatch_case():
     model, inputs = _make("mlp")
     try:

@@ -106,7 +106,7 @@ def normalize_inputs(example_inputs) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
+        return (), dict(sorted(example_inputs.items()))   # keyword order never decides which input is which
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
     raise TypeError("example_inputs must be a tensor, a tuple of positional arguments or a dict of "
@@ -118,13 +118,111 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram
         return torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - any failure inside export is the user's model
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "not a known type" in first:  # torch's pytree cannot flatten something the model returns
+            cause = ("the model returns an object that is neither a tensor nor a container torch's "
+                     "pytree can flatten. Return tensors (or tuples, lists, dicts and dataclasses "
+                     "registered with torch.utils._pytree), or switch that output off: a decoder's "
+                     "key/value cache object, for one, goes with use_cache=False.")
+        else:
+            cause = ("Common causes: Python control flow that depends on tensor values (use torch.where "
+                     "or torch.cond), calls into non-torch libraries, or example inputs of the wrong shape.")
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
-            "autoshard needs a model that torch.export can trace with the example inputs. Common "
-            "causes: Python control flow that depends on tensor values (use torch.where or "
-            "torch.cond), calls into non-torch libraries, or example inputs of the wrong shape. "
+            f"autoshard needs a model that torch.export can trace with the example inputs. {cause} "
             "Try torch.export.export(model, args, strict=False) directly to see the full report."
         ) from e
+
+
+# torch.export keeps a region that switches gradients (torch.no_grad, torch.enable_grad) or runs
+# under torch.autocast as one call of a submodule through these higher-order ops
+_GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+_AUTOCAST_REGION = torch.ops.higher_order.wrap_with_autocast
+
+
+def inline_regions(gm: fx.GraphModule) -> None:
+    """Inline, in place, the submodule calls by which torch.export keeps grad-mode and autocast
+    regions, so that the planner sees their ops as any others (a decoder computes its rotary
+    position table under torch.no_grad, for one).
+
+    A region run with gradients off becomes its ops followed by a ``detach`` of each output it
+    computed: the same values, and no gradient through them, as in the model. A region that switches gradients
+    on inside one that switched them off would need more than a detach and is refused, as is an
+    autocast region that casts: its ops were traced at their own dtypes, and inlined they would
+    run without the casts. A disabled autocast region changes nothing and is inlined as is."""
+    while True:
+        node = next((n for n in gm.graph.nodes if n.op == "call_function"
+                     and n.target in (_GRAD_REGION, _AUTOCAST_REGION)), None)
+        if node is None:
+            break
+        if node.target is _GRAD_REGION:
+            grad_enabled, body, operands = node.args[0], node.args[1], node.args[2:]
+        else:
+            device_type, dtype, enabled, _, body, *operands = node.args
+            if enabled:
+                raise CaptureError(
+                    f"the model runs a region under torch.autocast({device_type!r}, dtype={dtype}): autoshard "
+                    "does not yet plan mixed-precision regions. Cast the model to one dtype and take the "
+                    "autocast region out of its forward.")
+            grad_enabled = True
+        sub = getattr(gm, body.target)
+        if not grad_enabled and any(n.op == "call_function" and n.target is _GRAD_REGION and n.args[0]
+                                    for n in sub.graph.nodes):
+            raise CaptureError("the model switches gradients on (torch.enable_grad) inside a region that "
+                               "switched them off (torch.no_grad): autoshard cannot plan that nesting")
+        outs = _inline_body(gm, node, sub, operands)
+        if not grad_enabled:  # what the region computed has no gradient; what it passed through keeps its own
+            with gm.graph.inserting_before(node):
+                outs = [o if o in operands else _detached(gm.graph, o) for o in outs]
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                gm.graph.erase_node(user)
+        if node.users:
+            raise CaptureError(f"region {node.name} of the exported graph is used other than by indexing "
+                               "its outputs; autoshard cannot inline it")
+        gm.graph.erase_node(node)
+        if not body.users:
+            gm.graph.erase_node(body)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _inline_body(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule, operands) -> list:
+    """Copy the ops of ``sub`` before ``call``, its placeholders bound to ``operands``; returns
+    the nodes that hold its outputs. A nested region's submodule moves up to ``gm``."""
+    env = dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"), operands))
+    outs = []
+    with gm.graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                result = fx.node.map_arg(n.args[0], env.__getitem__)
+                outs = list(result) if isinstance(result, (tuple, list)) else [result]
+            elif n.op == "get_attr":
+                name = _free_attr(gm, n.target)
+                setattr(gm, name, getattr(sub, n.target))
+                env[n] = gm.graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+            else:
+                env[n] = gm.graph.node_copy(n, env.__getitem__)
+    return outs
+
+
+def _free_attr(gm: fx.GraphModule, name: str) -> str:
+    i, free = 0, name
+    while hasattr(gm, free):
+        i += 1
+        free = f"{name}_{i}"
+    return free
+
+
+def _detached(graph: fx.Graph, node):
+    if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+        return node
+    out = graph.call_function(torch.ops.aten.detach.default, (node,))
+    out.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")}
+    return out
 
 
 def _tensor_metas(val) -> list:
@@ -147,9 +245,10 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None) -> Graph:
     any size, and for one whose parameters are already DTensor shares."""
     args, kwargs = normalize_inputs(example_inputs)
     if extra_kwargs:
-        kwargs = {**kwargs, **extra_kwargs}
+        kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
     with meta_view(model):
         ep = export(model, _to_meta(args), _to_meta(kwargs))
+        inline_regions(ep.graph_module)
         return from_exported(ep, model)
 
 

@@ -219,9 +219,21 @@ def _emit_conversion(g, x, steps):
     return x
 
 
+def _on_device(obj, device):
+    """Every device an op's arguments name (``to(x, device)``, ``arange(..., device=)``) is the
+    meta device the model was captured on: the rank's own device instead."""
+    if isinstance(obj, torch.device):
+        return torch.device(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_on_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _on_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
-    """The per-rank program. Placeholders: parameters (local shards), buffers and user inputs
-    (whole), in ``graph.nodes`` order."""
+    """The per-rank program. Placeholders: parameters (local shards), buffers and the user inputs
+    that hold a tensor (whole), in ``graph.nodes`` order."""
     mesh = tuple(plan.mesh_shape)
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
@@ -236,9 +248,9 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
         for i, p in enumerate(outs):
             out_pl[(node.name, i)] = p
         if node.kind in ("param", "buffer", "input"):
-            ph = g.placeholder(node.name)
-            if not node.outputs:
+            if not node.outputs:  # a constant argument (a flag, None): the graph holds its value
                 continue
+            ph = g.placeholder(node.name)
             ph.meta["local"] = TensorMeta(pl.local_shape(node.outputs[0].shape, outs[0], mesh), node.outputs[0].dtype)
             if node.kind == "param":
                 axes = tuple(a for a, p in enumerate(outs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
@@ -272,8 +284,8 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
 
         args = fx.node.map_arg(node.fx_node.args, map_one)
         kwargs = fx.node.map_arg(node.fx_node.kwargs, map_one)
-        if device is not None and isinstance(kwargs.get("device"), torch.device):
-            kwargs = dict(kwargs, device=torch.device(device))  # captured on meta, runs here
+        if device is not None:  # captured on meta, runs here
+            args, kwargs = _on_device(args, device), _on_device(kwargs, device)
         if node.kind == "output":
             g.output(args[0])
             continue

@@ -77,6 +77,7 @@ UNCOMPARABLE = {
 DISPATCH_ONLY = (
     "mT", "narrow", "ravel", "broadcast_to", "column_stack", "hstack", "nn.functional.softmin",
     "nn.functional.interpolate", "nn.functional.upsample_nearest", "nn.functional.upsample_bilinear",
+    "__getitem__",   # x[i, j] with index tensors: aten.index.Tensor
 )
 
 _REDUCTION = {"none": 0, "mean": 1, "sum": 2}
@@ -118,6 +119,11 @@ ADAPTERS: dict = {
     "nn.functional.smooth_l1_loss": _loss(aten.smooth_l1_loss.default, "beta"),
     "nn.functional.huber_loss": _loss(aten.huber_loss.default, "delta"),
     "nn.functional.batch_norm": _batch_norm,
+    # x & y reaches a traced graph as __and__ (export records it before it decomposes) and the
+    # dispatcher as bitwise_and: the same op, checked on bitwise_and's samples
+    "bitwise_and": lambda x, other: (aten.__and__.Tensor, (x, other), {}),
+    "bitwise_or": lambda x, other: (aten.__or__.Tensor, (x, other), {}),
+    "bitwise_xor": lambda x, other: (aten.__xor__.Tensor, (x, other), {}),
 }
 
 

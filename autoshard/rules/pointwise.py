@@ -83,6 +83,8 @@ NONLINEAR = [
     aten.relu6, aten.hardswish, aten.hardsigmoid, aten.sign, aten.floor, aten.ceil, aten.round,
     aten.remainder, aten.fmod, aten.lerp, aten.addcmul, aten.addcdiv, aten.atan2,
     aten.div.Tensor_mode, aten.div.Scalar_mode, aten.view.dtype, aten.floor_divide,
+    aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.logical_xor,
+    aten.__and__, aten.__or__, aten.__xor__,   # what x & y calls in a traced graph
 ]
 LINEAR_UNARY = [
     aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to,

@@ -656,6 +656,22 @@ def default_cases(seed: int = 0) -> list:
     add(aten.upsample_bicubic2d.vec, r(4, 8, 3, 3), None, False, [2.0, 2.0])
     add(aten.upsample_linear1d.vec, r(4, 8, 5), None, False, [2.0])
 
+    # -- masks and positions: indexing, scans, differences, pads (indexing.py)
+    add(aten.cumsum.default, r(4, 8), 1)
+    add(aten.cumsum.default, mask(4, 8), -1)                     # bool in, int64 out
+    add(aten.diff.default, r(4, 8), 1, -1, r(4, 1))              # with prepend
+    add(aten.diff.default, r(4, 8, 4), 2, 1, None, r(4, 2, 4))   # second difference, append
+    add(aten.pad.default, ints(20, 4, 8), [0, 1], "constant", -100.0)   # labels shifted for the loss
+    add(aten.pad.default, r(4, 8, 6), [1, 2], "constant", 0.0)
+    add(aten.pad.default, r(4, 8, 6), [1, 1], "reflect")
+    add(aten.constant_pad_nd.default, r(4, 8, 8), [0, 0, 1, 2], 1.5)
+    add(aten.index.Tensor, r(8, 12), [ints(8, 4, 1), ints(12, 1, 8)])              # broadcast indices
+    add(aten.index.Tensor, ints(9, 4, 8), [torch.arange(4).view(4, 1, 1, 1), ints(8, 1, 1, 8, 1)])
+    add(aten.index.Tensor, r(8, 12, 4), [None, ints(12, 8)])                        # a whole dim first
+    add(aten.index.Tensor, r(4, 8, 12), [ints(4, 6), None, ints(12, 6)])           # not adjacent
+    add(aten.index.Tensor, r(8, 12), [mask(8)])                                     # a mask: no split
+    add(aten.__and__.Tensor, mask(4, 8, 8), mask(1, 8, 8))
+
     # -- factories: only all-B
     add(aten.arange.default, 8, dtype=torch.int64)
     add(aten.arange.start_step, 0, 16, 2, dtype=f64)

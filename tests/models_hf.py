@@ -1,0 +1,118 @@
+"""HuggingFace transformers models the tests train, built from tiny configs with random weights
+(nothing is downloaded): GPT-2, LLaMA with grouped-query attention, and BERT for masked-LM. Each
+builder returns the model and its keyword inputs, labels included, so the model returns its loss
+beside its logits.
+
+``megatron_pins`` pins Megatron-LM's tensor parallelism on a model's attention and MLP
+projections, found in its captured graph by the weight each matmul multiplies (as
+``autoshard.schemes`` does for its GPT), since HuggingFace names them differently per model.
+"""
+import re
+
+import torch
+import transformers
+
+from autoshard.passes.capture import capture
+
+aten = torch.ops.aten
+VOCAB, SEQ, BATCH = 128, 8, 8
+
+
+def _tokens(seed, shape=(BATCH, SEQ)):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def gpt2(attn="eager"):
+    """GPT-2: Conv1D projections (``addmm`` with (in, out) weights), fused q/k/v, learned
+    positions, the head tied to the token embedding. Dropout off, so numerics are deterministic."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation=attn)
+    model = transformers.GPT2LMHeadModel(cfg)
+    # use_cache=False: the key/value cache object is not a tensor the graph can return
+    return model, dict(input_ids=_tokens(1), labels=_tokens(2), use_cache=False)
+
+
+def llama(attn="sdpa"):
+    """LLaMA: grouped-query attention (8 query heads share 4 key/value heads), rotary position
+    embeddings (a table computed under torch.no_grad), RMSNorm, a SwiGLU MLP, an untied head."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                   max_position_embeddings=SEQ, attention_dropout=0.0,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                   attn_implementation=attn)
+    model = transformers.LlamaForCausalLM(cfg)
+    return model, dict(input_ids=_tokens(3), labels=_tokens(4), use_cache=False)
+
+
+def bert(attn="sdpa"):
+    """BERT for masked-LM: a padding attention mask (rows padded by 0 to 3 tokens), two token
+    types, labels only at about a sixth of the positions (-100, ignored, elsewhere)."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
+                                  type_vocab_size=2, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, pad_token_id=0,
+                                  attn_implementation=attn)
+    model = transformers.BertForMaskedLM(cfg)
+    g = torch.Generator().manual_seed(5)
+    lengths = SEQ - torch.arange(BATCH) % 4
+    attention_mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    token_type_ids = (torch.arange(SEQ)[None, :] >= lengths[:, None] // 2).long().expand(BATCH, SEQ).contiguous()
+    labels = torch.where((torch.rand(BATCH, SEQ, generator=g) < 0.17) & attention_mask.bool(), _tokens(6), -100)
+    labels[:, 0] = _tokens(7, (BATCH,))   # at least one counted target per row
+    return model, dict(input_ids=_tokens(8) * attention_mask, attention_mask=attention_mask,
+                       token_type_ids=token_type_ids, labels=labels)
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+# Megatron roles by parameter name: column-parallel projections widen the features (q, k, v, the
+# MLP's up projections), row-parallel ones contract them back (the attention output, the MLP's
+# down projection)
+COLUMN = re.compile(r"\.(attn\.c_attn|mlp\.c_fc|self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|"
+                    r"attention\.self\.(query|key|value)|intermediate\.dense)\.weight$")
+ROW = re.compile(r"\.(attn\.c_proj|mlp\.c_proj|self_attn\.o_proj|mlp\.down_proj|attention\.output\.dense|"
+                 r"layer\.\d+\.output\.dense)\.weight$")
+
+
+def megatron_pins(model, inputs, mesh, tp=-1, graph=None):
+    """Megatron-LM 1-D tensor parallelism on mesh axis ``tp``, data parallelism on the others.
+
+    Column-parallel weights are stored split by output features, with their bias, and their
+    matmul's output is pinned split by features; row-parallel weights are split by input
+    features and their output is pinned P, all-reduced before the residual add. ``nn.Linear``
+    holds its weight (out, in), GPT-2's Conv1D (in, out) and multiplies by ``addmm``. On data
+    axes weights are B and inputs and matmul outputs split by the batch. ``graph=`` reuses one
+    ``capture(model, inputs)`` for several meshes."""
+    tp %= len(mesh)
+    data = [a for a in range(len(mesh)) if a != tp]
+    graph = graph if graph is not None else capture(model, inputs)
+    by = graph.by_name
+
+    def nd(per_axis):
+        return tuple(per_axis.get(a, "B") for a in range(len(mesh)))
+
+    pins = {n.name: nd({a: "S(0)" for a in data}) for n in graph.nodes if n.kind == "input" and n.outputs}
+    for n in graph.nodes:
+        if n.target == aten.linear.default:
+            w, b, out_dim = n.inputs[1], n.inputs[2] if len(n.inputs) > 2 else None, 0
+        elif n.target == aten.addmm.default:
+            w, b, out_dim = n.inputs[2], n.inputs[0], 1
+        else:
+            continue
+        weight = by[w[0]]
+        if weight.kind != "param":
+            continue
+        column, row = COLUMN.search("." + weight.fqn), ROW.search("." + weight.fqn)
+        if not (column or row):
+            continue
+        split = out_dim if column else 1 - out_dim
+        pins[weight.fqn] = nd({tp: f"S({split})"})
+        if b is not None and by[b[0]].kind == "param":
+            pins[by[b[0]].fqn] = nd({tp: "S(0)"} if column else {})
+        features = len(n.outputs[0].shape) - 1
+        pins[n.name] = nd({**{a: "S(0)" for a in data}, tp: f"S({features})" if column else "P"})
+    return pins
