@@ -203,6 +203,7 @@ class ParallelModule(nn.Module):
         self.__dict__["_programs"] = {}
         self.__dict__["_distributed"] = False
         self.__dict__["_planned_shapes"] = None
+        self.__dict__["_planned_consts"] = None
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.__dict__["_device"] = device
         from torch.distributed.device_mesh import init_device_mesh
@@ -241,9 +242,16 @@ class ParallelModule(nn.Module):
     def _program_for(self, args, kwargs):
         leaves, _ = tree_flatten((args, kwargs))
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
-        key = (self._model.training, shapes)
+        # non-tensor arguments (flags, sizes) are constants of the captured graph
+        consts = tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor))
+        key = (self._model.training, shapes, consts)
         if key in self._programs:
             return self._programs[key]
+        if self._planned_consts is not None and consts != self._planned_consts:
+            raise ValueError(
+                f"non-tensor arguments {list(consts)} differ from those the program was captured with "
+                f"{list(self._planned_consts)}: they are constants of the traced graph. Call with the same "
+                "values, or parallelize a fresh copy of the model for these.")
         if self._planned_shapes is not None and shapes != self._planned_shapes:
             raise ValueError(
                 f"input shapes {[list(s) for s, _ in shapes]} differ from the shapes the plan was made for "
@@ -258,6 +266,7 @@ class ParallelModule(nn.Module):
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
             self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self.__dict__["_planned_shapes"] = shapes
+        self.__dict__["_planned_consts"] = consts
         self._programs[key] = (program, graph, plan)
         return self._programs[key]
 

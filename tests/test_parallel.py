@@ -171,8 +171,9 @@ class Difference(torch.nn.Module):
         super().__init__()
         self.fc = torch.nn.Linear(8, 8)
 
-    def forward(self, a, b):
-        return self.fc(a) - b
+    def forward(self, a, b, negate=False):
+        y = self.fc(a) - b
+        return -y if negate else y
 
 
 def keyword_order_case():
@@ -180,13 +181,20 @@ def keyword_order_case():
     model = Difference()
     a, b = torch.randn(4, 8), torch.randn(4, 8) + 10
     want = model(a, b)
-    pm = autoshard.parallelize(model, dict(a=a, b=b))
-    return [(pm(a=a, b=b) - want).abs().max().item(), (pm(b=b, a=a) - want).abs().max().item()]
+    pm = autoshard.parallelize(model, dict(a=a, b=b, negate=False))
+    errs = [(pm(a=a, b=b, negate=False) - want).abs().max().item(),
+            (pm(negate=False, b=b, a=a) - want).abs().max().item()]
+    try:
+        pm(a=a, b=b, negate=True)
+    except ValueError as e:
+        return errs, str(e)
+    return errs, None
 
 
-def test_keyword_arguments_in_any_order(world2):
-    for errs in world2.run(keyword_order_case):
+def test_keyword_arguments_in_any_order_and_constants_checked(world2):
+    for errs, msg in world2.run(keyword_order_case):
         assert max(errs) <= 1e-6, errs
+        assert msg is not None and "non-tensor arguments" in msg and "True" in msg
 
 
 def world_mismatch_case():
