@@ -185,6 +185,17 @@ def test_no_op_runs_replicated_for_lack_of_a_rule(results, name):
             assert not any(res.get("unknown") for res in per_rank), per_rank[0].get("unknown")
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_coverage_report_has_no_compute_fallback(name):
+    """autoshard.coverage on each model: every op that carries real compute has a rule and runs
+    split on a mesh of 4 (the report's verdict a user reads)."""
+    model, inputs = MODELS[name]()
+    cov = autoshard.coverage(model, inputs, world=4)
+    assert not cov.compute_fallbacks, str(cov)
+    assert cov.op("linear.default" if name != "gpt2" else "addmm.default").nodes > 0
+    assert "every compute op has a rule" in cov.verdict
+
+
 # ---- what HuggingFace models needed of capture and rewrite, each alone --------------------------
 
 class GradFreeRegion(torch.nn.Module):
