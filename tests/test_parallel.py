@@ -197,6 +197,42 @@ def test_keyword_arguments_in_any_order_and_constants_checked(world2):
         assert msg is not None and "non-tensor arguments" in msg and "True" in msg
 
 
+class NoRule(torch.nn.Module):
+    """logcumsumexp has no sharding rule: it runs replicated between split matmuls"""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.logcumsumexp(self.fc1(x), dim=1))
+
+
+def no_rule_case():
+    import warnings
+    from autoshard.passes.annotate import UnknownOpWarning
+    torch.manual_seed(0)
+    model, x = NoRule(), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autoshard.parallelize(model, (x,), pin={"x": ("S(0)",)})   # a split batch around it
+    out = pm(x)
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    err = max([(out - ref(x)).abs().max().item()]
+              + [(grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()])
+    return err, [str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)]
+
+
+def test_an_op_without_a_rule_runs_correctly(world2):
+    results = world2.run(no_rule_case)
+    assert all(err <= 1e-5 for err, _ in results), results
+    warned = [w for _, ws in results for w in ws]   # rank 0 plans, and warns once
+    assert len(warned) == 1 and "logcumsumexp" in warned[0], warned
+
+
 def world_mismatch_case():
     model, inputs = _make("mlp")
     try:
