@@ -75,8 +75,9 @@ def plan_for_256_gpus():
     print(plan)                                      # every tensor's layout, collective and cost
 
     solver = plan.solver
-    print(f"\nestimated step time {plan.cost:.3f} s on {plan.world} GPUs; "
-          f"solver {solver['status']} in {solver['seconds']:.2f} s (gap {100 * solver['gap']:.2f}%)")
+    gap = "no bound: 3+ axes are solved one axis at a time" if solver["gap"] is None else f"gap {100 * solver['gap']:.2f}%"
+    print(f"\nestimated step time {plan.cost:.3f} s on {plan.world} GPUs, mesh {plan.mesh_shape}; "
+          f"solver {solver['status']} in {solver['seconds']:.2f} s ({gap})")
     for name in ("idx", "emb.weight", "blocks.0.qkv.weight", "blocks.0.fc2.weight", "ln.weight"):
         print(f"  {name:22s} {plan.placement(name)}")
 
