@@ -22,8 +22,8 @@ from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, schedule
 from autoshard.passes.search import search
-from autoshard.passes.descend import EXACT_PAIRS, edge_pairs, solve_large
-from autoshard.passes.solve import Costs, solve
+from autoshard.passes.descend import lifted_starts, solve_mesh
+from autoshard.passes.solve import Costs
 from autoshard.plan import Plan, make_plan
 
 MAX_AXES = 4
@@ -108,10 +108,8 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes)
-    if len(mesh_shape) > 2 and edge_pairs(graph, strategies) > EXACT_PAIRS:   # one axis at a time
-        solution = solve_large(graph, strategies, costs, time_limit, budget, pinned=bool(pins))
-    else:
-        solution = solve(graph, strategies, costs, time_limit, budget)
+    starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
+    solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
     plan = make_plan(graph, strategies, solution, costs)
     plan.memory["budget"] = budget
     return plan

@@ -347,3 +347,16 @@ SCHEMES = {
     "tensor_3d": tensor_3d,
     "axonn_4d": axonn_4d,
 }
+
+# (scheme, mesh, roles): each scheme on the mesh it is usually run on at 256 GPUs in nodes of 8,
+# tensor parallel within a node (the last axis is innermost), data parallel across nodes
+USUAL_256 = [
+    ("data_parallel", (256,), {}),
+    ("fsdp", (256,), {}),
+    ("fsdp", (32, 8), {"shard": 1}),          # hybrid: sharded within a node, replicated across
+    ("megatron", (32, 8), {"tp": 1}),
+    ("sequence_parallel", (32, 8), {"tp": 1}),
+    ("tensor_2d", (16, 16), {"row": 0, "col": 1}),
+    ("tensor_3d", (4, 8, 8), {"i": 0, "j": 1, "l": 2}),
+    ("axonn_4d", (4, 4, 4, 4), {"x": 3, "y": 2, "z": 1}),   # AxoNN's order: x innermost, data outermost
+]

@@ -40,17 +40,7 @@ from autoshard.passes.capture import capture
 from autoshard.passes.solve import MemoryBudgetError
 from plan_gpt import GPT, broadcast
 
-HAND = [
-    ("data_parallel", (256,), {}),
-    ("fsdp", (256,), {}),
-    ("fsdp", (32, 8), {"shard": 1}),                       # hybrid: sharded within a node
-    ("megatron", (32, 8), {"tp": 1}),
-    ("megatron", (64, 4), {"tp": 1}),
-    ("sequence_parallel", (32, 8), {"tp": 1}),
-    ("tensor_2d", (16, 16), {"row": 0, "col": 1}),
-    ("tensor_3d", (4, 8, 8), {"i": 0, "j": 1, "l": 2}),
-    ("axonn_4d", (4, 4, 4, 4), {"x": 3, "y": 2, "z": 1}),  # AxoNN's order: x innermost, data outermost
-]
+HAND = schemes.USUAL_256 + [("megatron", (64, 4), {"tp": 1})]
 
 
 def label(scheme, mesh, roles):

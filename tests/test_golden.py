@@ -44,18 +44,7 @@ REGIMES = {
     "does_not_fit_replicated": dict(layers=1, d=24576, heads=192, seq=64, batch=256, vocab=1024),  # 7.3B
 }
 
-# each scheme on the mesh it is usually run on: tensor parallel within a node (the last axis is
-# innermost), data parallel across nodes
-HAND = [
-    ("data_parallel", (256,), {}),
-    ("fsdp", (256,), {}),
-    ("fsdp", (32, 8), {"shard": 1}),          # hybrid: sharded within a node, replicated across
-    ("megatron", (32, 8), {"tp": 1}),
-    ("sequence_parallel", (32, 8), {"tp": 1}),
-    ("tensor_2d", (16, 16), {"row": 0, "col": 1}),
-    ("tensor_3d", (4, 8, 8), {"i": 0, "j": 1, "l": 2}),
-    ("axonn_4d", (4, 4, 4, 4), {"x": 3, "y": 2, "z": 1}),   # AxoNN's order: x innermost, data outermost
-]
+HAND = schemes.USUAL_256
 
 
 def _label(scheme, mesh, roles):

@@ -178,14 +178,6 @@ def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
     return overhead + hops * alpha + sent / beta
 
 
-def conversion_time(local_shape, itemsize, src, dst, mesh_shape, links, backward: bool) -> float:
-    steps = transition(local_shape, src, dst, mesh_shape)
-    t = sum(step_time(s, itemsize, mesh_shape, links) for s in steps)
-    if backward:
-        t += sum(step_time(s, itemsize, mesh_shape, links) for s in dual_steps(steps, mesh_shape))
-    return t
-
-
 def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
     """The faster of a ring all-reduce (2(p-1) latency steps, 2(p-1)/p of the tensor sent) and a
     tree (2 log2 p steps, the whole tensor up and down), as NCCL picks by size: small tensors

@@ -29,6 +29,7 @@ from typing import Optional
 from autoshard.cost import memory
 from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
 
+EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
 
 
@@ -93,9 +94,10 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
     start = time.perf_counter()
     naxes = len(costs.mesh_shape)
     best = choice_cost(graph, strategies, choice, costs)
-    if budget is not None and _memory(graph, strategies, choice, costs) > budget:
-        raise MemoryBudgetError(f"the starting plan needs {_memory(graph, strategies, choice, costs) / 1e9:.2f} GB "
-                                f"per rank, over the budget of {budget / 1e9:.2f} GB")
+    needs = _memory(graph, strategies, choice, costs) if budget is not None else 0
+    if budget is not None and needs > budget:
+        raise MemoryBudgetError(f"the starting plan needs {needs / 1e9:.2f} GB per rank, over the budget of "
+                                f"{budget / 1e9:.2f} GB")
     steps, agree, subs = 0, _ByOffAxis(), {}
     for _ in range(max_rounds):
         improved = False
@@ -161,32 +163,31 @@ def coarsenings(mesh: tuple) -> list:
     return out
 
 
-def solve_large(graph, strategies, costs: Costs, time_limit: float, budget: Optional[float],
-                pinned: bool) -> Solution:
-    """A mesh too large to solve whole: descend from the best start. Without pins, the starts
-    are the exact plans of every two-axis mesh it coarsens to, lifted; with pins (which name
-    this mesh's axes), the pins' own layout."""
+def solve_mesh(graph, strategies, costs: Costs, time_limit: float, budget: Optional[float],
+               starts=lambda: []) -> Solution:
+    """The whole integer program when the mesh has at most ``EXACT_AXES`` axes or the program is
+    small enough; else descent from each plan ``starts()`` gives (None entries skipped), or from
+    ``start_choice`` when it gives none, keeping the best."""
+    if len(costs.mesh_shape) <= EXACT_AXES or edge_pairs(graph, strategies) <= EXACT_PAIRS:
+        return solve(graph, strategies, costs, time_limit, budget)
+    choices = [c for c in starts() if c is not None] or [start_choice(graph, strategies, costs, budget)]
+    return min((descend(graph, strategies, costs, c, time_limit, budget) for c in choices),
+               key=lambda sol: sol.objective)
+
+
+def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Optional[float]) -> list:
+    """The exact plans of every two-axis mesh this one coarsens to, lifted onto it (for a mesh
+    with no pins: pins name this mesh's axes, which a coarser mesh lacks)."""
     from autoshard.passes.annotate import annotate
-    mesh = costs.mesh_shape
     starts = []
-    if not pinned:
-        for coarse, groups in coarsenings(mesh):
-            if len(coarse) > 2:
-                continue
-            cs = annotate(graph, coarse)
-            cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes)
-            try:
-                sol = solve(graph, cs, cc, time_limit, budget)
-            except MemoryBudgetError:
-                continue
-            choice = lift(graph, cs, sol.choice, groups, strategies)
-            if choice is not None:
-                starts.append(choice)
-    if not starts:
-        starts.append(start_choice(graph, strategies, costs, budget))
-    best = None
-    for choice in starts:
-        sol = descend(graph, strategies, costs, choice, time_limit, budget)
-        if best is None or sol.objective < best.objective:
-            best = sol
-    return best
+    for coarse, groups in coarsenings(costs.mesh_shape):
+        if len(coarse) > EXACT_AXES:
+            continue
+        cs = annotate(graph, coarse)
+        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes)
+        try:
+            sol = solve(graph, cs, cc, time_limit, budget)
+        except MemoryBudgetError:
+            continue
+        starts.append(lift(graph, cs, sol.choice, groups, strategies))
+    return starts

@@ -25,12 +25,11 @@ import time
 import warnings
 
 from autoshard.passes.annotate import annotate
-from autoshard.passes.descend import EXACT_PAIRS, descend, edge_pairs, lift, start_choice
+from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
 from autoshard.passes.solve import Costs, MemoryBudgetError, lower_bound, solve
 from autoshard.plan import make_plan
 
 MAX_SEARCH_AXES = 4
-EXACT_AXES = 2   # meshes of up to this many axes are bounded and solved whole
 
 
 def factorizations(world: int, max_axes: int) -> list:
@@ -211,13 +210,8 @@ def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors):
     strategies, costs = work
     entry = cands.entries[mesh]
     try:
-        if edge_pairs(graph, strategies) <= EXACT_PAIRS:
-            solution = solve(graph, strategies, costs, time_limit, budget)
-        else:
-            choice = lift(graph, *lifted, strategies) if lifted else None
-            if choice is None:
-                choice = start_choice(graph, strategies, costs, budget)
-            solution = descend(graph, strategies, costs, choice, time_limit, budget)
+        solution = solve_mesh(graph, strategies, costs, time_limit, budget,
+                              lambda: [lift(graph, *lifted, strategies)] if lifted else [])
     except MemoryBudgetError as e:
         entry["status"] = "does not fit in memory"
         errors.append(e)

@@ -1,6 +1,6 @@
 """Solve: pick one strategy per node, minimum estimated step time.
 
-The integer program (built by ``solve``):
+The integer program (built by ``_build``, solved by ``solve``):
 
     x[n, s] in {0, 1}              node n runs strategy s; the nodes of repeated blocks share
                                    their twin's x and y (passes.repeat)   (_node_vars)
@@ -9,8 +9,8 @@ The integer program (built by ``solve``):
     sum_b y[e, a, b] = sum_{s: out_e(s) = a} x[u, s]                       (_edge_vars)
     sum_a y[e, a, b] = sum_{s: in_e(s) = b}  x[v, s]                       (_edge_vars)
     C_k = sum x[n, s] * node_cost_k(n, s) + sum y[e, a, b] * convert_k(a -> b)   per part k  (_Sums)
-    e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                      (solve)
-    sum x[n, s] * bytes(n, s) <= memory budget                                   (_memory_expr)
+    e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                     (_build)
+    sum x[n, s] * bytes(n, s) <= memory budget                                   (_memory_terms)
     minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
               + DRAG * (hidden_fwd + hidden_bwd)                                            (cost.step)
 
