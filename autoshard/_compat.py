@@ -24,3 +24,12 @@ def thread_local_c10d():
             f"distributed.multi_threaded_pg) and c10d's thread isolation mode, which torch {torch.__version__} "
             f"lacks ({e}). Run the ranks as processes instead: autoshard.launch.LocalWorld.") from e
     return _install_threaded_pg, _uninstall_threaded_pg, _set_thread_isolation_mode
+
+
+def blocked_shard(dim: int, groups: int):
+    """The DTensor placement of a blocked split S(dim)/groups on one mesh axis: the dim cut into
+    ``groups`` blocks first and each block across the axis, which DTensor writes as a strided
+    shard with split factor ``groups`` (the same on every axis that cuts the dim). DTensor has no
+    public name for it yet."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return _StridedShard(dim, split_factor=groups)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from autoshard import placement as pl
 from autoshard import runtime
-from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard._compat import blocked_shard, tree_flatten, tree_unflatten
 from autoshard.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
@@ -310,7 +310,8 @@ class ParallelModule(nn.Module):
                     owners.setdefault(id(p), (p, []))[1].append((mod, pname, fqn))
         for p, places in owners.values():
             placement = next((plan.params[f] for _, _, f in places if f in plan.params), ("B",) * mesh.ndim)
-            dt = [Shard(q.dim) if isinstance(q, pl.Split) else Replicate() for q in map(pl.parse, placement)]
+            dt = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups)) if isinstance(q, pl.Split)
+                  else Replicate() for q in map(pl.parse, placement)]
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, dt, src_data_rank=0), requires_grad=p.requires_grad)
             for mod, pname, _ in places:
                 mod._parameters[pname] = new

@@ -50,19 +50,23 @@ class Cluster:
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)
 
-    def axis_links(self, mesh_shape: Sequence[int]) -> list[tuple[float, float]]:
+    def axis_links(self, mesh_shape: Sequence[int]) -> list[tuple[float, float, float]]:
         """(latency per ring step, bandwidth, launch overhead) of each mesh axis, axes laid out with
         the last innermost."""
-        links = []
-        for a, size in enumerate(mesh_shape):
-            stride = math.prod(mesh_shape[a + 1:])
-            if stride * size <= self.gpus_per_node:
-                links.append((self.intra_latency, self.intra_bandwidth, self.collective_overhead))
-            else:
-                # groups of this axis that have a member in one node all cross at once
-                sharing = min(self.gpus_per_node, stride)
-                links.append((self.inter_latency, self.inter_bandwidth / sharing, self.collective_overhead))
-        return links
+        return [self.group_link(mesh_shape, (a,)) for a in range(len(mesh_shape))]
+
+    def group_link(self, mesh_shape: Sequence[int], axes: Sequence[int]) -> tuple[float, float, float]:
+        """(latency per ring step, bandwidth, launch overhead) of the groups that span ``axes`` of
+        the mesh together (one axis: that axis's groups). A group inside a node talks over the
+        node's links; one that crosses nodes gets the node's network shared by every group with
+        members in that node, since they all cross at once."""
+        gpn = self.gpus_per_node
+        strides = [math.prod(mesh_shape[a + 1:]) for a in range(len(mesh_shape))]
+        if all(strides[a] * mesh_shape[a] <= gpn for a in axes):
+            return (self.intra_latency, self.intra_bandwidth, self.collective_overhead)
+        inside = math.prod(min(mesh_shape[a], max(1, gpn // strides[a])) for a in axes)   # one group's members in a node
+        sharing = max(1, gpn // inside)
+        return (self.inter_latency, self.inter_bandwidth / sharing, self.collective_overhead)
 
     def matmul_flops(self, itemsize: int) -> float:
         return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops

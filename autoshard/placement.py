@@ -1,6 +1,9 @@
 """SBP placements: how one tensor lies on one mesh axis.
 
     S(d)  split:        dim d is cut into even chunks, coordinate r holds chunk r
+    S(d)/g  blocked split: dim d is g equal blocks (a fused q, k, v projection's outputs), each
+                        cut into even chunks; coordinate r holds chunk r of every block, in block
+                        order, so a split of the dim into its g blocks is local
     B     broadcast:    every coordinate holds the whole tensor
     P     partial-sum:  every coordinate holds a full-shaped tensor; the value is their sum
 
@@ -19,9 +22,10 @@ from typing import Iterable, Sequence, Union
 @dataclass(frozen=True)
 class Split:
     dim: int
+    groups: int = 1     # > 1: a blocked split, S(d)/g
 
     def __repr__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim})/{self.groups}"
 
 
 @dataclass(frozen=True)
@@ -43,15 +47,15 @@ B = Broadcast()
 P = Partial()
 
 
-def S(dim: int) -> Split:
-    return Split(dim)
+def S(dim: int, groups: int = 1) -> Split:
+    return Split(dim, groups)
 
 
-_SPLIT = re.compile(r"^S\((-?\d+)\)$")
+_SPLIT = re.compile(r"^S\((-?\d+)\)(?:/(\d+))?$")
 
 
 def parse(text: "str | Placement") -> Placement:
-    """``"S(1)"``, ``"B"`` or ``"P"`` (or a placement already) -> placement."""
+    """``"S(1)"``, ``"S(0)/3"``, ``"B"`` or ``"P"`` (or a placement already) -> placement."""
     if isinstance(text, (Split, Broadcast, Partial)):
         return text
     if not isinstance(text, str):
@@ -62,9 +66,10 @@ def parse(text: "str | Placement") -> Placement:
     if t == "P":
         return P
     m = _SPLIT.match(t)
-    if m:
-        return Split(int(m.group(1)))
-    raise ValueError(f"cannot read placement {text!r}: write 'S(d)' for a split of dim d, 'B' or 'P'")
+    if m and (m.group(2) is None or int(m.group(2)) >= 1):
+        return Split(int(m.group(1)), int(m.group(2) or 1))
+    raise ValueError(f"cannot read placement {text!r}: write 'S(d)' for a split of dim d, 'S(d)/g' for a "
+                     "split of each of its g blocks, 'B' or 'P'")
 
 
 def parse_nd(value: "str | Iterable", naxes: int) -> NdPlacement:
@@ -91,11 +96,13 @@ def split_factor(pl: Sequence[Placement], mesh_shape: Sequence[int], dim: int) -
 
 
 def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]):
-    """The shape one rank holds, or None when a split dim does not divide evenly."""
+    """The shape one rank holds, or None when a split dim does not divide evenly (a blocked
+    split: each block), or when one dim is split both blocked and not, or in different blocks."""
     out = list(shape)
+    groups: dict = {}
     for p, n in zip(pl, mesh_shape):
         if isinstance(p, Split):
-            if p.dim >= len(out) or out[p.dim] % n:
+            if p.dim >= len(out) or out[p.dim] % (n * p.groups) or groups.setdefault(p.dim, p.groups) != p.groups:
                 return None
             out[p.dim] //= n
     return tuple(out)

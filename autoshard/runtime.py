@@ -122,20 +122,23 @@ class _Step(torch.autograd.Function):
     """One layout step on one axis; backward runs its dual."""
 
     @staticmethod
-    def forward(ctx, x, kind, group, p, coord, dim, dim2):
-        ctx.args = (kind, group, p, coord, dim, dim2)
-        return _run(x, kind, group, p, coord, dim, dim2)
+    def forward(ctx, x, kind, group, p, coord, dim, dim2, groups):
+        ctx.args = (kind, group, p, coord, dim, dim2, groups)
+        return _run(x, kind, group, p, coord, dim, dim2, groups)
 
     @staticmethod
     def backward(ctx, g):
-        kind, group, p, coord, dim, dim2 = ctx.args
+        kind, group, p, coord, dim, dim2, groups = ctx.args
         dual = {"all_gather": ("reduce_scatter", dim, None), "reduce_scatter": ("all_gather", dim, None),
                 "all_reduce": ("all_reduce", None, None), "all_to_all": ("all_to_all", dim2, dim),
                 "slice": ("pad", dim, None), "pad": ("slice", dim, None), "keep": ("keep", None, None)}[kind]
-        return (_run(g, dual[0], group, p, coord, dual[1], dual[2]),) + (None,) * 6
+        return (_run(g, dual[0], group, p, coord, dual[1], dual[2], groups),) + (None,) * 7
 
 
-def _run(x, kind, group, p, coord, dim, dim2):
+def _run(x, kind, group, p, coord, dim, dim2, groups=1):
+    if groups != 1:   # a blocked split: the step runs on each block's part, the blocks kept in order
+        x = x.unflatten(dim, (groups, -1))
+        return _run(x, kind, group, p, coord, dim + 1, None).flatten(dim, dim + 1)
     if kind == "all_gather":
         return _gather(x, group, p, dim)
     if kind == "reduce_scatter":
@@ -153,20 +156,20 @@ def _run(x, kind, group, p, coord, dim, dim2):
     raise ValueError(kind)
 
 
-def _step(x, kind, axis, dim=None, dim2=None):
+def _step(x, kind, axis, dim=None, dim2=None, groups=1):
     m = _mesh()
     if not x.requires_grad:
-        return _run(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2)
-    return _Step.apply(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2)
+        return _run(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2, groups)
+    return _Step.apply(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2, groups)
 
 
-# the names the emitted program calls, one per step kind
-def all_gather(x, axis: int, dim: int):
-    return _step(x, "all_gather", axis, dim)
+# the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups
+def all_gather(x, axis: int, dim: int, groups: int = 1):
+    return _step(x, "all_gather", axis, dim, groups=groups)
 
 
-def reduce_scatter(x, axis: int, dim: int):
-    return _step(x, "reduce_scatter", axis, dim)
+def reduce_scatter(x, axis: int, dim: int, groups: int = 1):
+    return _step(x, "reduce_scatter", axis, dim, groups=groups)
 
 
 def all_reduce(x, axis: int):
@@ -177,12 +180,12 @@ def all_to_all(x, axis: int, dim: int, dim2: int):
     return _step(x, "all_to_all", axis, dim, dim2)
 
 
-def slice_shard(x, axis: int, dim: int):
-    return _step(x, "slice", axis, dim)
+def slice_shard(x, axis: int, dim: int, groups: int = 1):
+    return _step(x, "slice", axis, dim, groups=groups)
 
 
-def pad_shard(x, axis: int, dim: int):
-    return _step(x, "pad", axis, dim)
+def pad_shard(x, axis: int, dim: int, groups: int = 1):
+    return _step(x, "pad", axis, dim, groups=groups)
 
 
 def keep_partial(x, axis: int):
@@ -197,7 +200,7 @@ def _convert(x, src, dst, m: RankMesh):
     """Raw conversion between nd placements (no autograd), by the shared step planner."""
     from autoshard.cost.comm import transition
     for st in transition(tuple(x.shape), src, dst, m.shape):
-        x = _run(x, st.kind, m.groups[st.axis], m.shape[st.axis], m.coords[st.axis], st.dim, st.dim2)
+        x = _run(x, st.kind, m.groups[st.axis], m.shape[st.axis], m.coords[st.axis], st.dim, st.dim2, st.groups)
     return x
 
 
@@ -374,21 +377,24 @@ class _GatherStart(torch.autograd.Function):
 
 
 class _GatherWait(torch.autograd.Function):
-    """Forward: wait for the gather and put its blocks on their dim. Backward: the blocks back
-    to dim 0 (local)."""
+    """Forward: wait for the gather and put its blocks on their dim (of a blocked split: within
+    each of its groups). Backward: the blocks back to dim 0 (local)."""
 
     @staticmethod
-    def forward(ctx, buf, h, p, dim):
-        ctx.p, ctx.dim = p, dim
+    def forward(ctx, buf, h, p, dim, groups):
+        ctx.p, ctx.dim, ctx.groups = p, dim, groups
         _wait(h.work)
         h.work = h.keep = None
-        return buf.view_as(buf) if dim == 0 else torch.cat(buf.chunk(p, 0), dim=dim)
+        if dim == 0 and groups == 1:
+            return buf.view_as(buf)
+        return torch.cat([b.unflatten(dim, (groups, -1)) for b in buf.chunk(p, 0)], dim=dim + 1).flatten(dim, dim + 1)
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.dim != 0:
-            g = torch.cat(g.chunk(ctx.p, ctx.dim), dim=0)
-        return g, None, None, None
+        p, dim, groups = ctx.p, ctx.dim, ctx.groups
+        if dim != 0 or groups != 1:
+            g = torch.cat([b.flatten(dim, dim + 1) for b in g.unflatten(dim, (groups, -1)).chunk(p, dim + 1)], dim=0)
+        return g, None, None, None, None
 
 
 def gather_start(x, h: Pending, axis: int):
@@ -396,8 +402,8 @@ def gather_start(x, h: Pending, axis: int):
     return _GatherStart.apply(x, h, m.groups[axis], m.shape[axis])
 
 
-def gather_wait(buf, h: Pending, axis: int, dim: int):
-    return _GatherWait.apply(buf, h, _mesh().shape[axis], dim)
+def gather_wait(buf, h: Pending, axis: int, dim: int, groups: int = 1):
+    return _GatherWait.apply(buf, h, _mesh().shape[axis], dim, groups)
 
 
 # ---- ops whose local form differs -------------------------------------------------------------

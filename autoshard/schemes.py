@@ -23,9 +23,11 @@ design's token dim is a split of the batch (``S(0)``), its feature dim is ``S(2)
 
 A split that does not divide evenly is a ``ValueError`` naming the tensor, the axis and the size.
 The GPT here fuses q, k and v into one linear whose weight holds them side by side, so a
-contiguous split of its output is not a split by heads (Megatron-LM interleaves its qkv weight
-per head for this): the schemes pin the qkv matmul as they pin any other and leave the solver to
-re-lay its output for attention.
+contiguous split of its output features would straddle q, k and v. Where a scheme splits those
+features, it splits them in blocks (``S(0)/3`` of the weight and bias, ``S(2)/3`` of the output:
+each rank holds its share of q, of k and of v, as Megatron-LM lays out its fused qkv weight), so
+the split into q, k and v and the attention heads stay local; where two axes split them (3-D,
+AxoNN 4-D), not yet (see ``_block_fused``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from autoshard import placement as pl
+from autoshard.passes.annotate import blocked_splits
 from autoshard.passes.capture import Graph, capture
 
 aten = torch.ops.aten
@@ -62,6 +66,7 @@ class _Layout:
     inputs: dict              # user input name -> shape
     params: dict              # parameter name the graph uses -> shape
     linears: list
+    blocked: dict             # matmul node -> the number of blocks its output is split into downstream
     residual: dict = field(default_factory=dict)   # nodes feeding and leaving each layer norm -> shape
 
 
@@ -97,7 +102,8 @@ def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layo
     if not any(l.kind == "column" for l in linears) or not any(l.kind == "row" for l in linears):
         raise ValueError(f"found no block linears named {COLUMN} (column-type) and {ROW} (row-type): "
                          "the schemes are for GPT-style models whose blocks have qkv, proj, fc and fc2")
-    return _Layout(mesh, inputs, params, linears, residual)
+    blocked = {name: g for name, (_, g) in blocked_splits(graph).items()}
+    return _Layout(mesh, inputs, params, linears, blocked, residual)
 
 
 def _axes(lay: _Layout, **roles) -> dict:
@@ -160,6 +166,29 @@ def _out(lay: _Layout, lin: _Linear, per_axis: dict) -> tuple:
     return _nd(lay, f"the output of {lin.node} (the matmul by {lin.weight})", lin.out_shape, per_axis)
 
 
+def _block_fused(lay: _Layout, pins: dict) -> dict:
+    """A fused projection (qkv) split by its output features is split in its blocks instead:
+    ``S(0)`` of its weight and bias and ``S(features)`` of its output become ``S(d)/g``. Not
+    where the weight's features are split by two axes (3-D, AxoNN 4-D): a parameter may be
+    stored in blocks on one axis only (``passes.annotate.storage_options``), and those schemes
+    leave the solver to re-lay the fused output for attention."""
+    for lin in lay.linears:
+        g = lay.blocked.get(lin.node, 1)
+        if g == 1 or sum(p == "S(0)" for p in pins.get(lin.weight, ())) > 1:
+            continue
+        for name, dim, shape in ((lin.weight, 0, lin.weight_shape), (lin.bias, 0, (lin.weight_shape[0],)),
+                                 (lin.node, _features(lin), lin.out_shape)):
+            if name not in pins:
+                continue
+            block = tuple(f"S({dim})/{g}" if p == _s(dim) else p for p in pins[name])
+            if pl.local_shape(shape, tuple(map(pl.parse, block)), lay.mesh) is None:
+                raise ValueError(f"{name} of shape {list(shape)} holds {g} fused blocks, which mesh {lay.mesh} "
+                                 f"cannot split as {pl.format_nd(tuple(map(pl.parse, block)))}: choose sizes that "
+                                 f"divide each block ({shape[dim] // g})")
+            pins[name] = block
+    return pins
+
+
 # ---- the schemes ---------------------------------------------------------------------------------
 
 def data_parallel(model, example_inputs, mesh, *, graph: Optional[Graph] = None) -> dict:
@@ -209,7 +238,7 @@ def _megatron(lay: _Layout, tp: int, data: list) -> dict:
         out = {a: "S(0)" for a in data}
         out[tp] = _s(_features(l)) if col else "P"
         pins[l.node] = _out(lay, l, out)
-    return pins
+    return _block_fused(lay, pins)
 
 
 def megatron(model, example_inputs, mesh, *, tp: int = -1, graph: Optional[Graph] = None) -> dict:
@@ -266,7 +295,7 @@ def tensor_2d(model, example_inputs, mesh, *, row: int = 0, col: int = 1, graph:
         out = {a: "S(0)" for a in data + [r]}
         out[c] = _s(_features(l))
         pins[l.node] = _out(lay, l, out)
-    return pins
+    return _block_fused(lay, pins)
 
 
 def tensor_3d(model, example_inputs, mesh, *, i: int = 0, j: int = 1, l: int = 2,
@@ -295,7 +324,7 @@ def tensor_3d(model, example_inputs, mesh, *, i: int = 0, j: int = 1, l: int = 2
         out[a] = _s(_features(lin))
         out[b] = "P"
         pins[lin.node] = _out(lay, lin, out)
-    return pins
+    return _block_fused(lay, pins)
 
 
 def axonn_4d(model, example_inputs, mesh, *, x: int = 0, y: int = 1, z: int = 2,
@@ -335,7 +364,7 @@ def axonn_4d(model, example_inputs, mesh, *, x: int = 0, y: int = 1, z: int = 2,
         out[a] = "P"
         out[b] = _s(_features(lin))
         pins[lin.node] = _out(lay, lin, out)
-    return pins
+    return _block_fused(lay, pins)
 
 
 SCHEMES = {

@@ -19,8 +19,8 @@ autoshard.plan (capture, annotate, solve).
 Then AxoNN's own ranking of its 4-D grids (autoshard.cost.axonn: its per-layer communication
 formulas, priced on the same cluster's links, x innermost on the hardware, then y, z, data),
 top five, beside the communication of autoshard's plan: all of it, and the part that serves the
-linear layers (what AxoNN's formulas count; it also carries the attention re-layouts of the fused
-qkv and the residual adds, so it can only overstate ours).
+linear layers (what AxoNN's formulas count; it also carries any re-layout of the matmuls' outputs
+for attention and the residual adds, so it can only overstate ours).
 
     python benchmarks/hand_plans.py                              # d=2048 and d=4096, 2 layers each
     python benchmarks/hand_plans.py --layers 32 --d 4096 --batch 512      # the whole 6.7B

@@ -27,6 +27,7 @@ import torch
 import autoshard
 from autoshard import schemes
 from autoshard.cost import axonn
+from autoshard.cost import comm
 from autoshard.cost.comm import all_reduce_time
 from autoshard.passes.capture import capture
 from autoshard.passes.solve import MemoryBudgetError
@@ -199,6 +200,19 @@ def test_axonn_prices_on_our_links():
     assert z4.parts["reduce_scatter_dw"] == pytest.approx(ring, rel=1e-12)
 
 
+def test_a_gradient_bucket_over_several_axes_is_one_all_reduce_on_their_group():
+    """The runtime all-reduces a bucket over several axes on one communicator spanning them: it
+    costs what a one-axis mesh of the same ranks costs (so data parallel on (32, 8) moves what
+    it moves on (256,)), on the group's own links."""
+    c = _a100()
+    assert c.group_link((32, 8), (0, 1)) == c.group_link((256,), (0,)) == c.axis_links((256,))[0]
+    assert c.group_link((4, 2, 32), (1, 2)) == c.axis_links((4, 64))[1]      # 64 ranks: 8 per node, 1 group
+    assert c.group_link((2, 16, 8), (0, 2)) == c.axis_links((16, 16))[1]     # 16 ranks, 8 in each of 2 nodes
+    assert c.group_link((32, 2, 4), (1, 2)) == (c.intra_latency, c.intra_bandwidth, c.collective_overhead)
+    nbytes = 64e6
+    assert comm.group_all_reduce_time(nbytes, (0, 1), (32, 8), c) == comm.all_reduce_time(nbytes, 256, c.axis_links((256,))[0])
+
+
 def test_axonn_transposed_layers_swap_x_and_y():
     c = _a100()
     sizes = {"x": 8, "y": 2, "z": 1, "d": 16}
@@ -266,14 +280,42 @@ def test_plan_traffic_reprices_the_plan(planned, name):
 def test_hand_plans_carry_the_traffic_axonns_formulas_count(planned):
     """Our cost model and AxoNN's formulas price the same layout's linear traffic alike: data
     parallel exactly; FSDP less one all-gather of W, which AxoNN repeats in backward and our plans
-    keep from forward; Megatron no less (the fused qkv's output is re-laid for attention)."""
+    keep from forward; Megatron no more: the fused qkv is split in its blocks, so it adds no
+    re-layout, and between the blocks the solver may reduce-scatter and all-gather where the
+    formulas all-reduce."""
     r = planned("small_model_large_batch")
     grids = {(x.gx, x.gy, x.gz, x.gd): x for x in _axonn(r)}
     linear = {label: axonn.plan_traffic(p, r.graph)["linear"] for label, p in r.hand.items()}
     assert linear["data_parallel(256,)"] == pytest.approx(grids[1, 1, 1, 256].seconds, rel=1e-9)
     for label, grid in (("fsdp(256,)", grids[1, 1, 256, 1]), ("fsdp(32, 8)[shard=1]", grids[1, 1, 8, 32])):
         assert linear[label] == pytest.approx(grid.seconds - grid.parts["all_gather_w"] / 2, rel=1e-9), label
-    assert linear["megatron(32, 8)[tp=1]"] >= grids[1, 8, 1, 32].seconds
+    assert linear["megatron(32, 8)[tp=1]"] <= grids[1, 8, 1, 32].seconds
+
+
+@pytest.mark.parametrize("name", ["small_model_large_batch", "wide_model_small_batch"])
+def test_linear_traffic_no_more_than_axonns_best(planned, name):
+    """AxoNN's 165 grids ranked by its own formulas on our links, with its placement of the groups
+    (x innermost) and within the memory budget: autoshard's plan moves no more for the linear
+    layers than the best of them (``linear`` counts like with like, and can only overstate ours).
+    Not yet in the third regime, where the plan that is fastest per step by our model moves 1.24x
+    the traffic of AxoNN's best grid (the issue stays open on it)."""
+    r = planned(name)
+    ranked = _axonn(r)
+    assert len(ranked) > 100, len(ranked)
+    best, linear = ranked[0], _traffic(r)["linear"]
+    assert linear <= best.seconds * (1 + TOL), (
+        f"autoshard {r.auto.mesh_shape}: {linear * 1e3:.3f} ms for the linears; AxoNN's best {best}")
+
+
+def test_fused_qkv_is_split_by_its_blocks(planned):
+    """Tensor parallel over the fused qkv: its weight is split in its q, k, v blocks, so the
+    split into q, k and v moves nothing and the attention runs on each rank's own heads."""
+    r = planned("wide_model_small_batch")
+    qkv = next(n for n in r.graph.nodes if n.op_name == "linear.default" and "qkv" in r.auto.nodes[n.inputs[1][0]].fqn)
+    assert any(p.endswith("/3") for p in r.auto.placement(qkv.name)), r.auto.placement(qkv.name)
+    assert any(p.endswith("/3") for p in r.auto.params["blocks.0.qkv.weight"]), r.auto.params
+    split = next(n for n in r.graph.nodes if n.op_name == "split.Tensor")
+    assert not [c for c in r.auto.collectives if c.node == split.name], r.table()
 
 
 @pytest.mark.parametrize("name", ["small_model_large_batch", "wide_model_small_batch"])

@@ -298,10 +298,19 @@ def test_scheme_errors_say_what_to_change():
 # the conversion step planner (cost.comm.transition) against a simulation of every rank: for every
 # pair of layouts on each mesh, the steps turn each rank's share into its share in the new layout
 
+def _blocks(x, dim, groups):
+    """A blocked split's dim as (groups, rest): the step works on ``dim + 1``."""
+    return x.reshape(x.shape[:dim] + (groups, -1) + x.shape[dim + 1:])
+
+
+def _unblocks(x, dim):
+    return x.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 2:])
+
+
 def _share(x, placement, mesh, coord, weights):
     for a, p in enumerate(placement):
         if isinstance(p, pl.Split):
-            x = np.split(x, mesh[a], axis=p.dim)[coord[a]]
+            x = _unblocks(np.split(_blocks(x, p.dim, p.groups), mesh[a], axis=p.dim + 1)[coord[a]], p.dim)
         elif isinstance(p, pl.Partial):
             x = x * weights[a][coord[a]]       # partial sums: shares that add up to the whole
     return x
@@ -326,8 +335,13 @@ def _step(local, st, p):
     for members in groups.values():
         members.sort(key=lambda c: c[a])
         xs = [local[c] for c in members]
+        if st.groups == 1:
+            for k, c in enumerate(members):
+                out[c] = _STEPS[st.kind](xs, k, p, st)
+            continue
+        inner = comm.Step(st.kind, st.axis, st.dim + 1)
         for k, c in enumerate(members):
-            out[c] = _STEPS[st.kind](xs, k, p, st)
+            out[c] = _unblocks(_STEPS[st.kind]([_blocks(x, st.dim, st.groups) for x in xs], k, p, inner), st.dim)
     return out
 
 
@@ -353,10 +367,29 @@ def _converts(shape, mesh, src, dst, rng) -> bool:
 
 @pytest.mark.parametrize("mesh", [(2, 4), (4, 2), (2, 2, 2)], ids=lambda m: "x".join(map(str, m)))
 def test_every_conversion_is_exact_on_every_rank(mesh):
-    shape = (8, 4, 8)
-    one_axis = [pl.B, pl.P] + [pl.S(d) for d in range(len(shape))]
+    """Blocked splits (S(d)/2) included: a fused projection's layout, to and from every other."""
+    shape = (16, 4, 8)
+    one_axis = [pl.B, pl.P] + [pl.S(d) for d in range(len(shape))] + [pl.S(0, 2)]
     layouts = [c for c in itertools.product(one_axis, repeat=len(mesh)) if pl.local_shape(shape, c, mesh)]
     rng = np.random.default_rng(0)
     wrong = [(pl.format_nd(s), pl.format_nd(d)) for s in layouts for d in layouts
              if not _converts(shape, mesh, s, d, rng)]
     assert not wrong, wrong[:10]
+
+
+def test_a_fused_projection_is_stored_in_blocks_on_one_axis_at_most():
+    """``S(0)/3`` keeps each rank's share of q, of k and of v: legal to pin on one axis, with any
+    placement of another dim elsewhere; two axes cutting the weight's blocks is a clear error
+    (a parameter is a DTensor, which cannot yet gather such a weight back whole)."""
+    model, inputs = _gpt(1)
+    graph = capture(model, inputs)
+    assert pl.parse("S(0)/3") == pl.S(0, 3) and repr(pl.S(2, 3)) == "S(2)/3"
+    assert pl.local_shape((96, 32), (pl.S(0, 3), pl.S(1)), (2, 2)) == (48, 16)
+    assert pl.local_shape((96, 32), (pl.S(0, 3), pl.S(0)), (2, 2)) is None     # one dim, two cuts
+    pins = resolve_pins(graph, {"blocks.0.qkv.weight": ("S(0)/3", "S(1)")}, 2)
+    strategies = annotate(graph, (2, 2), pins)
+    assert all(s.outputs[0] == (pl.S(0, 3), pl.S(1)) for s in strategies[next(iter(pins))])
+    with pytest.raises(ValueError, match="cannot pin parameter 'blocks.0.qkv.weight'"):
+        annotate(graph, (2, 2), resolve_pins(graph, {"blocks.0.qkv.weight": ("S(0)/3", "S(0)/3")}, 2))
+    with pytest.raises(ValueError, match="S\\(d\\)/g"):
+        pl.parse("S(0)/x")

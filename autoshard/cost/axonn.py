@@ -256,9 +256,9 @@ def plan_traffic(plan, graph) -> dict:
                 conversions (forward and their backward duals) of every tensor a matmul multiplies, and
                 of every value derived from a matmul's output alone (through views, splits,
                 dropout, attention on its own q, k, v) until it meets another tensor, and the
-                gradient all-reduces of the matmuls' weights. The attention re-layouts of a fused
-                qkv output and the residual add of a matmul's output count here too, so ``linear``
-                can only overstate the plan against AxoNN's figure;
+                gradient all-reduces of the matmuls' weights. Any re-layout of a matmul's output
+                for attention and the residual add of a matmul's output count here too, so
+                ``linear`` can only overstate the plan against AxoNN's figure;
     ``other``   the rest: layer-norm statistics, the loss's all-reduces, the biases' gathers and
                 gradients (AxoNN's formulas count W alone), the gradients of parameters no matmul
                 takes (embeddings, norms), conversions on the residual stream;

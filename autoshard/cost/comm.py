@@ -37,6 +37,7 @@ class Step:
     dim: Optional[int] = None     # the tensor dim gathered, scattered or sliced
     dim2: Optional[int] = None    # all_to_all: the dim split after the step
     in_shape: tuple = ()          # this rank's shape before the step
+    groups: int = 1               # a blocked split S(dim)/groups: the step runs within each block
 
     @property
     def is_collective(self) -> bool:
@@ -45,6 +46,7 @@ class Step:
     def __repr__(self) -> str:
         extra = f", dim={self.dim}" if self.dim is not None else ""
         extra += f"->{self.dim2}" if self.dim2 is not None else ""
+        extra += f"/{self.groups}" if self.groups != 1 else ""
         return f"{self.kind}(axis={self.axis}{extra})"
 
 
@@ -89,9 +91,9 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
     cur = list(src)
     shape = tuple(local_shape)
 
-    def emit(kind, a, dim=None, dim2=None):
+    def emit(kind, a, dim=None, dim2=None, groups=1):
         nonlocal shape
-        st = Step(kind, a, dim, dim2, shape)
+        st = Step(kind, a, dim, dim2, shape, groups)
         steps.append(st)
         shape = _apply_shape(shape, st, mesh_shape[a])
 
@@ -116,22 +118,22 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
     for a in summed:
         cur[a] = B
     for a in sorted(unshard, reverse=True):
-        d = cur[a].dim
+        d, groups = cur[a].dim, cur[a].groups
         other = [b for b in range(n) if b != a and any(isinstance(x, Split) and x.dim in (d, getattr(dst[a], "dim", None))
                                                        for x in (cur[b], dst[b]))]
-        if isinstance(dst[a], Split) and not other and a in reshard:
+        if isinstance(dst[a], Split) and not other and a in reshard and dst[a].dim != d and groups == dst[a].groups == 1:
             emit("all_to_all", a, d, dst[a].dim)
             cur[a] = dst[a]
             reshard.discard(a)
         elif isinstance(dst[a], Partial) and not other:
-            emit("pad", a, d)
+            emit("pad", a, d, groups=groups)
             cur[a] = P
         else:
-            emit("all_gather", a, d)
+            emit("all_gather", a, d, groups=groups)
             cur[a] = B
     for a in sorted(reshard):
         d = dst[a].dim
-        emit("reduce_scatter" if isinstance(cur[a], Partial) else "slice", a, d)
+        emit("reduce_scatter" if isinstance(cur[a], Partial) else "slice", a, d, groups=dst[a].groups)
         cur[a] = dst[a]
     for a in range(n):
         if isinstance(dst[a], Partial) and isinstance(cur[a], Broadcast):
@@ -150,7 +152,7 @@ def dual_steps(steps: list, mesh_shape) -> list:
         if st.kind == "all_to_all":
             out.append(Step("all_to_all", st.axis, st.dim2, st.dim, after))
         else:
-            out.append(Step(DUAL[st.kind], st.axis, st.dim, None, after))
+            out.append(Step(DUAL[st.kind], st.axis, st.dim, None, after, st.groups))
     return out
 
 
@@ -189,21 +191,14 @@ def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
     return share * overhead + min(ring, tree)
 
 
-def group_all_reduce_time(nbytes: int, axes: Sequence[int], mesh_shape, links, share: float = 1.0) -> float:
-    """All-reduce over the ranks of several axes at once (a gradient bucket's group), run
-    hierarchically: reduce-scatter on each inner axis, all-reduce of the remaining piece on the
-    outermost, all-gather back; ``share`` as in ``all_reduce_time``."""
+def group_all_reduce_time(nbytes: int, axes: Sequence[int], mesh_shape, cluster, share: float = 1.0) -> float:
+    """All-reduce over the ranks of several axes at once (a gradient bucket's group): one
+    collective on one communicator spanning them, as the runtime issues it
+    (``runtime.RankMesh.group``), so NCCL runs it flat over the whole group, on the group's own
+    links (``Cluster.group_link``); ``share`` as in ``all_reduce_time``."""
     axes = sorted(axes)
-    if len(axes) == 1:
-        return all_reduce_time(nbytes, mesh_shape[axes[0]], links[axes[0]], share)
-    t, n = 0.0, nbytes
-    for a in reversed(axes[1:]):
-        alpha, beta, overhead = links[a]
-        p = mesh_shape[a]
-        # reduce-scatter of n, then (below) all-gather back to n: (p-1)/p * n each way
-        t += 2 * (share * (overhead + (p - 1) * alpha) + (p - 1) / p * n / beta)
-        n /= p
-    return t + all_reduce_time(n, mesh_shape[axes[0]], links[axes[0]], share)
+    p = math.prod(mesh_shape[a] for a in axes)
+    return all_reduce_time(nbytes, p, cluster.group_link(mesh_shape, axes), share)
 
 
 @dataclass(frozen=True)

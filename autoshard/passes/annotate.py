@@ -17,6 +17,12 @@ from autoshard import placement as pl
 from autoshard.placement import B, Split
 from autoshard.passes.capture import Graph, Node
 from autoshard.rules import OpCtx, Sig, rule_for
+from autoshard.rules.registry import norm_dim
+from autoshard.rules.views import RESHAPES, view_groups
+
+import torch
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,72 @@ def one_axis_sigs(node: Node, graph: Graph) -> list:
     return sigs, True
 
 
+# ---- blocked splits: a fused projection cut into its blocks (q, k, v) ----------------------------
+#
+# ``q, k, v = linear(x, W_qkv).split(d, -1)``: a plain split of the 3d features over p ranks gives
+# rank r features [3dr/p, 3d(r+1)/p), which straddle q, k and v, so the split needs the whole
+# tensor. Cut instead within each block (S(-1)/3, rank r holds chunk r of q, of k and of v, as
+# Megatron lays out its fused qkv weight), the split is local and each of q, k, v leaves S(-1).
+# Only the ops on the path get the blocked signatures: the split into equal blocks, the views
+# that keep the dim whole, the matmul that makes it, and the matmul's parameters' storage.
+
+BLOCK_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default}
+
+
+def blocked_splits(graph: Graph) -> dict:
+    """node name -> (dim, groups): the output dim a node should also offer cut in ``groups``
+    blocks, for a split downstream (the split node itself: its input dim)."""
+    want: dict = {}
+    for node in graph.nodes:
+        if node.kind != "op" or node.target not in BLOCK_SPLITS or len(node.outputs) < 2:
+            continue
+        shape = graph.meta(node.inputs[0]).shape
+        dim = norm_dim(node.fx_node.args[2] if len(node.fx_node.args) > 2 else node.fx_node.kwargs.get("dim", 0), len(shape))
+        g = len(node.outputs)
+        if any(m.shape[dim] * g != shape[dim] for m in node.outputs):
+            continue
+        want[node.name] = (dim, g)
+        value, d = node.inputs[0], dim
+        while True:   # back through views that keep the dim whole, to the matmul that makes it
+            producer = graph.by_name[value[0]]
+            if producer.kind != "op" or value[1] != 0:
+                break
+            if producer.target in MATMULS:
+                if d == len(shape) - 1:   # the matmul's output features
+                    want[producer.name] = (d, g)
+                break
+            if producer.target not in RESHAPE_TARGETS:
+                break
+            a = graph.meta(producer.inputs[0]).shape
+            b = producer.outputs[0].shape
+            run = next(((gi, gj) for gi, gj in view_groups(a, b) or [] if gj == [d]), None)
+            if run is None or len(run[0]) != 1:
+                break
+            want[producer.name] = (d, g)
+            value, d, shape = producer.inputs[0], run[0][0], a
+    return want
+
+
+RESHAPE_TARGETS = set()
+for _op in RESHAPES:
+    RESHAPE_TARGETS.update([getattr(_op, o) for o in _op.overloads()] if isinstance(_op, torch._ops.OpOverloadPacket) else [_op])
+
+
+def blocked_sigs(node: Node, sigs: list, dim: int, groups: int) -> list:
+    """The blocked forms of ``node``'s signatures that cut ``dim`` (of its output; of its input
+    for the split itself): every split of the signature becomes the same split in blocks."""
+    out = []
+    if node.target in BLOCK_SPLITS:
+        out.append(Sig((Split(dim, groups),) + (B,) * (len(node.inputs) - 1), (Split(dim),) * len(node.outputs)))
+        return out
+    for s in sigs:
+        if s.outputs[0] == Split(dim):
+            block = lambda p: Split(p.dim, groups) if isinstance(p, Split) else p   # noqa: E731
+            out.append(Sig(tuple(map(block, s.inputs)), tuple(map(block, s.outputs))))
+    return out
+
+
 def expand(sigs: list, metas_in: list, metas_out: list, mesh_shape) -> list:
     """All valid nd combinations of one-axis signatures."""
     out = []
@@ -68,12 +140,17 @@ def expand(sigs: list, metas_in: list, metas_out: list, mesh_shape) -> list:
     return out
 
 
-def storage_options(meta, mesh_shape) -> list:
-    """Placements a graph input may take: split on any dim, or broadcast, per axis (never P)."""
-    one_axis = [B] + [Split(d) for d in range(len(meta.shape)) if meta.shape[d] > 1]
+def storage_options(meta, mesh_shape, blocked=()) -> list:
+    """Placements a graph input may take: split on any dim, or broadcast, per axis (never P);
+    ``blocked``: blocked splits it may take too (a fused projection's weight), on one axis at
+    most: a parameter lives as a DTensor, and DTensor cannot yet gather a dim cut in blocks by
+    two mesh axes back whole."""
+    one_axis = [B] + [Split(d) for d in range(len(meta.shape)) if meta.shape[d] > 1] + sorted(blocked, key=repr)
     out = []
     for picks in itertools.product(range(len(one_axis)), repeat=len(mesh_shape)):
         combo = tuple(one_axis[k] for k in picks)
+        if sum(isinstance(p, Split) and p.groups > 1 for p in combo) > 1:
+            continue
         if pl.local_shape(meta.shape, combo, mesh_shape) is not None:
             out.append(Strategy((), (combo,), picks))
     return out
@@ -84,13 +161,25 @@ def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
     strategies: dict = {}
     missing: set = set()
     expanded: dict = {}   # the layers of a stack expand the same signatures on the same shapes
+    blocked = blocked_splits(graph)
+    stored: dict = {}     # parameter -> blocked splits a blocked matmul takes it in
+    for node in graph.nodes:
+        if node.name not in blocked or node.target not in MATMULS:
+            continue
+        for s in blocked_sigs(node, one_axis_sigs(node, graph)[0], *blocked[node.name]):
+            for value, p in zip(node.inputs, s.inputs):
+                if graph.by_name[value[0]].kind == "param" and isinstance(p, Split) and p.groups > 1:
+                    stored.setdefault(value[0], set()).add(p)
     for node in graph.nodes:
         if node.kind in ("param", "buffer", "input"):
-            strategies[node.name] = storage_options(node.outputs[0], mesh_shape) if node.outputs else [Strategy((), ())]
+            strategies[node.name] = (storage_options(node.outputs[0], mesh_shape, stored.get(node.name, ()))
+                                     if node.outputs else [Strategy((), ())])
         elif node.kind == "output":
             strategies[node.name] = [Strategy(tuple((B,) * len(mesh_shape) for _ in node.inputs), ())]
         else:
             sigs, known = one_axis_sigs(node, graph)
+            if node.name in blocked:
+                sigs = sigs + [s for s in blocked_sigs(node, sigs, *blocked[node.name]) if s not in sigs]
             if not known and node.outputs:
                 missing.add(node.op_name)
             metas_in = [graph.meta(v) for v in node.inputs]

@@ -70,6 +70,18 @@ def lower_unflatten(low: Lowering):
     return low.call(args=args, kwargs=kwargs)
 
 
+def lower_split(low: Lowering):
+    """split / split_with_sizes: a dim cut in blocks (S(d)/g) is split locally into its blocks'
+    local parts, so the sizes become this rank's."""
+    dim = norm_dim(low.arg(2, "dim", 0), len(low.in_shapes[0]))
+    sizes = [low.local_out(i)[dim] for i in range(len(low.out_shapes))]
+    if low.node.target == aten.split.Tensor:
+        args, kwargs = _with_arg(low, 1, "split_size", sizes[0])
+    else:
+        args, kwargs = _with_arg(low, 1, "split_sizes", sizes)
+    return low.call(args=args, kwargs=kwargs)
+
+
 def lower_as(low: Lowering):
     """view_as / expand_as: the other tensor's whole shape is not this rank's; use the local one."""
     target = aten.view.default if low.node.target == aten.view_as.default else aten.expand.default
@@ -189,6 +201,8 @@ LOWERINGS = {
     aten._unsafe_view.default: lower_sized,
     aten.expand.default: lower_sized,
     aten.unflatten.int: lower_unflatten,
+    aten.split.Tensor: lower_split,
+    aten.split_with_sizes.default: lower_split,
     aten.view_as.default: lower_as,
     aten.expand_as.default: lower_as,
     aten.squeeze.default: lower_squeeze,
@@ -215,6 +229,8 @@ def _emit_conversion(g, x, steps):
             kwargs["dim"] = st.dim
         if st.dim2 is not None:
             kwargs["dim2"] = st.dim2
+        if st.groups != 1:
+            kwargs["groups"] = st.groups
         x = g.call_function(fn, (x,), kwargs)
     return x
 

@@ -120,7 +120,7 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape) -> None:
             cursor = after.setdefault(j, _Cursor(g, waits[j]))
             started = cursor.call(runtime.gather_start, (waited, h, axis))
         with g.inserting_before(n):
-            wait = g.call_function(runtime.gather_wait, (started, h, axis, dim))
+            wait = g.call_function(runtime.gather_wait, (started, h, axis, dim, n.kwargs.get("groups", 1)))
         n.replace_all_uses_with(wait)
         g.erase_node(n)
         waits.append(wait)

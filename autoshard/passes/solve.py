@@ -84,7 +84,7 @@ class Costs:
         meta = node.outputs[0]
         nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * meta.itemsize
         share = min(1.0, nbytes / self.bucket_bytes)
-        return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.links, share))]
+        return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share))]
 
     def node(self, node: Node, strat) -> Cost:
         mesh = self.mesh_shape
