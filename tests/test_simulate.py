@@ -111,6 +111,9 @@ def _plan(sizes, mesh, scheme):
         axis_pins = [{k: (v[a],) for k, v in pins.items()} for a in range(len(mesh))]
     else:
         axis_pins = [schemes.SCHEMES[s](model, inputs, (n,), graph=graph) for s, n in zip(scheme, mesh)]
+        # one scheme per axis: a fused qkv's weight stored S(0) by one and split in its blocks
+        # (S(0)/3) by the other cannot be both; keep the plain split (the solver re-lays the output)
+        axis_pins = [{k: tuple(p.split("/")[0] for p in v) for k, v in a.items()} for a in axis_pins]
         pins = {k: tuple(axis_pins[a].get(k, (None,))[0] for a in range(len(mesh)))
                 for k in set().union(*axis_pins)}
     plan = plan_by_axis(graph, mesh, axis_pins)
