@@ -18,7 +18,7 @@ from autoshard.placement import B, Split
 from autoshard.passes.capture import Graph, Node
 from autoshard.rules import OpCtx, Sig, rule_for
 from autoshard.rules.registry import norm_dim
-from autoshard.rules.views import RESHAPES, view_groups
+from autoshard.rules.views import reshape, view_groups
 
 import torch
 
@@ -96,7 +96,7 @@ def blocked_splits(graph: Graph) -> dict:
                 if d == len(shape) - 1:   # the matmul's output features
                     want[producer.name] = (d, g)
                 break
-            if producer.target not in RESHAPE_TARGETS:
+            if rule_for(producer.target) is not reshape:   # the view ops, every overload
                 break
             a = graph.meta(producer.inputs[0]).shape
             b = producer.outputs[0].shape
@@ -106,11 +106,6 @@ def blocked_splits(graph: Graph) -> dict:
             want[producer.name] = (d, g)
             value, d, shape = producer.inputs[0], run[0][0], a
     return want
-
-
-RESHAPE_TARGETS = set()
-for _op in RESHAPES:
-    RESHAPE_TARGETS.update([getattr(_op, o) for o in _op.overloads()] if isinstance(_op, torch._ops.OpOverloadPacket) else [_op])
 
 
 def blocked_sigs(node: Node, sigs: list, dim: int, groups: int) -> list:
