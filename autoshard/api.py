@@ -262,7 +262,7 @@ class ParallelModule(nn.Module):
         program = rewrite(graph, plan, device=self._device)
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
-            self._rank_mesh.prepare_groups(program.meta["joint_axes"])
+        self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self.__dict__["_planned_shapes"] = shapes
         self.__dict__["_planned_consts"] = consts
         self._programs[key] = (program, graph, plan)

@@ -50,10 +50,10 @@ class Cluster:
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)
 
-    def axis_links(self, mesh_shape: Sequence[int]) -> list[tuple[float, float, float]]:
+    def axis_links(self, mesh_shape: Sequence[int]) -> "Links":
         """(latency per ring step, bandwidth, launch overhead) of each mesh axis, axes laid out with
-        the last innermost."""
-        return [self.group_link(mesh_shape, (a,)) for a in range(len(mesh_shape))]
+        the last innermost: ``links[a]``; ``links[(a, b)]`` is the group spanning axes a and b."""
+        return Links(self, tuple(mesh_shape))
 
     def group_link(self, mesh_shape: Sequence[int], axes: Sequence[int]) -> tuple[float, float, float]:
         """(latency per ring step, bandwidth, launch overhead) of the groups that span ``axes`` of
@@ -70,6 +70,22 @@ class Cluster:
 
     def matmul_flops(self, itemsize: int) -> float:
         return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops
+
+
+class Links(list):
+    """The links of a mesh's axes, one entry per axis; indexed by a tuple of axes, the links of
+    the groups spanning them together (``Cluster.group_link``)."""
+
+    def __init__(self, cluster: Cluster, mesh_shape: tuple):
+        super().__init__(cluster.group_link(mesh_shape, (a,)) for a in range(len(mesh_shape)))
+        self._cluster, self._mesh, self._groups = cluster, mesh_shape, {}
+
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            return super().__getitem__(key)
+        if key not in self._groups:
+            self._groups[key] = self._cluster.group_link(self._mesh, key)
+        return self._groups[key]
 
 
 PRESETS = {

@@ -221,7 +221,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
                     if st.is_collective:
                         t = comm.step_time(st, meta.itemsize, mesh, links)
                         over = hidden and i == (0 if phase == "forward" else len(sts) - 1)
-                        colls.append(Collective(st.kind, phase, (st.axis,), comm.step_bytes(st, meta.itemsize),
+                        colls.append(Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize),
                                                 n.name, t, over))
         for axes, nbytes, t in costs.grad_syncs(n, strat):
             colls.append(Collective("all_reduce", "backward", axes, nbytes, n.name, t, True))

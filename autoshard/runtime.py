@@ -36,11 +36,27 @@ class RankMesh:
         self.generator = generator
         self._joint: dict = {}
 
-    def group(self, axes: tuple):
+    def group(self, axes):
         """The process group of this rank's devices along ``axes`` together (one axis: its own)."""
-        if len(axes) == 1:
-            return self.groups[axes[0]]
+        if isinstance(axes, int) or len(axes) == 1:
+            return self.groups[axes if isinstance(axes, int) else axes[0]]
+        if tuple(axes) not in self._joint:
+            raise RuntimeError(f"the group spanning mesh axes {tuple(axes)} was not created: the program's "
+                               "meta['joint_axes'] must list it (passes.rewrite)")
         return self._joint[tuple(axes)]
+
+    def size(self, axes) -> int:
+        return self.shape[axes] if isinstance(axes, int) else math.prod(self.shape[a] for a in axes)
+
+    def coord(self, axes) -> int:
+        """This rank's place in the group spanning ``axes``: its coordinates flattened in mesh
+        order, as a dim split over those axes orders its chunks."""
+        if isinstance(axes, int):
+            return self.coords[axes]
+        c = 0
+        for a in axes:
+            c = c * self.shape[a] + self.coords[a]
+        return c
 
     def prepare_groups(self, axis_sets) -> None:
         """Create the groups spanning several axes at once. Collective: every rank calls it with
@@ -158,9 +174,8 @@ def _run(x, kind, group, p, coord, dim, dim2, groups=1):
 
 def _step(x, kind, axis, dim=None, dim2=None, groups=1):
     m = _mesh()
-    if not x.requires_grad:
-        return _run(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2, groups)
-    return _Step.apply(x, kind, m.groups[axis], m.shape[axis], m.coords[axis], dim, dim2, groups)
+    args = (kind, m.group(axis), m.size(axis), m.coord(axis), dim, dim2, groups)
+    return _Step.apply(x, *args) if x.requires_grad else _run(x, *args)
 
 
 # the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups
@@ -176,7 +191,7 @@ def all_reduce(x, axis: int):
     return _step(x, "all_reduce", axis)
 
 
-def all_to_all(x, axis: int, dim: int, dim2: int):
+def all_to_all(x, axis, dim: int, dim2: int):   # axis: one, or a tuple of axes as one group
     return _step(x, "all_to_all", axis, dim, dim2)
 
 
@@ -200,7 +215,7 @@ def _convert(x, src, dst, m: RankMesh):
     """Raw conversion between nd placements (no autograd), by the shared step planner."""
     from autoshard.cost.comm import transition
     for st in transition(tuple(x.shape), src, dst, m.shape):
-        x = _run(x, st.kind, m.groups[st.axis], m.shape[st.axis], m.coords[st.axis], st.dim, st.dim2, st.groups)
+        x = _run(x, st.kind, m.group(st.axis), m.size(st.axis), m.coord(st.axis), st.dim, st.dim2, st.groups)
     return x
 
 
@@ -262,16 +277,13 @@ class _ToWhole(torch.autograd.Function):
 
 class _GradSync(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, groups):
-        ctx.groups = groups
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous().clone()
-        for group in ctx.groups:
-            dist.all_reduce(g, group=group)
-        return g, None
+        return _reduce(g, ctx.group), None
 
 
 def grad_sync(x, axes: tuple):
@@ -280,7 +292,7 @@ def grad_sync(x, axes: tuple):
     m = _mesh()
     if not x.requires_grad or not axes:
         return x
-    return _GradSync.apply(x, [m.groups[a] for a in axes])
+    return _GradSync.apply(x, m.group(tuple(axes)))   # one all-reduce on the group spanning them
 
 
 # ---- scheduled collectives: start/wait pairs (built by passes.schedule) ----------------------
@@ -397,13 +409,13 @@ class _GatherWait(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def gather_start(x, h: Pending, axis: int):
+def gather_start(x, h: Pending, axis):
     m = _mesh()
-    return _GatherStart.apply(x, h, m.groups[axis], m.shape[axis])
+    return _GatherStart.apply(x, h, m.group(axis), m.size(axis))
 
 
-def gather_wait(buf, h: Pending, axis: int, dim: int, groups: int = 1):
-    return _GatherWait.apply(buf, h, _mesh().shape[axis], dim, groups)
+def gather_wait(buf, h: Pending, axis, dim: int, groups: int = 1):
+    return _GatherWait.apply(buf, h, _mesh().size(axis), dim, groups)
 
 
 # ---- ops whose local form differs -------------------------------------------------------------

@@ -327,10 +327,11 @@ def tensor_3d(model, example_inputs, mesh, *, i: int = 0, j: int = 1, l: int = 2
     return _block_fused(lay, pins)
 
 
-def axonn_4d(model, example_inputs, mesh, *, x: int = 0, y: int = 1, z: int = 2,
+def axonn_4d(model, example_inputs, mesh, *, x: Optional[int] = 0, y: Optional[int] = 1, z: Optional[int] = 2,
              graph: Optional[Graph] = None) -> dict:
     """AxoNN's 4-D layout: 3-D tensor parallelism on ``x``, ``y``, ``z`` times data parallelism on
-    the other axes (AxoNN's ``d``; a mesh of three axes has none).
+    the other axes (AxoNN's ``d``; a mesh of three axes has none). A role given ``None`` is a
+    group of one GPU (AxoNN's Gx, Gy or Gz = 1): its collectives vanish.
 
     A matmul ``Y = X W`` takes X ``(x: S1, y: B, z: S0, d: S0)`` and uses W (k x n) as
     ``(x: S0, y: S1, z: B)``: ``weight`` (n, k) ``(x: S(1), y: S(0))``, also stored split over
@@ -343,26 +344,32 @@ def axonn_4d(model, example_inputs, mesh, *, x: int = 0, y: int = 1, z: int = 2,
     over ``z`` and the data axes."""
     lay = _layout(model, example_inputs, mesh, graph)
     roles = _axes(lay, x=x, y=y, z=z)
-    z, others = roles["z"], _data_axes(lay, roles)
-    pins = _batch_pins(lay, others + [z])
+    if not roles:
+        raise ValueError("axonn_4d needs at least one of x, y and z as a mesh axis: with none it is data_parallel")
+    z, others = roles.get("z"), _data_axes(lay, roles)
+    pins = _batch_pins(lay, others + ([z] if z is not None else []))
     for lin in _block_linears(lay):
-        a, b = (roles["x"], roles["y"]) if lin.kind == "column" else (roles["y"], roles["x"])  # (contracted, output)
-        n, _ = lin.weight_shape
-        used = {a: "S(1)", b: "S(0)"}
-        # weight dim 0 is cut by b, dim 1 by a: store the z split on a dim whose other cut is outer
-        zsize = lay.mesh[z]
-        options = [(d, other) for d, other in ((0, b), (1, a))
-                   if (lin.weight_shape[d] // lay.mesh[other]) % zsize == 0]
-        if not options:
-            raise ValueError(f"{lin.weight} of shape {list(lin.weight_shape)} cannot also be split by axis {z} "
-                             f"of size {zsize} (mesh {lay.mesh}): choose sizes that divide")
-        dim = min(options, key=lambda o: (o[1] > z, o[0]))[0]
-        pins[lin.weight] = _nd(lay, lin.weight, lin.weight_shape, {**used, z: _s(dim)})
+        a, b = (roles.get("x"), roles.get("y")) if lin.kind == "column" else (roles.get("y"), roles.get("x"))
+        n, _ = lin.weight_shape                                  # (contracted, output) axes; None: absent
+        used = {ax: p for ax, p in ((a, "S(1)"), (b, "S(0)")) if ax is not None}
+        if z is not None:
+            # store the z split on a dim whose other cut (if any) is outer to z, so the gather is one all-gather
+            zsize = lay.mesh[z]
+            cuts = {0: lay.mesh[b] if b is not None else 1, 1: lay.mesh[a] if a is not None else 1}
+            inner = {0: b is not None and b > z, 1: a is not None and a > z}
+            options = [d for d in (0, 1) if (lin.weight_shape[d] // cuts[d]) % zsize == 0]
+            if not options:
+                raise ValueError(f"{lin.weight} of shape {list(lin.weight_shape)} cannot also be split by axis {z} "
+                                 f"of size {zsize} (mesh {lay.mesh}): choose sizes that divide")
+            used[z] = _s(min(options, key=lambda d: (inner[d], d)))
+        pins[lin.weight] = _nd(lay, lin.weight, lin.weight_shape, used)
         if lin.bias:
-            pins[lin.bias] = _nd(lay, lin.bias, (n,), {b: "S(0)"})
-        out = {o: "S(0)" for o in others + [z]}
-        out[a] = "P"
-        out[b] = _s(_features(lin))
+            pins[lin.bias] = _nd(lay, lin.bias, (n,), {b: "S(0)"} if b is not None else {})
+        out = {o: "S(0)" for o in others + ([z] if z is not None else [])}
+        if a is not None:
+            out[a] = "P"
+        if b is not None:
+            out[b] = _s(_features(lin))
         pins[lin.node] = _out(lay, lin, out)
     return _block_fused(lay, pins)
 

@@ -14,6 +14,7 @@ cases run in two ``world.run`` calls: 8 processes share this machine's cores.
 import copy
 import itertools
 import multiprocessing
+import re
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -38,6 +39,11 @@ TOL = 1e-5
 # compute this slow next to the links makes the solver split the work of a model this small
 # (on an A100 it replicates it: every collective costs more than the whole step)
 SLOW = autoshard.Cluster(name="slow-compute", peak_flops=2e9, peak_flops_fp32=1e9, memory_bandwidth=4e9)
+# and links where bytes cost and latency does not, across nodes of 2: a conversion on both axes of
+# (2, 4) runs as one collective over the group spanning them (comm.transition), of every kind
+FLAT = SLOW.with_(name="slow-compute-bandwidth-bound", gpus_per_node=2, intra_latency=0.0, inter_latency=0.0,
+                  collective_overhead=0.0)
+CLUSTERS = {"slow": SLOW, "flat": FLAT}
 
 
 def _layers(mesh):
@@ -69,13 +75,13 @@ def plan_json(mesh, pin):
     return autoshard.plan(model, inputs, mesh=mesh, pin=pin, cluster=SLOW).to_json()
 
 
-def train_case(mesh, pin, planned=None):
+def train_case(mesh, pin, planned=None, cluster="slow"):
     """One step of the GPT parallelized on ``mesh`` (by the ``planned`` plan's JSON if given)
     against the single-device reference: the largest differences, and what the plan chose."""
     model, inputs = _gpt(_layers(mesh))
     ref = copy.deepcopy(model)
     if planned is None:
-        pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=pin, cluster=SLOW)
+        pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=pin, cluster=CLUSTERS[cluster])
     else:
         pm = autoshard.parallelize(model, inputs, plan=autoshard.Plan.from_json(planned))
     opt, ref_opt = _make_opt(pm.parameters()), _make_opt(ref.parameters())
@@ -125,8 +131,13 @@ SCHEME_CASES = [("data_parallel", (8,), {}), ("fsdp", (8,), {}), ("megatron", (8
                 ("axonn_4d", (2, 2, 2), {}), ("fsdp", (2, 4), {"shard": 1})]
 
 
-def _key(mesh, scheme, roles=None):
-    return (tuple(mesh), scheme, tuple(sorted((roles or {}).items())))
+# FSDP on links where latency is free: its gathers, their reduce-scatters, and the conversions
+# between them run over both axes at once
+JOINT_CASE = ((2, 4), "fsdp", {}, "flat")
+
+
+def _key(mesh, scheme, roles=None, cluster="slow"):
+    return (tuple(mesh), scheme, tuple(sorted((roles or {}).items())), cluster)
 
 
 _GRAPHS = {}
@@ -145,6 +156,7 @@ def _pins(scheme, mesh, roles=None):
 def results():
     keys = [_key(m, s) for m, s in MESH_CASES]
     keys += [k for k in (_key(m, s, r) for s, m, r in SCHEME_CASES) if k not in keys]
+    keys.append(_key(*JOINT_CASE))
     pins = {k: _pins(k[1], k[0], dict(k[2])) for k in keys}
     # a plan on (2, 2, 2) takes rank 0 half a minute while the other ranks wait and a core idles:
     # those of the mesh cases are made meanwhile in a process of their own (and reach the ranks
@@ -154,7 +166,7 @@ def results():
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=ctx) as pool, LocalWorld(8, timeout_s=900) as world:
         planned = {k: pool.submit(plan_json, k[0], pins[k]) for k in ahead}
-        per_rank = world.run(run_cases, [(k[0], pins[k]) for k in rest])
+        per_rank = world.run(run_cases, [(k[0], pins[k], None, k[3]) for k in rest])
         per_rank = [a + b for a, b in zip(per_rank, world.run(run_cases, [(k[0], pins[k], planned[k].result())
                                                                           for k in ahead]))]
     return {k: ([r[i] for r in per_rank], pins[k]) for i, k in enumerate(rest + ahead)}
@@ -195,6 +207,19 @@ def test_mesh_matches_single_device(results, mesh, scheme):
         assert fc == (128 // mesh[1], 32 // mesh[0])
     if scheme == "tensor_3d":
         assert fc == (128 // 4, 32 // 2)
+
+
+def test_a_conversion_on_several_axes_runs_as_one_collective_over_their_group(results):
+    """On links where bytes cost and latency does not, FSDP over both axes of (2, 4) gathers each
+    weight with one all-gather over all 8 ranks (not one per axis, which sends more across the
+    nodes), reduce-scatters its gradient so, and re-splits and reduces activations over both axes
+    at once: still exact, the scheduled gathers included."""
+    per_rank, pin = results[_key(*JOINT_CASE)]
+    res = _check_exact(per_rank, pin)
+    joint = {(c[0], c[1]) for c in res["collectives"] if c[2] == (0, 1)}
+    assert joint >= {("all_gather", "forward"), ("reduce_scatter", "backward"), ("all_to_all", "forward"),
+                     ("all_reduce", "forward")}, res["collectives"]
+    assert re.search(r"gather_start\(\w+, \w+, \(0, 1\)\)", res["program"]), res["program"]
 
 
 def _id(scheme, mesh, roles):
@@ -329,11 +354,11 @@ _STEPS = {
 
 
 def _step(local, st, p):
-    a, out, groups = st.axis, {}, {}
+    axes, out, groups = st.axes, {}, {}     # several axes: one group, ranks flattened in mesh order
     for c in local:
-        groups.setdefault(c[:a] + c[a + 1:], []).append(c)
+        groups.setdefault(tuple(x for i, x in enumerate(c) if i not in axes), []).append(c)
     for members in groups.values():
-        members.sort(key=lambda c: c[a])
+        members.sort(key=lambda c: tuple(c[i] for i in axes))
         xs = [local[c] for c in members]
         if st.groups == 1:
             for k, c in enumerate(members):
@@ -345,15 +370,26 @@ def _step(local, st, p):
     return out
 
 
-def _converts(shape, mesh, src, dst, rng) -> bool:
+def _joint(shape, src, dst, mesh):
+    """The one collective over the changing axes' group, when ``comm`` offers one (None else)."""
+    j = comm._joint_step(src, dst, len(mesh))
+    if j is None:
+        return None
+    kind, axes, d, d2, groups = j
+    return [comm.Step(kind, axes, d, d2, pl.local_shape(shape, src, mesh), groups)]
+
+
+def _converts(shape, mesh, src, dst, rng, steps=None) -> bool:
     ranks = list(itertools.product(*(range(n) for n in mesh)))
     x = rng.standard_normal(shape)
     w = [v / v.sum() for v in (rng.uniform(0.2, 1.0, n) for n in mesh)]
     local = {c: _share(x, src, mesh, c, w) for c in ranks}
-    for st in comm.transition(local[ranks[0]].shape, src, dst, mesh):
+    if steps is None:
+        steps = comm.transition(local[ranks[0]].shape, src, dst, mesh)
+    for st in steps:
         if any(v.shape != tuple(st.in_shape) for v in local.values()):
             return False
-        local = _step(local, st, mesh[st.axis])
+        local = _step(local, st, st.size(mesh))
     partial = [a for a, p in enumerate(dst) if isinstance(p, pl.Partial)]
     whole = tuple(pl.B if isinstance(p, pl.Partial) else p for p in dst)
     for c in ranks:
@@ -374,6 +410,12 @@ def test_every_conversion_is_exact_on_every_rank(mesh):
     rng = np.random.default_rng(0)
     wrong = [(pl.format_nd(s), pl.format_nd(d)) for s in layouts for d in layouts
              if not _converts(shape, mesh, s, d, rng)]
+    assert not wrong, wrong[:10]
+    # one collective over several axes' group: every conversion that can run so, run so
+    joint = [(s, d) for s in layouts for d in layouts if _joint(shape, s, d, mesh)]
+    assert {_joint(shape, s, d, mesh)[0].kind for s, d in joint} == set(comm.COLLECTIVES)
+    wrong = [(pl.format_nd(s), pl.format_nd(d)) for s, d in joint
+             if not _converts(shape, mesh, s, d, rng, _joint(shape, s, d, mesh))]
     assert not wrong, wrong[:10]
 
 

@@ -221,11 +221,10 @@ def rank(layers: Sequence[Layer], tokens: int, world: int, cluster: Cluster, *, 
 
 
 def as_scheme(config: Config):
-    """The configuration as a hand plan of ``autoshard.schemes``: (scheme name, mesh, roles), or
-    None where no one scheme lays it out. The groups of more than one GPU become the mesh axes in
+    """The configuration as a hand plan of ``autoshard.schemes``: (scheme name, mesh, roles). The groups of more than one GPU become the mesh axes in
     the configuration's order (innermost last): data alone is ``data_parallel``, z alone (beside
     data) ``fsdp`` sharded over z, y alone ``megatron`` (W split by its n: column-parallel first,
-    as AxoNN's layer 1), x, y and z ``axonn_4d``."""
+    as AxoNN's layer 1), any other mix ``axonn_4d`` with the groups of one GPU left out."""
     groups = [g for g in reversed(config.order) if config.sizes[g] > 1]
     mesh = tuple(config.sizes[g] for g in groups)
     axis = {g: i for i, g in enumerate(groups)}
@@ -236,9 +235,7 @@ def as_scheme(config: Config):
         return "fsdp", mesh, {"shard": axis["z"]}
     if tp == ["y"]:
         return "megatron", mesh, {"tp": axis["y"]}
-    if tp == ["x", "y", "z"]:
-        return "axonn_4d", mesh, {"x": axis["x"], "y": axis["y"], "z": axis["z"]}
-    return None
+    return "axonn_4d", mesh, {g: axis.get(g) for g in ("x", "y", "z")}
 
 
 # ---- a plan's communication, counted as AxoNN counts its own ---------------------------------------
@@ -290,7 +287,7 @@ def plan_traffic(plan, graph) -> dict:
             meta = graph.meta(value)
             src = plan.nodes[producer.name].out_placements()[value[1]]
             dst = choice.in_placements()[slot]
-            steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
+            steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize)
             if plan.training and meta.floating and n.kind != "output" and producer.requires_grad:
                 steps = steps + comm.dual_steps(steps, mesh)
             t = sum(comm.step_time(st, meta.itemsize, mesh, links) for st in steps)

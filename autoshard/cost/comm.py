@@ -14,14 +14,23 @@ A ring collective takes (p-1) latency steps; an all-reduce takes the faster of a
 steps) and a tree (2 log2 p steps, the whole tensor each way). On several axes the conversion
 runs one axis at a time: gathers innermost axis first, splits outermost first, so a dim cut by
 several axes always holds the contiguous chunk DTensor's order prescribes. A partial sum over
-several axes is reduced hierarchically (reduce-scatter inside, all-reduce across, all-gather). This module is the one
-place that decides which steps a conversion takes; the cost model and the rewriter both use it.
+several axes is reduced hierarchically (reduce-scatter inside, all-reduce across, all-gather).
+
+One conversion runs as a single collective over several axes at once: a dim split over axes A
+re-split onto another dim over the same axes (``(S(2), S(2)) -> (S(0), S(0))``). Axis by axis it
+would gather the whole of A before slicing (each rank receiving |A| times its share); a split over
+A in mesh order cuts the dim as one split over A's ranks flattened in that order would, so one
+all-to-all on the group spanning A (``runtime.RankMesh.group``) does it, priced on that group's
+links (``Cluster.group_link``). Such a step's ``axis`` is the tuple A.
+
+This module is the one place that decides which steps a conversion takes; the cost model and the
+rewriter both use it.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from autoshard.placement import B, P, Broadcast, Partial, Split
 
@@ -33,7 +42,7 @@ DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_red
 @dataclass(frozen=True)
 class Step:
     kind: str
-    axis: int
+    axis: Union[int, tuple]       # one mesh axis, or (all_to_all) a tuple of axes run as one group
     dim: Optional[int] = None     # the tensor dim gathered, scattered or sliced
     dim2: Optional[int] = None    # all_to_all: the dim split after the step
     in_shape: tuple = ()          # this rank's shape before the step
@@ -42,6 +51,14 @@ class Step:
     @property
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVES
+
+    @property
+    def axes(self) -> tuple:
+        return self.axis if isinstance(self.axis, tuple) else (self.axis,)
+
+    def size(self, mesh_shape) -> int:
+        """Ranks in the step's group."""
+        return math.prod(mesh_shape[a] for a in self.axes)
 
     def __repr__(self) -> str:
         extra = f", dim={self.dim}" if self.dim is not None else ""
@@ -62,11 +79,27 @@ def _apply_shape(shape, step: Step, p: int):
     return tuple(s)
 
 
-def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: Sequence[int]) -> list:
-    """Steps that turn a tensor held as ``src`` (with this rank's ``local_shape``) into ``dst``."""
-    n = len(mesh_shape)
+def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: Sequence[int],
+               links=None, itemsize: int = 4) -> list:
+    """Steps that turn a tensor held as ``src`` (with this rank's ``local_shape``) into ``dst``.
+    With ``links`` (``Cluster.axis_links``), a conversion one collective over the changing axes'
+    group can do (``_joint_step``) runs as that one when it is the faster; without, axis by axis
+    (the runtime's own conversions at the program's edges, which need no group spanning axes)."""
     if tuple(src) == tuple(dst):
         return []
+    steps = _axis_by_axis(local_shape, src, dst, mesh_shape)
+    joint = _joint_step(src, dst, len(mesh_shape)) if links is not None else None
+    if joint:
+        kind, axes, d, d2, groups = joint
+        one = [Step(kind, axes, d, d2, tuple(local_shape), groups)]
+        if (sum(step_time(st, itemsize, mesh_shape, links) for st in one)
+                < sum(step_time(st, itemsize, mesh_shape, links) for st in steps)):
+            return one
+    return steps
+
+
+def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape) -> list:
+    n = len(mesh_shape)
     unshard, reshard = set(), set()
     for a in range(n):
         if src[a] != dst[a]:
@@ -144,11 +177,41 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
     return steps
 
 
+def _joint_step(src: tuple, dst: tuple, n: int):
+    """(kind, axes, dim, dim2, groups) of the one collective over the group spanning the axes
+    that change, when there are two or more and they all change alike:
+
+        S(d) -> B       all_gather       S(d) -> S(d2)   all_to_all (plain splits)
+        P -> S(d)       reduce_scatter   P -> B          all_reduce
+
+    and no unchanged axis inner to the first of them cuts a dim they cut: then they cut it last,
+    as one split over their group's ranks flattened in mesh order would. None otherwise."""
+    axes = tuple(a for a in range(n) if src[a] != dst[a])
+    if len(axes) < 2 or len({src[a] for a in axes}) != 1 or len({dst[a] for a in axes}) != 1:
+        return None
+    s, t = src[axes[0]], dst[axes[0]]
+    if isinstance(s, Split) and isinstance(t, Broadcast):
+        kind, d, d2, groups = "all_gather", s.dim, None, s.groups
+    elif isinstance(s, Split) and isinstance(t, Split) and s.dim != t.dim and s.groups == t.groups == 1:
+        kind, d, d2, groups = "all_to_all", s.dim, t.dim, 1
+    elif isinstance(s, Partial) and isinstance(t, Split):
+        kind, d, d2, groups = "reduce_scatter", t.dim, None, t.groups
+    elif isinstance(s, Partial) and isinstance(t, Broadcast):
+        kind, d, d2, groups = "all_reduce", None, None, 1
+    else:
+        return None
+    cut = {d, d2} - {None}
+    for b in range(axes[0] + 1, n):
+        if b not in axes and isinstance(src[b], Split) and src[b].dim in cut:
+            return None
+    return kind, axes, d, d2, groups
+
+
 def dual_steps(steps: list, mesh_shape) -> list:
     """The backward of a conversion: each step's dual, in reverse order."""
     out = []
     for st in reversed(steps):
-        after = _apply_shape(st.in_shape, st, mesh_shape[st.axis])
+        after = _apply_shape(st.in_shape, st, st.size(mesh_shape))
         if st.kind == "all_to_all":
             out.append(Step("all_to_all", st.axis, st.dim2, st.dim, after))
         else:
@@ -162,12 +225,12 @@ def step_bytes(step: Step, itemsize: int) -> int:
 
 
 def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
-    """alpha-beta time of one step on its axis, plus the launch overhead of a collective; local
-    steps are free of communication."""
+    """alpha-beta time of one step on its axis (or group of axes), plus the launch overhead of a
+    collective; local steps are free of communication. ``links``: ``Cluster.axis_links``."""
     if not step.is_collective:
         return 0.0
-    p = mesh_shape[step.axis]
-    alpha, beta, overhead = links[step.axis]
+    p = step.size(mesh_shape)
+    alpha, beta, overhead = links[step.axis]   # cluster.Links: a tuple of axes gets its group's
     n = step_bytes(step, itemsize)
     if step.kind == "all_gather":
         sent, hops = (p - 1) * n, p - 1            # T = p * input

@@ -22,6 +22,7 @@ same a*b chunks, in the same order, as a split over a*b.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Optional
@@ -30,7 +31,8 @@ from autoshard.cost import memory
 from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
-EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
+EXACT_PAIRS = 150_000
+BLOCK_AXES = 1   # edge layout pairs the whole-mesh integer program may have; above, descend
 
 
 def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
@@ -47,24 +49,27 @@ def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
     return total
 
 
-def _off_axis(strat, axis):
-    """The strategy's placements on every axis but ``axis``."""
-    return (tuple(p[:axis] + p[axis + 1:] for p in strat.inputs),
-            tuple(p[:axis] + p[axis + 1:] for p in strat.outputs))
+def _off(seq, free) -> tuple:
+    return tuple(x for i, x in enumerate(seq) if i not in free)
+
+
+def _off_axes(strat, free):
+    """The strategy's placements on every axis but those in ``free``."""
+    return tuple(_off(p, free) for p in strat.inputs + strat.outputs)
 
 
 class _ByOffAxis:
     """For a strategy list (the layers of a stack share theirs): the indices of the strategies
-    that agree with strategy i off ``axis``, computed once per list and axis."""
+    that agree with strategy i off the axes ``free``, computed once per list and axes."""
 
     def __init__(self):
         self._cache: dict = {}
 
-    def __call__(self, strats, axis, i) -> list:
-        key = (id(strats), axis)
+    def __call__(self, strats, free, i) -> list:
+        key = (id(strats), free)
         if key not in self._cache:
             groups: dict = {}
-            keys = [s.axes[:axis] + s.axes[axis + 1:] if s.axes else _off_axis(s, axis) for s in strats]
+            keys = [_off(s.axes, free) if s.axes else _off_axes(s, free) for s in strats]
             for k, kk in enumerate(keys):
                 groups.setdefault(kk, []).append(k)
             self._cache[key] = (strats, [groups[kk] for kk in keys])   # strats: keep its id alive
@@ -88,7 +93,7 @@ def _memory(graph, strategies, choice, costs) -> int:
 
 
 def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 60.0,
-            budget: Optional[float] = None, max_rounds: int = 4) -> Solution:
+            budget: Optional[float] = None, max_rounds: int = 4, block_axes: Optional[int] = None) -> Solution:
     """Block coordinate descent from ``choice`` (node name -> strategy index), one mesh axis per
     step, until a round over every axis improves nothing."""
     start = time.perf_counter()
@@ -99,12 +104,13 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
         raise MemoryBudgetError(f"the starting plan needs {needs / 1e9:.2f} GB per rank, over the budget of "
                                 f"{budget / 1e9:.2f} GB")
     steps, agree, subs = 0, _ByOffAxis(), {}
+    axes = [a for a in range(naxes) if costs.mesh_shape[a] > 1]
+    block_axes = BLOCK_AXES if block_axes is None else block_axes
+    blocks = list(itertools.combinations(axes, min(block_axes, len(axes))))
     for _ in range(max_rounds):
         improved = False
-        for axis in range(naxes):
-            if costs.mesh_shape[axis] == 1:
-                continue
-            keep = {n.name: agree(strategies[n.name], axis, choice[n.name]) for n in graph.nodes}
+        for free in blocks:
+            keep = {n.name: agree(strategies[n.name], free, choice[n.name]) for n in graph.nodes}
             sub = {}
             for name, idx in keep.items():   # equal index lists give one shared list (tying needs it)
                 sub[name] = subs.setdefault((id(strategies[name]), tuple(idx)),

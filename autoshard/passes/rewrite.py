@@ -251,6 +251,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
     """The per-rank program. Placeholders: parameters (local shards), buffers and the user inputs
     that hold a tensor (whole), in ``graph.nodes`` order."""
     mesh = tuple(plan.mesh_shape)
+    links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
     converted: dict = {}    # (Value, placement) -> fx node
@@ -282,7 +283,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             if key not in converted:
                 meta = graph.meta(value)
                 src = out_pl[value]
-                steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh)
+                steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize)
                 converted[key] = _emit_conversion(g, local[value], steps)
             return converted[key]
 
@@ -317,5 +318,20 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="RankProgram")
     gm.meta["passes"] = ["rewrite"]
     gm.meta["mesh_shape"] = mesh
+    gm.meta["joint_axes"] = _joint_axes(g)
     return gm
+
+
+def _joint_axes(g: fx.Graph) -> list:
+    """The sets of several mesh axes the program runs a collective over at once (a gradient
+    all-reduce over several axes, a joint all-to-all): the runtime creates their groups."""
+    joint = set()
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is runtime.grad_sync and len(n.args[1]) > 1:
+            joint.add(tuple(n.args[1]))
+        elif isinstance(n.kwargs.get("axis"), tuple):
+            joint.add(n.kwargs["axis"])
+    return sorted(joint)
 

@@ -31,7 +31,8 @@ PREFETCH_BYTES = 64 * 2**20   # gathered parameters held ahead of their use
 def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
              prefetch_bytes: int = PREFETCH_BYTES) -> fx.GraphModule:
     """A new program with the parameter collectives of ``program`` scheduled; ``program`` is not
-    changed. Its ``meta["joint_axes"]`` lists the axis sets whose groups the runtime must create."""
+    changed. Its ``meta["joint_axes"]`` lists the axis sets whose groups the runtime must create
+    (the rewriter's, and the gradient buckets')."""
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))
     nodes = list(g.nodes)
@@ -44,7 +45,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     gm = fx.GraphModule(program, g, class_name="RankProgram")
     gm.meta.update(program.meta)
     gm.meta["passes"] = list(program.meta.get("passes", [])) + ["schedule"]
-    gm.meta["joint_axes"] = sorted(joint)
+    gm.meta["joint_axes"] = sorted(joint | set(program.meta.get("joint_axes", ())))
     return gm
 
 
@@ -106,7 +107,7 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape) -> None:
     sizes, waits, after = [], [], {}
     for i, n in enumerate(gathers):
         ph, axis, dim = n.args[0], n.kwargs["axis"], n.kwargs["dim"]
-        sizes.append(_local_bytes(ph) * mesh_shape[axis])
+        sizes.append(_local_bytes(ph) * math.prod(mesh_shape[a] for a in ((axis,) if isinstance(axis, int) else axis)))
         h = start.call(runtime.pending, ())
         waited = start.call(runtime.grad_wait, (h, ph))
         waited = start.call(operator.getitem, (waited, 0))

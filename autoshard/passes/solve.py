@@ -119,7 +119,8 @@ class Costs:
     def conversion(self, value, src, dst):
         """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""
         meta = self.graph.meta(value)
-        steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape)
+        steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape,
+                                self.links, meta.itemsize)
         return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
 
     def convert(self, value, src, dst, consumer: Node) -> Cost:
