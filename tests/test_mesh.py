@@ -128,7 +128,8 @@ MESH_CASES = [((2, 4), "default"), ((2, 4), "fsdp"), ((2, 4), "tensor_2d"),
 # needs 16 ranks at the least: here its three tensor axes x, y, z without the data axis
 SCHEME_CASES = [("data_parallel", (8,), {}), ("fsdp", (8,), {}), ("megatron", (8,), {}),
                 ("sequence_parallel", (8,), {}), ("tensor_2d", (2, 4), {}), ("tensor_3d", (2, 2, 2), {}),
-                ("axonn_4d", (2, 2, 2), {}), ("fsdp", (2, 4), {"shard": 1})]
+                ("axonn_4d", (2, 2, 2), {}), ("axonn_4d", (2, 4), {"x": 1, "y": 0, "z": None}),
+                ("fsdp", (2, 4), {"shard": 1})]
 
 
 # FSDP on links where latency is free: its gathers, their reduce-scatters, and the conversions
@@ -263,7 +264,14 @@ def test_scheme_runs_exactly(results, scheme, mesh, roles):
         assert placed["blocks.0.fc.weight"] == ("S(0)", "S(0)", "S(1)")
         assert placed["blocks.0.fc2.weight"] == ("S(0)", "S(1)", "S(0)")
         assert _colls(res, "all_gather", "forward", axis=0)     # W over i
-    if scheme == "axonn_4d":
+    if scheme == "axonn_4d" and "z" in roles and roles["z"] is None:
+        # AxoNN's grid with Gz = 1 (its best at world 256 for a 7B layer): W split over x and y,
+        # used where it is stored, the fused qkv in its blocks; Y all-reduced over x
+        assert placed["blocks.0.fc.weight"] == ("S(0)", "S(1)") and placed["blocks.0.fc2.weight"] == ("S(1)", "S(0)")
+        assert placed["blocks.0.qkv.weight"] == ("S(0)/3", "S(1)")
+        assert not _colls(res, "all_gather", "forward", node_kind="param")
+        assert _colls(res, "all_reduce", "forward", axis=1)
+    elif scheme == "axonn_4d":
         assert placed["blocks.0.fc.weight"] == ("S(1)", "S(0)", "S(0)")
         assert placed["blocks.0.fc2.weight"] == ("S(0)", "S(1)", "S(0)")
         assert _colls(res, "all_gather", "forward", axis=2)     # W over z, before use
