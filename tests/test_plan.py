@@ -244,3 +244,16 @@ def test_memory_per_rank_follows_storage():
     assert split["parameters"] < dp["parameters"]
     assert dp["total"] == sum(dp[k] for k in ("parameters", "gradients", "optimizer", "activations"))
     assert "memory per rank" in str(autoshard.plan(model, x, world=8))
+
+
+def test_a_weight_gathered_for_its_matmul_counts_until_backward():
+    """FSDP: each rank stores an eighth of fc1's weight, but gathers the whole of it for the
+    matmul, which keeps it for backward: the activations hold the gathered weight."""
+    model, x = _meta(lambda: TwoLayer(1024, 4096), 64, 1024)
+    weight = 1024 * 4096 * 4
+    fsdp = {**DP, "fc1.weight": ("S(0)",), "linear": ("S(0)",)}     # the batch split, the weight gathered
+    plan = autoshard.plan(model, x, world=8, pin=fsdp)
+    gathered = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward"]
+    assert gathered and plan.memory["parameters"] < 2 * weight // 8 + weight
+    dp = autoshard.plan(model, x, world=8, pin=DP).memory
+    assert plan.memory["activations"] >= dp["activations"] + weight

@@ -5,7 +5,10 @@
     optimizer    Adam keeps two fp32 moments per parameter element of the share
     activations  every op output saved for backward, at its planned local size (an upper bound:
                  the whole forward's outputs are live at the start of backward); views of
-                 another tensor take no memory of their own
+                 another tensor take no memory of their own. And every input an op takes in
+                 another layout than its producer's: the conversion makes a new tensor, which
+                 the op keeps for backward (a weight gathered for a matmul stays gathered
+                 until the matmul's backward, as the runtime runs it)
 """
 from __future__ import annotations
 
@@ -33,6 +36,14 @@ def node_bytes(node, strat, mesh_shape, training: bool) -> dict:
     return out
 
 
+def conversion_bytes(consumer, meta, src, dst, mesh_shape, training: bool) -> int:
+    """Bytes a rank keeps for the input ``meta`` of op ``consumer`` converted from ``src`` to
+    ``dst`` (activations; none when the layouts agree or nothing is kept for backward)."""
+    if src == dst or not training or consumer.kind != "op" or not consumer.requires_grad:
+        return 0
+    return math.prod(pl.local_shape(meta.shape, dst, mesh_shape)) * meta.itemsize
+
+
 def _is_view(target) -> bool:
     """An op whose result aliases its input (view, transpose, split, ...) allocates nothing."""
     schema = getattr(target, "_schema", None)
@@ -43,7 +54,11 @@ def rank_memory(graph, strategies, choice, mesh_shape, training: bool) -> dict:
     """Bytes per rank: parameters, gradients, optimizer state, activations, total."""
     total = dict.fromkeys(PARTS, 0)
     for n in graph.nodes:
-        for k, v in node_bytes(n, strategies[n.name][choice[n.name]], mesh_shape, training).items():
+        strat = strategies[n.name][choice[n.name]]
+        for k, v in node_bytes(n, strat, mesh_shape, training).items():
             total[k] += v
+        for slot, value in enumerate(n.inputs):
+            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+            total["activations"] += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape, training)
     total["total"] = sum(total[k] for k in PARTS)
     return total

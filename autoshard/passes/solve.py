@@ -10,7 +10,7 @@ The integer program (built by ``_build``, solved by ``solve``):
     sum_a y[e, a, b] = sum_{s: in_e(s) = b}  x[v, s]                       (_edge_vars)
     C_k = sum x[n, s] * node_cost_k(n, s) + sum y[e, a, b] * convert_k(a -> b)   per part k  (_Sums)
     e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                     (_build)
-    sum x[n, s] * bytes(n, s) <= memory budget                                   (_memory_terms)
+    sum x[n, s] * bytes(n, s) + sum y[e, a, b] * kept(a -> b) <= memory budget   (_memory_terms)
     minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
               + DRAG * (hidden_fwd + hidden_bwd)                                            (cost.step)
 
@@ -105,6 +105,10 @@ class Costs:
     def memory(self, node: Node, strat) -> int:
         """Bytes per rank this choice keeps (cost.memory)."""
         return sum(memory.node_bytes(node, strat, self.mesh_shape, self.training).values())
+
+    def kept(self, value, src, dst, consumer: Node) -> int:
+        """Bytes per rank the conversion's result keeps while ``consumer`` waits for backward."""
+        return memory.conversion_bytes(consumer, self.graph.meta(value), src, dst, self.mesh_shape, self.training)
 
     def overlapped(self, value, src) -> bool:
         """Whether the first gather of this value runs as a scheduled start/wait pair: a
@@ -202,7 +206,8 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
     sums = _Sums(unit)
     rep = tie_repeated(graph, strategies)
     x = _node_vars(model, graph, strategies, costs, sums, rep)
-    _edge_vars(model, graph, strategies, costs, x, sums, rep)
+    kept: dict = {}
+    _edge_vars(model, graph, strategies, costs, x, sums, rep, kept)
     objective = sums.terms("compute_fwd", "compute_bwd", "comm")
     for phase in ("fwd", "bwd"):
         # exposed = max(0, hidden - compute) of the phase (cost.step)
@@ -217,7 +222,8 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
     if memory_budget is not None:
         scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
         limit = int(memory_budget) if unit == PICO else memory_budget * scale
-        terms, const = _memory_terms(graph, strategies, costs, x, rep, scale)
+        terms, const = _plus(_memory_terms(graph, strategies, costs, x, rep, scale),
+                             ({v: b * scale for v, b in kept.items() if v is not None}, kept.get(None, 0) * scale))
         model.at_most(terms, limit - const)
     return x, objective
 
@@ -469,7 +475,15 @@ def _groups(strats, pick):
     return out
 
 
-def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict) -> None:
+def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict, kept: Optional[dict] = None) -> None:
+    """The conversions' costs onto ``sums``, and the bytes their results keep onto ``kept``
+    (variable, or None for the constant -> bytes)."""
+    kept = {} if kept is None else kept
+
+    def keep(var, b):
+        if b:
+            kept[var] = kept.get(var, 0) + b
+
     for u, value, v, slot, times in _edges(graph, rep):
         src = _groups(strategies[u.name], lambda s: s.outputs[value[1]])
         dst = _groups(strategies[v.name], lambda s: s.inputs[slot])
@@ -477,19 +491,23 @@ def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict) -> No
         if len(src) == 1 or len(dst) == 1:
             # one side fixed: the conversion's cost rides on the other side's choice
             for (a, b), c in cost.items():
-                if c == Cost():
+                b_kept = costs.kept(value, a, b, v) * times
+                if c == Cost() and not b_kept:
                     continue
                 side, idx = (v, dst[b]) if len(src) == 1 else (u, src[a])
                 if (len(src) == 1 and len(dst) == 1) or x[side.name] is None:
                     sums.add(None, c, times)
+                    keep(None, b_kept)
                     continue
                 for i in idx:
                     sums.add(x[side.name][i], c, times)
+                    keep(x[side.name][i], b_kept)
             continue
         y = {}
         for (a, b), c in cost.items():
             y[a, b] = model.bool_var()
             sums.add(y[a, b], c, times)
+            keep(y[a, b], costs.kept(value, a, b, v) * times)
         for a, idx in src.items():
             model.equal([y[a, b] for b in dst], [x[u.name][i] for i in idx])
         for b, idx in dst.items():
