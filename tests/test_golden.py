@@ -125,7 +125,9 @@ def test_small_model_large_batch_computes_with_whole_weights(planned):
     """Data parallel or FSDP: the batch split on every axis, every block matmul computing with its
     whole weight (stored split or not), so no activation moves."""
     r = planned("small_model_large_batch")
-    assert all(p == "S(0)" for p in r.auto.placement("idx")), r.auto.placement("idx")
+    # the input itself may come whole on an axis and be sliced there, which moves nothing
+    tokens = next(n.name for n in r.graph.nodes if n.op_name == "embedding.default" and n.inputs[1][0] == "idx")
+    assert all(p == "S(0)" for p in r.auto.placement(tokens)), r.auto.placement(tokens)
     used = _block_matmul_weights(r)
     assert len(used) == 4 * r.cfg["layers"]
     assert all(set(p) == {"B"} for p in used.values()), used

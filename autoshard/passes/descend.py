@@ -22,7 +22,6 @@ same a*b chunks, in the same order, as a split over a*b.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import Optional
@@ -31,8 +30,7 @@ from autoshard.cost import memory
 from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
-EXACT_PAIRS = 150_000
-BLOCK_AXES = 1   # edge layout pairs the whole-mesh integer program may have; above, descend
+EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
 
 
 def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
@@ -93,7 +91,7 @@ def _memory(graph, strategies, choice, costs) -> int:
 
 
 def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 60.0,
-            budget: Optional[float] = None, max_rounds: int = 4, block_axes: Optional[int] = None) -> Solution:
+            budget: Optional[float] = None, max_rounds: int = 4) -> Solution:
     """Block coordinate descent from ``choice`` (node name -> strategy index), one mesh axis per
     step, until a round over every axis improves nothing."""
     start = time.perf_counter()
@@ -104,12 +102,12 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
         raise MemoryBudgetError(f"the starting plan needs {needs / 1e9:.2f} GB per rank, over the budget of "
                                 f"{budget / 1e9:.2f} GB")
     steps, agree, subs = 0, _ByOffAxis(), {}
-    axes = [a for a in range(naxes) if costs.mesh_shape[a] > 1]
-    block_axes = BLOCK_AXES if block_axes is None else block_axes
-    blocks = list(itertools.combinations(axes, min(block_axes, len(axes))))
     for _ in range(max_rounds):
         improved = False
-        for free in blocks:
+        for axis in range(naxes):
+            if costs.mesh_shape[axis] == 1:
+                continue
+            free = (axis,)
             keep = {n.name: agree(strategies[n.name], free, choice[n.name]) for n in graph.nodes}
             sub = {}
             for name, idx in keep.items():   # equal index lists give one shared list (tying needs it)
