@@ -222,8 +222,7 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
     if memory_budget is not None:
         scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
         limit = int(memory_budget) if unit == PICO else memory_budget * scale
-        terms, const = _plus(_memory_terms(graph, strategies, costs, x, rep, scale),
-                             ({v: b * scale for v, b in kept.items() if v is not None}, kept.get(None, 0) * scale))
+        terms, const = _plus(_memory_terms(graph, strategies, costs, x, rep, scale), _kept_terms(kept, scale))
         model.at_most(terms, limit - const)
     return x, objective
 
@@ -394,12 +393,19 @@ def _memory_terms(graph, strategies, costs, x, rep, scale=1) -> tuple:
     return terms, const
 
 
+def _kept_terms(kept: dict, scale=1) -> tuple:
+    """The bytes conversions keep (``_edge_vars``' ``kept``) as (terms, constant)."""
+    return {v: b * scale for v, b in kept.items() if v is not None}, kept.get(None, 0) * scale
+
+
 def _memory_message(graph, strategies, costs, budget, time_limit) -> str:
     """What the least memory any layout reaches is, and which tensors take it."""
     model = _CpSat()
     rep = tie_repeated(graph, strategies)
     x = _node_vars(model, graph, strategies, costs, _Sums(), rep)
-    model.minimize(*_memory_terms(graph, strategies, costs, x, rep))
+    kept: dict = {}
+    _edge_vars(model, graph, strategies, costs, x, _Sums(), rep, kept)
+    model.minimize(*_plus(_memory_terms(graph, strategies, costs, x, rep), _kept_terms(kept)))
     solver, status = _run(model.model, time_limit)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return f"no layout fits in a memory budget of {_gb(budget)} per rank"
