@@ -5,6 +5,8 @@ model -> capture (torch.export) -> annotate (SBP rules) -> solve (ILP) -> Plan
 """
 from __future__ import annotations
 
+import contextlib
+
 import difflib
 import math
 from typing import Optional
@@ -100,14 +102,20 @@ def check_bucket(bucket_bytes) -> None:
         raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
 
 
+def check_reshard(reshard_after_forward) -> None:
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
+
+
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
-               bucket_bytes=BUCKET_BYTES, memory_budget=None) -> Plan:
+               bucket_bytes=BUCKET_BYTES, memory_budget=None, reshard_after_forward=False) -> Plan:
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)
     check_bucket(bucket_bytes)
+    check_reshard(reshard_after_forward)
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
-    costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes)
+    costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes, reshard_after_forward)
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
     solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
     plan = make_plan(graph, strategies, solution, costs)
@@ -117,26 +125,34 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: int = BUCKET_BYTES,
-         memory_budget: Optional[float] = None) -> Plan:
+         memory_budget: Optional[float] = None, reshard_after_forward: bool = False) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
     parameters, gradients, Adam state and activations stay within ``memory_budget`` bytes
     (default: the cluster's device memory). ``bucket_bytes`` is the size of the gradient
-    all-reduce buckets the schedule pass forms, and the cost model prices."""
+    all-reduce buckets the schedule pass forms, and the cost model prices.
+
+    ``reshard_after_forward=True`` frees every parameter gathered (or otherwise converted) for
+    an op once the forward has used it, and gathers it again when the op's backward needs it,
+    as PyTorch's FSDP does: a parameter stored split then holds only its share between uses, at
+    the price of the gathers run again in backward. By default the converted parameter is kept
+    from forward to backward (faster, and counted in the activations)."""
     mesh_shape = resolve_mesh(world, mesh)
     graph = capture(model, example_inputs)
+    args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward)
     if mesh is None and world > 1:
-        return search_mesh(graph, world, cluster, pin, training, time_limit, bucket_bytes, memory_budget)
-    return plan_graph(graph, mesh_shape, cluster, pin, training, time_limit, bucket_bytes, memory_budget)
+        return search_mesh(graph, world, *args)
+    return plan_graph(graph, mesh_shape, *args)
 
 
 def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
-                bucket_bytes=BUCKET_BYTES, memory_budget=None) -> Plan:
+                bucket_bytes=BUCKET_BYTES, memory_budget=None, reshard_after_forward=False) -> Plan:
     """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)
     check_bucket(bucket_bytes)
+    check_reshard(reshard_after_forward)
     arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}
     if len(arity) > 1:
         raise ValueError(f"the pins name different numbers of mesh axes ({sorted(arity)}); give every pin "
@@ -148,7 +164,8 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
             return None
         return resolve_pins(graph, pin, len(mesh_shape))
 
-    plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget)
+    plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
+                  reshard=reshard_after_forward)
     plan.memory["budget"] = budget
     return plan
 
@@ -336,7 +353,8 @@ class ParallelModule(nn.Module):
             elif n.kind == "buffer":
                 feed.append(buffers[n.fqn] if n.fqn in buffers else constants[n.fqn].to(self._device))
         feed.extend(user)
-        with runtime.active(self._rank_mesh):
+        again = plan.training and plan.schedule.get("reshard_after_forward", False)
+        with runtime.active(self._rank_mesh), (runtime.regathering() if again else contextlib.nullcontext()):
             outs = program(*feed)
         return _outputs(graph, outs, buffers)
 

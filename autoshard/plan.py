@@ -63,7 +63,7 @@ class Plan:
     input_shapes: list = field(default_factory=list)
     memory: dict = field(default_factory=dict)   # bytes per rank: parameters, gradients, optimizer, activations, total
     breakdown: dict = field(default_factory=dict)  # seconds per part of the step (cost.step.Cost)
-    schedule: dict = field(default_factory=dict)   # what the schedule pass uses: bucket_bytes
+    schedule: dict = field(default_factory=dict)   # bucket_bytes, reshard_after_forward
     mesh_candidates: list = field(default_factory=list)  # the mesh search's ranking: mesh, bound, cost, status
 
     @property
@@ -117,7 +117,9 @@ class Plan:
             "",
             f"compute {_fmt_s(compute)}  +  exposed communication {_fmt_s(exposed)}  =  {_fmt_s(self.cost)} per step (estimated)",
             f"communication {_fmt_s(commt)}, of which {_fmt_s(hidden)} is overlapped with compute by the schedule "
-            f"(gradient buckets of {_fmt_bytes(self.schedule.get('bucket_bytes', 0))}, prefetched parameter gathers)",
+            f"(gradient buckets of {_fmt_bytes(self.schedule.get('bucket_bytes', 0))}, prefetched parameter gathers)"
+            + ("; converted parameters are freed after forward and converted again for backward"
+               if self.schedule.get("reshard_after_forward") else ""),
             "collectives: " + (", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"),
             "communication per axis: " + (", ".join(f"axis {a} {_fmt_s(t)}" for a, t in sorted(per_axis.items())) or "none"),
         ]
@@ -213,14 +215,16 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
             cost = cost + costs.convert(value, src, dst, n)
             meta = graph.meta(value)
             steps, hidden = costs.conversion(value, src, dst)
-            phases = [("forward", steps)]
+            phases = [("forward", steps, hidden)]
             if costs.training and meta.floating and n.kind != "output" and producer.requires_grad:
-                phases.append(("backward", comm.dual_steps(steps, mesh)))
-            for phase, sts in phases:
+                phases.append(("backward", comm.dual_steps(steps, mesh), hidden))
+                if costs.regathered(value):   # converted again for the backward, which waits for it
+                    phases.append(("backward", steps, False))
+            for phase, sts, hid in phases:
                 for i, st in enumerate(sts):
                     if st.is_collective:
                         t = comm.step_time(st, meta.itemsize, mesh, links)
-                        over = hidden and i == (0 if phase == "forward" else len(sts) - 1)
+                        over = hid and i == (0 if sts is steps else len(sts) - 1)
                         colls.append(Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize),
                                                 n.name, t, over))
         for axes, nbytes, t in costs.grad_syncs(n, strat):
@@ -241,6 +245,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     solver = {"status": solution.status, "objective": solution.objective, "bound": solution.bound,
               "gap": solution.gap, "seconds": solution.seconds}
     input_shapes = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
-    memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training)
+    memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
     return Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
-                input_shapes, memory, asdict(total), {"bucket_bytes": costs.bucket_bytes})
+                input_shapes, memory, asdict(total),
+                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard})

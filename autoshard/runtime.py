@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -416,6 +417,67 @@ def gather_start(x, h: Pending, axis):
 
 def gather_wait(buf, h: Pending, axis, dim: int, groups: int = 1):
     return _GatherWait.apply(buf, h, _mesh().size(axis), dim, groups)
+
+
+# ---- parameters converted again for backward (reshard_after_forward) ------------------------------
+#
+# An op keeps what it needs for backward, a gathered weight included. With resharding, the
+# rewriter marks each converted parameter (``regather``): while the program's forward runs under
+# ``regathering()``, autograd's saved-tensor hooks store a marked tensor (or a view of it) as the
+# recipe to make it again, and its backward makes it again from the parameter's share, on every
+# rank in the same order (backward runs the same graph everywhere).
+
+def regather(x, share, steps: tuple):
+    """``x``, the parameter ``share`` converted by ``steps`` ((kind, axis, dim, dim2, groups),
+    as the rewriter emitted them): kept for backward only as that recipe."""
+    marks = getattr(_state, "regather", None)
+    if marks is not None and torch.is_grad_enabled():
+        root = x if x._base is None else x._base
+        m = _mesh()
+        marks[id(root)] = (weakref.ref(root), share.detach(), steps, m)
+    return x
+
+
+def _convert_again(share, steps, m: RankMesh):
+    x = share
+    for kind, axis, dim, dim2, groups in steps:
+        x = _run(x, kind, m.group(axis), m.size(axis), m.coord(axis), dim, dim2, groups)
+    return x
+
+
+def _pack(t):
+    marks = _state.regather
+    root = t if t._base is None else t._base
+    entry = marks.get(id(root))
+    if entry is None or entry[0]() is not root:
+        return t
+    _, share, steps, m = entry
+    return (_Again, share, steps, m, t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(packed):
+    if not (isinstance(packed, tuple) and packed and packed[0] is _Again):
+        return packed
+    _, share, steps, m, size, stride, offset = packed
+    with torch.no_grad():
+        whole = _convert_again(share, steps, m)
+    return whole.as_strided(size, stride, offset)
+
+
+class _Again:
+    """The marker of a saved tensor stored as its recipe."""
+
+
+@contextlib.contextmanager
+def regathering():
+    """Run a program's forward so that the parameters it marks are not kept for backward."""
+    prev = getattr(_state, "regather", None)
+    _state.regather = {}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _state.regather = prev
 
 
 # ---- ops whose local form differs -------------------------------------------------------------

@@ -312,3 +312,54 @@ def test_2x2_mesh_matches_single_device(world4, name, pin):
         assert out <= 1e-5 and grads <= 1e-5
         if pin:
             assert placement == pin[next(iter(pin))]
+
+
+def reshard_case(mesh, reshard, overlap):
+    """FSDP on ``mesh``: one training step against the single device, the gathers each phase
+    issues, and what the plan says of them."""
+    from autoshard import runtime, schemes
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=schemes.fsdp(model, inputs, mesh),
+                               reshard_after_forward=reshard, overlap=overlap)
+    opt, ref_opt = torch.optim.Adam(pm.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    out, ref_out = pm(*inputs), ref(*inputs)
+    gathers, real = [], runtime._all_gather
+    runtime._all_gather = lambda *a, **k: (gathers.append(1), real(*a, **k))[1]
+    try:
+        out.backward()
+    finally:
+        runtime._all_gather = real
+    ref_out.backward()
+    opt.step()
+    ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    params = max((p.full_tensor() - ref_params[n]).abs().max().item() for n, p in pm.named_parameters())
+    plan = pm.plan
+    again = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "backward"]
+    return dict(out=(out - ref_out).abs().max().item(), params=params, backward_gathers=len(gathers),
+                planned_again=len(again), activations=plan.memory["activations"], text=str(plan))
+
+
+@pytest.mark.parametrize("mesh,overlap", [((4,), True), ((4,), False), ((2, 2), True)])
+def test_reshard_after_forward_gathers_weights_again_for_backward(world4, mesh, overlap):
+    """``reshard_after_forward=True``: every weight FSDP gathers for a matmul is freed after
+    forward and gathered again when the matmul's backward needs it (as many gathers in backward as
+    the plan prices), the activations no longer hold the gathered weights, and the step still
+    equals the single device's."""
+    kept = world4.run(reshard_case, mesh, False, overlap)
+    freed = world4.run(reshard_case, mesh, True, overlap)
+    for k, f in zip(kept, freed):
+        assert k["out"] <= 1e-5 and f["out"] <= 1e-5 and k["params"] <= 1e-5 and f["params"] <= 1e-5
+        assert k["backward_gathers"] == 0 and k["planned_again"] == 0
+        assert f["backward_gathers"] >= 4 * 2 and f["planned_again"] >= f["backward_gathers"]
+        assert f["activations"] < k["activations"]
+        assert "converted again for backward" in f["text"]
+
+
+def test_reshard_after_forward_is_a_flag():
+    model, inputs = _make("mlp")
+    with pytest.raises(ValueError, match="reshard_after_forward is True or False"):
+        autoshard.plan(model, inputs, world=2, reshard_after_forward="yes")

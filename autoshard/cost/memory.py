@@ -36,10 +36,11 @@ def node_bytes(node, strat, mesh_shape, training: bool) -> dict:
     return out
 
 
-def conversion_bytes(consumer, meta, src, dst, mesh_shape, training: bool) -> int:
+def conversion_bytes(consumer, meta, src, dst, mesh_shape, training: bool, regathered: bool = False) -> int:
     """Bytes a rank keeps for the input ``meta`` of op ``consumer`` converted from ``src`` to
-    ``dst`` (activations; none when the layouts agree or nothing is kept for backward)."""
-    if src == dst or not training or consumer.kind != "op" or not consumer.requires_grad:
+    ``dst`` (activations; none when the layouts agree, nothing is kept for backward, or the
+    input is a parameter converted again in backward: ``regathered``)."""
+    if src == dst or regathered or not training or consumer.kind != "op" or not consumer.requires_grad:
         return 0
     return math.prod(pl.local_shape(meta.shape, dst, mesh_shape)) * meta.itemsize
 
@@ -50,8 +51,9 @@ def _is_view(target) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
-def rank_memory(graph, strategies, choice, mesh_shape, training: bool) -> dict:
-    """Bytes per rank: parameters, gradients, optimizer state, activations, total."""
+def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: bool = False) -> dict:
+    """Bytes per rank: parameters, gradients, optimizer state, activations, total. ``reshard``:
+    a parameter converted for an op is converted again in backward, not kept."""
     total = dict.fromkeys(PARTS, 0)
     for n in graph.nodes:
         strat = strategies[n.name][choice[n.name]]
@@ -59,6 +61,8 @@ def rank_memory(graph, strategies, choice, mesh_shape, training: bool) -> dict:
             total[k] += v
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            total["activations"] += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape, training)
+            regathered = reshard and graph.by_name[value[0]].kind == "param"
+            total["activations"] += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape,
+                                                     training, regathered)
     total["total"] = sum(total[k] for k in PARTS)
     return total

@@ -87,7 +87,7 @@ def start_choice(graph, strategies, costs: Costs, budget: Optional[float]) -> di
 
 
 def _memory(graph, strategies, choice, costs) -> int:
-    return memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training)["total"]
+    return memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)["total"]
 
 
 def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 60.0,
@@ -188,7 +188,7 @@ def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Op
         if len(coarse) > EXACT_AXES:
             continue
         cs = annotate(graph, coarse)
-        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes)
+        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
         try:
             sol = solve(graph, cs, cc, time_limit, budget)
         except MemoryBudgetError:

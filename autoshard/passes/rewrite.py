@@ -252,6 +252,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
     that hold a tensor (whole), in ``graph.nodes`` order."""
     mesh = tuple(plan.mesh_shape)
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
+    regather = plan.training and plan.schedule.get("reshard_after_forward", False)
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
     converted: dict = {}    # (Value, placement) -> fx node
@@ -284,7 +285,11 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
                 meta = graph.meta(value)
                 src = out_pl[value]
                 steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize)
-                converted[key] = _emit_conversion(g, local[value], steps)
+                out = _emit_conversion(g, local[value], steps)
+                if steps and regather and graph.by_name[value[0]].kind == "param":
+                    spec = tuple((st.kind, st.axis, st.dim, st.dim2, st.groups) for st in steps)
+                    out = g.call_function(runtime.regather, (out, local[value], spec))
+                converted[key] = out
             return converted[key]
 
         slot = [0]

@@ -102,8 +102,11 @@ def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
 
 
 def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape) -> None:
+    # a parameter's gather, its placeholder used by nothing else (but the recipe that makes the
+    # gathered parameter again for backward, runtime.regather)
     gathers = [n for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
-               and n.args[0].op == "placeholder" and len(n.args[0].users) == 1]
+               and n.args[0].op == "placeholder"
+               and sum(u.target is not runtime.regather for u in n.args[0].users) == 1]
     sizes, waits, after = [], [], {}
     for i, n in enumerate(gathers):
         ph, axis, dim = n.args[0], n.kwargs["axis"], n.kwargs["dim"]

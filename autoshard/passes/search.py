@@ -65,8 +65,9 @@ def splits(mesh: tuple) -> list:
 class _Candidates:
     """Every candidate mesh's entry (mesh, bound, cost, status) and its annotated work."""
 
-    def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes):
+    def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard=False):
         self.graph, self.cluster, self.training, self.bucket_bytes = graph, cluster, training, bucket_bytes
+        self.reshard = reshard
         self.pins_for = pins_for
         self.entries = {m: {"mesh": list(m), "bound": None, "cost": None, "status": "not tried: refines none "
                             "of the meshes chosen so far"} for m in factorizations(world, max_axes)}
@@ -91,16 +92,17 @@ class _Candidates:
             entry["status"] = f"pins cannot hold: {str(e).split(':')[0]}"
             self.pin_errors.append(e)
             return None
-        entry["_work"] = (strategies, Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes))
+        entry["_work"] = (strategies, Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes,
+                                            self.reshard))
         return entry["_work"]
 
 
 def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-           max_axes: int = MAX_SEARCH_AXES):
+           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh)."""
     start = time.perf_counter()
-    cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes)
+    cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard)
     errors: list = []
     best = None     # (plan, mesh, strategies, choice)
     widest = None   # the same, of the best mesh with EXACT_AXES axes

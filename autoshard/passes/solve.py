@@ -65,9 +65,10 @@ class Costs:
     the schedule overlaps with compute."""
 
     def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, reshard: bool = False):
         self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
         self.bucket_bytes = bucket_bytes
+        self.reshard = reshard   # a parameter converted for an op is converted again for its backward
         self.links = cluster.axis_links(self.mesh_shape)
         self._conv: dict = {}
 
@@ -106,9 +107,14 @@ class Costs:
         """Bytes per rank this choice keeps (cost.memory)."""
         return sum(memory.node_bytes(node, strat, self.mesh_shape, self.training).values())
 
+    def regathered(self, value) -> bool:
+        """Whether converting ``value`` for an op is done again for the op's backward, not kept."""
+        return self.reshard and self.training and self.graph.by_name[value[0]].kind == "param"
+
     def kept(self, value, src, dst, consumer: Node) -> int:
         """Bytes per rank the conversion's result keeps while ``consumer`` waits for backward."""
-        return memory.conversion_bytes(consumer, self.graph.meta(value), src, dst, self.mesh_shape, self.training)
+        return memory.conversion_bytes(consumer, self.graph.meta(value), src, dst, self.mesh_shape, self.training,
+                                       self.regathered(value))
 
     def overlapped(self, value, src) -> bool:
         """Whether the first gather of this value runs as a scheduled start/wait pair: a
@@ -137,12 +143,14 @@ class Costs:
             steps, prefetched = self.conversion(value, src, dst)
             fwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in steps]
             bwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in comm.dual_steps(steps, mesh)] if backward else []
+            # converted again when backward needs it, where it waits
+            again = sum(fwd) if backward and self.regathered(value) else 0.0
             if prefetched:
                 # the first gather is prefetched; its dual, the last backward step, waits late
                 hb = bwd[-1] if bwd else 0.0
-                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb, hidden_fwd=fwd[0], hidden_bwd=hb)
+                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again, hidden_fwd=fwd[0], hidden_bwd=hb)
             else:
-                self._conv[key] = Cost(comm=sum(fwd) + sum(bwd))
+                self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
         return self._conv[key]
 
 
@@ -410,7 +418,7 @@ def _memory_message(graph, strategies, costs, budget, time_limit) -> str:
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return f"no layout fits in a memory budget of {_gb(budget)} per rank"
     choice = _choice(graph, x, solver)
-    parts = memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training)
+    parts = memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)
     sizes = []
     for n in graph.nodes:
         s = strategies[n.name][choice[n.name]]
