@@ -8,8 +8,6 @@ The models are called as HuggingFace models are, with keyword inputs and ``label
 module returns the same ``ModelOutput`` (its loss and logits, whole on every rank).
 """
 import copy
-import time
-import traceback
 import warnings
 
 import pytest
@@ -21,6 +19,7 @@ from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.passes.capture import capture
 from autoshard.rules.validate import signatures
+from cases import run_each
 from models_hf import MODELS, megatron_pins
 
 aten = torch.ops.aten
@@ -97,15 +96,7 @@ def train_case(name, mesh, pin, planned=None):
 
 
 def run_cases(cases):
-    out = []
-    for case in cases:
-        start = time.perf_counter()
-        try:
-            out.append(train_case(*case))
-        except Exception:  # noqa: BLE001 - reported by the case's test; the others still run
-            out.append({"error": traceback.format_exc()})
-        out[-1]["seconds"] = time.perf_counter() - start
-    return out
+    return run_each(train_case, cases)
 
 
 CASES = [(name, mesh, kind) for name in MODELS for mesh in MESHES for kind in ("default", "megatron")]

@@ -15,8 +15,6 @@ import copy
 import itertools
 import multiprocessing
 import re
-import time
-import traceback
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -31,6 +29,7 @@ from autoshard.cost import comm
 from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
+from cases import run_each
 from models import GPT
 
 SIZES = dict(vocab=64, d=32, heads=4, seq=16)
@@ -108,15 +107,7 @@ def train_case(mesh, pin, planned=None, cluster="slow"):
 
 
 def run_cases(cases):
-    out = []
-    for case in cases:
-        start = time.perf_counter()
-        try:
-            out.append(train_case(*case))
-        except Exception:  # noqa: BLE001 - reported by the case's test; the others still run
-            out.append({"error": traceback.format_exc()})
-        out[-1]["seconds"] = time.perf_counter() - start
-    return out
+    return run_each(train_case, cases)
 
 
 # ---- the cases, run once for the module ----------------------------------------------------------
