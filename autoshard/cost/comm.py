@@ -16,12 +16,14 @@ runs one axis at a time: gathers innermost axis first, splits outermost first, s
 several axes always holds the contiguous chunk DTensor's order prescribes. A partial sum over
 several axes is reduced hierarchically (reduce-scatter inside, all-reduce across, all-gather).
 
-One conversion runs as a single collective over several axes at once: a dim split over axes A
-re-split onto another dim over the same axes (``(S(2), S(2)) -> (S(0), S(0))``). Axis by axis it
-would gather the whole of A before slicing (each rank receiving |A| times its share); a split over
-A in mesh order cuts the dim as one split over A's ranks flattened in that order would, so one
-all-to-all on the group spanning A (``runtime.RankMesh.group``) does it, priced on that group's
-links (``Cluster.group_link``). Such a step's ``axis`` is the tuple A.
+A conversion whose changing axes A all change alike (all gather a dim, re-split it onto another,
+reduce-scatter or all-reduce a partial sum) may instead run as one collective on the group
+spanning A (``runtime.RankMesh.group``), priced on that group's links (``Cluster.group_link``):
+a split over A in mesh order cuts a dim as one split over A's ranks flattened in that order
+would. Axis by axis, a re-split ``(S(2), S(2)) -> (S(0), S(0))`` gathers the whole of A before
+slicing (each rank receiving |A| times its share), and a gather over axes that cross nodes runs
+one ring per axis, each sharing the node's network. ``transition`` takes the faster of the two
+when it knows the links. Such a step's ``axis`` is the tuple A.
 
 This module is the one place that decides which steps a conversion takes; the cost model and the
 rewriter both use it.
@@ -42,7 +44,7 @@ DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_red
 @dataclass(frozen=True)
 class Step:
     kind: str
-    axis: Union[int, tuple]       # one mesh axis, or (all_to_all) a tuple of axes run as one group
+    axis: Union[int, tuple]       # one mesh axis, or a tuple of axes run as one group
     dim: Optional[int] = None     # the tensor dim gathered, scattered or sliced
     dim2: Optional[int] = None    # all_to_all: the dim split after the step
     in_shape: tuple = ()          # this rank's shape before the step

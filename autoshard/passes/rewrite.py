@@ -329,7 +329,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
 
 def _joint_axes(g: fx.Graph) -> list:
     """The sets of several mesh axes the program runs a collective over at once (a gradient
-    all-reduce over several axes, a joint all-to-all): the runtime creates their groups."""
+    all-reduce over several axes, a conversion step over several): the runtime creates their groups."""
     joint = set()
     for n in g.nodes:
         if n.op != "call_function":
