@@ -47,27 +47,24 @@ def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
     return total
 
 
-def _off(seq, free) -> tuple:
-    return tuple(x for i, x in enumerate(seq) if i not in free)
-
-
-def _off_axes(strat, free):
-    """The strategy's placements on every axis but those in ``free``."""
-    return tuple(_off(p, free) for p in strat.inputs + strat.outputs)
+def _off_axis(strat, axis):
+    """The strategy's placements on every axis but ``axis``."""
+    return (tuple(p[:axis] + p[axis + 1:] for p in strat.inputs),
+            tuple(p[:axis] + p[axis + 1:] for p in strat.outputs))
 
 
 class _ByOffAxis:
     """For a strategy list (the layers of a stack share theirs): the indices of the strategies
-    that agree with strategy i off the axes ``free``, computed once per list and axes."""
+    that agree with strategy i off ``axis``, computed once per list and axis."""
 
     def __init__(self):
         self._cache: dict = {}
 
-    def __call__(self, strats, free, i) -> list:
-        key = (id(strats), free)
+    def __call__(self, strats, axis, i) -> list:
+        key = (id(strats), axis)
         if key not in self._cache:
             groups: dict = {}
-            keys = [_off(s.axes, free) if s.axes else _off_axes(s, free) for s in strats]
+            keys = [s.axes[:axis] + s.axes[axis + 1:] if s.axes else _off_axis(s, axis) for s in strats]
             for k, kk in enumerate(keys):
                 groups.setdefault(kk, []).append(k)
             self._cache[key] = (strats, [groups[kk] for kk in keys])   # strats: keep its id alive
@@ -107,8 +104,7 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
         for axis in range(naxes):
             if costs.mesh_shape[axis] == 1:
                 continue
-            free = (axis,)
-            keep = {n.name: agree(strategies[n.name], free, choice[n.name]) for n in graph.nodes}
+            keep = {n.name: agree(strategies[n.name], axis, choice[n.name]) for n in graph.nodes}
             sub = {}
             for name, idx in keep.items():   # equal index lists give one shared list (tying needs it)
                 sub[name] = subs.setdefault((id(strategies[name]), tuple(idx)),
