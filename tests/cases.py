@@ -16,3 +16,22 @@ def run_each(fn, cases) -> list:
             out.append({"error": traceback.format_exc()})
         out[-1]["seconds"] = time.perf_counter() - start
     return out
+
+
+def step_on_the_same_gradients(pm, ref, opt, ref_opt):
+    """Step both optimizers, the reference on the parallel model's gradients (made whole).
+
+    Call it after the gradients were compared. Adam divides by a gradient's magnitude, so where a
+    gradient is near zero (attention's key bias: zero up to rounding) a last-bit difference between
+    a split and a whole matmul, which varies with the processor's BLAS, becomes a difference of
+    the learning rate's size. On the same gradients the two steps differ only by the rounding of
+    the optimizer's elementwise arithmetic, on every machine; what is compared is then the step
+    itself: each rank updating its shares as the single device updates the whole."""
+    import torch
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if p.grad is not None:
+                ref_params[n].grad.copy_(p.grad.full_tensor())
+    opt.step()
+    ref_opt.step()

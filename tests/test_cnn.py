@@ -13,6 +13,7 @@ import autoshard
 from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning
 from autoshard.rules.validate import signatures
+from cases import step_on_the_same_gradients
 from models_cnn import RESNET_TP, UNET_TP, ResNet, UNet
 
 aten = torch.ops.aten
@@ -68,8 +69,7 @@ def cnn_case(name, mesh, pin, optimizer="sgd", check_eval=False):
     ref_params = dict(ref.named_parameters())
     res["grads"] = {n: _err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()}
     res["buffers"] = _max_diff(dict(pm.named_buffers()), dict(ref.named_buffers()))
-    opt.step()
-    ref_opt.step()
+    step_on_the_same_gradients(pm, ref, opt, ref_opt)
     res["params"] = {n: _err(p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()}
     opt.zero_grad()
     res["out2"] = _err(pm(x), ref(x))

@@ -19,7 +19,7 @@ from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.passes.capture import capture
 from autoshard.rules.validate import signatures
-from cases import run_each
+from cases import run_each, step_on_the_same_gradients
 from models_hf import MODELS, megatron_pins
 
 aten = torch.ops.aten
@@ -80,8 +80,7 @@ def train_case(name, mesh, pin, planned=None):
            "logits": _err(out.logits, ref_out.logits)}
     ref_params = dict(ref.named_parameters())
     res["grads"] = {n: _err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()}
-    opt.step()
-    ref_opt.step()
+    step_on_the_same_gradients(pm, ref, opt, ref_opt)
     res["params"] = {n: _err(p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()}
     with torch.no_grad():
         res["loss2"] = _err(pm(**inputs).loss, ref(**inputs).loss)

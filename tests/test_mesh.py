@@ -29,7 +29,7 @@ from autoshard.cost import comm
 from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
-from cases import run_each
+from cases import run_each, step_on_the_same_gradients
 from models import GPT
 
 SIZES = dict(vocab=64, d=32, heads=4, seq=16)
@@ -92,8 +92,7 @@ def train_case(mesh, pin, planned=None, cluster="slow"):
     for n, p in pm.named_parameters():
         res["grads"][n] = (p.grad.full_tensor() - ref_params[n].grad).abs().max().item()
         res["shares"][n] = tuple(p.to_local().shape)
-    opt.step()
-    ref_opt.step()
+    step_on_the_same_gradients(pm, ref, opt, ref_opt)
     for n, p in pm.named_parameters():
         res["params"][n] = (p.full_tensor() - ref_params[n]).abs().max().item()
     with torch.no_grad():
