@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard import placement as pl
-from autoshard import runtime
+from autoshard import optim, runtime
 from autoshard._compat import blocked_shard, tree_flatten, tree_unflatten
 from autoshard.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.passes.annotate import annotate
@@ -332,6 +332,7 @@ class ParallelModule(nn.Module):
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, dt, src_data_rank=0), requires_grad=p.requires_grad)
             for mod, pname, _ in places:
                 mod._parameters[pname] = new
+            optim.adopt([new])
         with torch.no_grad():
             for b in self._model.buffers():
                 dist.broadcast(b, src=0)
