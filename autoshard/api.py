@@ -56,13 +56,23 @@ def resolve_mesh(world, mesh) -> tuple:
 
 
 def resolve_cluster(cluster) -> Cluster:
+    """A Cluster from a Cluster, a preset name, None (the default preset) or ``"measure"``: this
+    machine, measured now (``Cluster.measure``). Inside a process group measuring is collective,
+    so every rank must plan with ``"measure"`` together (``parallelize`` measures once, on every
+    rank, and rank 0 plans with its figures); outside one it measures this process's compute and
+    keeps the default preset's links, with a warning."""
     if cluster is None:
         return Cluster.preset(DEFAULT_CLUSTER)
+    if cluster == MEASURE:
+        return Cluster.measure()
     if isinstance(cluster, str):
         return Cluster.preset(cluster)
     if isinstance(cluster, Cluster):
         return cluster
-    raise TypeError(f"cluster is a Cluster or a preset name, got {type(cluster).__name__}")
+    raise TypeError(f"cluster is a Cluster, a preset name or {MEASURE!r}, got {type(cluster).__name__}")
+
+
+MEASURE = "measure"
 
 
 def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
@@ -98,8 +108,11 @@ def resolve_budget(memory_budget, cluster: Cluster) -> float:
 
 
 def check_bucket(bucket_bytes) -> None:
+    if bucket_bytes is None:   # chosen from the cluster's links (passes.schedule.bucket_bytes_for)
+        return
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes is a positive number of bytes, got {bucket_bytes!r}")
+        raise ValueError(f"bucket_bytes is a positive number of bytes, or None to choose it from the links; "
+                         f"got {bucket_bytes!r}")
 
 
 def check_reshard(reshard_after_forward) -> None:
@@ -108,7 +121,7 @@ def check_reshard(reshard_after_forward) -> None:
 
 
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
-               bucket_bytes=BUCKET_BYTES, memory_budget=None, reshard_after_forward=False) -> Plan:
+               bucket_bytes=None, memory_budget=None, reshard_after_forward=False) -> Plan:
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)
     check_bucket(bucket_bytes)
@@ -124,14 +137,16 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
-         training: bool = True, time_limit: float = 60.0, bucket_bytes: int = BUCKET_BYTES,
+         training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
     parameters, gradients, Adam state and activations stay within ``memory_budget`` bytes
     (default: the cluster's device memory). ``bucket_bytes`` is the size of the gradient
-    all-reduce buckets the schedule pass forms, and the cost model prices.
+    all-reduce buckets the schedule pass forms, and the cost model prices; by default the
+    smallest whose latency is a small part of its all-reduce on the cluster's links
+    (``passes.schedule.bucket_bytes_for``).
 
     ``reshard_after_forward=True`` frees every parameter gathered (or otherwise converted) for
     an op once the forward has used it, and gathers it again when the op's backward needs it,
@@ -147,7 +162,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
 
 
 def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
-                bucket_bytes=BUCKET_BYTES, memory_budget=None, reshard_after_forward=False) -> Plan:
+                bucket_bytes=None, memory_budget=None, reshard_after_forward=False) -> Plan:
     """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)
@@ -213,6 +228,8 @@ class ParallelModule(nn.Module):
         self._buffers = model._buffers
         self.__dict__["_model"] = model
         self.__dict__["_plan"] = plan
+        if plan_kwargs.get("cluster") == MEASURE:   # collective: measured here, on every rank, once
+            plan_kwargs = dict(plan_kwargs, cluster=Cluster.measure())
         self.__dict__["_plan_kwargs"] = plan_kwargs
         self.__dict__["_overlap"] = overlap
         self.__dict__["_programs"] = {}

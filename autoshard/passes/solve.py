@@ -12,10 +12,11 @@ The integer program (built by ``_build``, solved by ``solve``):
     e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                     (_build)
     sum x[n, s] * bytes(n, s) + sum y[e, a, b] * kept(a -> b) <= memory budget   (_memory_terms)
     minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
-              + DRAG * (hidden_fwd + hidden_bwd)                                            (cost.step)
+              + DRAG * (hidden_fwd + hidden_bwd) + optimizer                                (cost.step)
 
 node_cost is compute (forward, plus backward when training), the collectives an op's lowering
-issues, and for a parameter stored broadcast its bucketed gradient all-reduce; convert is the
+issues, and for a parameter stored broadcast its bucketed gradient all-reduce (on a measured
+cluster also each launch, and a parameter's optimizer step over its share); convert is the
 conversion's forward plus its dual backward (cost.comm). Parameter collectives that the schedule
 pass overlaps are "hidden" parts: they cost only what their phase's compute does not cover. An
 edge whose producer or consumer has a single layout adds its cost straight onto the other side's
@@ -38,7 +39,7 @@ from autoshard.cost import comm, compute, memory
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph, Node
 from autoshard.passes.repeat import tie_repeated
-from autoshard.passes.schedule import BUCKET_BYTES
+from autoshard.passes.schedule import bucket_bytes_for
 
 PICO = 1e12
 GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.1% of the best: closing the last sliver can take minutes
@@ -65,12 +66,14 @@ class Costs:
     the schedule overlaps with compute."""
 
     def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
-                 bucket_bytes: int = BUCKET_BYTES, reshard: bool = False):
+                 bucket_bytes: Optional[int] = None, reshard: bool = False):
         self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_for(cluster, self.mesh_shape)
         self.reshard = reshard   # a parameter converted for an op is converted again for its backward
         self.links = cluster.axis_links(self.mesh_shape)
         self._conv: dict = {}
+        # the optimizer step's fixed part, shared by the parameters it updates
+        self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
 
     def grad_syncs(self, node: Node, strat) -> list:
         """(axes, bytes, seconds) of the gradient all-reduce of a parameter stored broadcast, over
@@ -87,18 +90,33 @@ class Costs:
         share = min(1.0, nbytes / self.bucket_bytes)
         return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share))]
 
+    def optimizer(self, node: Node, strat) -> float:
+        """Seconds of the optimizer's step over this parameter's share (``Cluster.optimizer``:
+        a part of the step's fixed cost, its tensor's, its bytes')."""
+        if not (self.cluster.optimizer and self.training and node.requires_grad):
+            return 0.0
+        fixed, per_tensor, per_byte = self.cluster.optimizer
+        meta = node.outputs[0]
+        nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], self.mesh_shape)) * meta.itemsize
+        return fixed / self._updated + per_tensor + per_byte * nbytes
+
     def node(self, node: Node, strat) -> Cost:
-        mesh = self.mesh_shape
+        mesh, cluster = self.mesh_shape, self.cluster
         if node.kind == "param":
-            return Cost(hidden_bwd=sum(t for _, _, t in self.grad_syncs(node, strat)))
+            cost = Cost(hidden_bwd=sum(t for _, _, t in self.grad_syncs(node, strat)))
+            if cluster.measured:   # its share fed to the program, its gradient handed back
+                grad = self.training and node.requires_grad
+                cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad,
+                                   optimizer=self.optimizer(node, strat))
+            return cost
         if node.kind != "op":
             return Cost()
         metas = [self.graph.meta(v) for v in node.inputs]
         ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
-        t = compute.op_time(node.target, ins, outs, itemsize, self.cluster)
-        bwd = t * compute.BACKWARD_FACTOR if self.training and node.requires_grad else 0.0
+        t = compute.op_time(node.target, ins, outs, itemsize, cluster)
+        bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster) if self.training and node.requires_grad else 0.0
         blocking = sum(comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
                        for c in comm.op_collectives(node, strat, self.graph, mesh))
         return Cost(compute_fwd=t, compute_bwd=bwd, comm=blocking)
@@ -216,7 +234,7 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
     x = _node_vars(model, graph, strategies, costs, sums, rep)
     kept: dict = {}
     _edge_vars(model, graph, strategies, costs, x, sums, rep, kept)
-    objective = sums.terms("compute_fwd", "compute_bwd", "comm")
+    objective = sums.terms("compute_fwd", "compute_bwd", "comm", "optimizer")
     for phase in ("fwd", "bwd"):
         # exposed = max(0, hidden - compute) of the phase (cost.step)
         hidden, work = f"hidden_{phase}", f"compute_{phase}"
