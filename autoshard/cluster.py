@@ -3,12 +3,20 @@
 Mesh axes are laid onto ranks innermost last (the last axis has stride 1), and ranks fill nodes in
 order. An axis whose groups stay within a node talks over the node's links; one whose groups cross
 nodes shares the node's network with the other groups of that node that cross at the same time.
+
+A cluster is either published figures (the presets) or measured on the machine it describes
+(``Cluster.measure``, ``autoshard.measure``). A measured one also holds what the presets leave
+unpriced: each collective kind's fitted latency and bandwidth per group shape, the fixed time of
+one op launch in forward and in backward, and the optimizer step.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Sequence
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +33,12 @@ class Cluster:
     memory_bandwidth: float = 2.0e12  # bytes/s of device memory
     memory: float = 80e9             # bytes of device memory
     efficiency: float = 0.6          # fraction of peak a real kernel reaches
+    # measured (Cluster.measure); the presets leave them empty: launches, measured links and the
+    # optimizer step unpriced, every op charged its tensors' bytes
+    op_overhead: float = 0.0         # seconds one op costs to launch in the emitted forward program
+    backward_overhead: float = 0.0   # seconds one autograd node costs in backward
+    collectives: tuple = ()          # ((kind, size, stride, alpha, beta), ...): t = alpha + ring bytes / beta
+    optimizer: tuple = ()            # AdamW's step: (seconds per step, per parameter tensor, per parameter byte)
 
     def __post_init__(self):
         for field in ("gpus_per_node",):
@@ -39,6 +53,26 @@ class Cluster:
                 raise ValueError(f"Cluster.{field} must not be negative, got {getattr(self, field)}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Cluster.efficiency is a fraction in (0, 1], got {self.efficiency}")
+        for field in ("op_overhead", "backward_overhead"):
+            if not 0 <= getattr(self, field) < math.inf:
+                raise ValueError(f"Cluster.{field} is seconds per launch, finite and not negative, got "
+                                 f"{getattr(self, field)}")
+        # tuples, also when read back from JSON's lists, so a saved cluster loads equal
+        rows = tuple(tuple(r) for r in self.collectives)
+        for row in rows:
+            if (len(row) != 5 or row[0] not in COLLECTIVE_KINDS or not all(isinstance(v, int) for v in row[1:3])
+                    or row[1] < 2 or row[2] < 1 or not 0 <= row[3] < math.inf or not 0 < row[4] < math.inf):
+                raise ValueError(f"Cluster.collectives holds (kind, size, stride, alpha, beta) rows: a kind of "
+                                 f"{COLLECTIVE_KINDS}, a group of size >= 2 ranks stride >= 1 apart, latency "
+                                 f">= 0 s and bandwidth > 0 bytes/s; got {row}")
+        if len({r[:3] for r in rows}) != len(rows):
+            raise ValueError("Cluster.collectives holds one row per (kind, size, stride)")
+        object.__setattr__(self, "collectives", rows)
+        opt = tuple(self.optimizer)
+        if opt and (len(opt) != 3 or not all(0 <= v < math.inf for v in opt)):
+            raise ValueError(f"Cluster.optimizer is (seconds per step, per tensor, per byte), each finite and "
+                             f"not negative, or empty; got {self.optimizer}")
+        object.__setattr__(self, "optimizer", opt)
 
     @staticmethod
     def preset(name: str) -> "Cluster":
@@ -50,26 +84,80 @@ class Cluster:
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)
 
+    @staticmethod
+    def measure(base=None, *, name: Optional[str] = None) -> "Cluster":
+        """This machine, measured (``autoshard.measure``). Inside an initialized process group
+        every rank must call it (it runs collectives): each collective kind's latency and
+        bandwidth on every group shape a mesh axis of this world can take, matmul FLOP/s in fp32
+        and bf16, memory bandwidth, op launch overhead and AdamW's step; rank 0's figures are
+        returned on every rank. Outside a process group, this process's compute only, with the
+        links of ``base`` (a Cluster or preset name, default the default preset). Seconds on a
+        CPU at world 2-4."""
+        from autoshard.measure import measure
+        return measure(base, name=name)
+
+    def save(self, path) -> None:
+        """Write the cluster as JSON; ``Cluster.load`` reads back an equal one."""
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @staticmethod
+    def load(path) -> "Cluster":
+        with open(path) as f:
+            return Cluster(**json.load(f))
+
+    @property
+    def measured(self) -> bool:
+        """Whether the cluster carries figures measured on its machine (op launches priced)."""
+        return self.op_overhead > 0 or bool(self.collectives)
+
     def axis_links(self, mesh_shape: Sequence[int]) -> "Links":
         """(latency per ring step, bandwidth, launch overhead) of each mesh axis, axes laid out with
         the last innermost: ``links[a]``; ``links[(a, b)]`` is the group spanning axes a and b."""
         return Links(self, tuple(mesh_shape))
 
-    def group_link(self, mesh_shape: Sequence[int], axes: Sequence[int]) -> tuple[float, float, float]:
+    def group_link(self, mesh_shape: Sequence[int], axes: Sequence[int]) -> "Link":
         """(latency per ring step, bandwidth, launch overhead) of the groups that span ``axes`` of
         the mesh together (one axis: that axis's groups). A group inside a node talks over the
         node's links; one that crosses nodes gets the node's network shared by every group with
-        members in that node, since they all cross at once."""
+        members in that node, since they all cross at once. Where the cluster was measured on
+        groups of this shape, the link also carries each kind's fitted (alpha, beta)."""
         gpn = self.gpus_per_node
         strides = [math.prod(mesh_shape[a + 1:]) for a in range(len(mesh_shape))]
+        fits = self._fits(mesh_shape, axes, strides)
         if all(strides[a] * mesh_shape[a] <= gpn for a in axes):
-            return (self.intra_latency, self.intra_bandwidth, self.collective_overhead)
+            return Link(self.intra_latency, self.intra_bandwidth, self.collective_overhead, fits)
         inside = math.prod(min(mesh_shape[a], max(1, gpn // strides[a])) for a in axes)   # one group's members in a node
         sharing = max(1, gpn // inside)
-        return (self.inter_latency, self.inter_bandwidth / sharing, self.collective_overhead)
+        return Link(self.inter_latency, self.inter_bandwidth / sharing, self.collective_overhead, fits)
+
+    def _fits(self, mesh_shape, axes, strides) -> Optional[dict]:
+        """kind -> (alpha, beta) measured on groups of the shape ``axes`` form: their size, ranks
+        the innermost axis's stride apart (exact for one axis or a run of neighbouring axes; for
+        others, the measured shape of that size with the nearest stride). None where nothing of
+        that size was measured."""
+        if not self.collectives:
+            return None
+        size = math.prod(mesh_shape[a] for a in axes)
+        stride = min(strides[a] for a in axes)
+        rows = [r for r in self.collectives if r[1] == size]
+        if not rows:
+            return None
+        near = min({r[2] for r in rows}, key=lambda s: (abs(math.log(s / stride)), s))
+        return {r[0]: (r[3], r[4]) for r in rows if r[2] == near}
 
     def matmul_flops(self, itemsize: int) -> float:
         return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops
+
+
+class Link(tuple):
+    """(latency per ring step, bandwidth, launch overhead) of a group's link; ``fits``: collective
+    kind -> (alpha, beta) measured on groups of its shape, or None (``Cluster.group_link``)."""
+
+    def __new__(cls, latency: float, bandwidth: float, overhead: float, fits: Optional[dict] = None):
+        link = super().__new__(cls, (latency, bandwidth, overhead))
+        link.fits = fits or {}
+        return link
 
 
 class Links(list):

@@ -226,31 +226,50 @@ def step_bytes(step: Step, itemsize: int) -> int:
     return math.prod(step.in_shape) * itemsize
 
 
+def ring_bytes(kind: str, nbytes: float, p: int) -> float:
+    """Bytes a ring sends per rank in a collective whose input on each rank is ``nbytes``."""
+    if kind == "all_gather":
+        return (p - 1) * nbytes                    # T = p * input
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p * nbytes
+    return (p - 1) / p * nbytes                    # reduce_scatter (T = input), all_to_all
+
+
 def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
     """alpha-beta time of one step on its axis (or group of axes), plus the launch overhead of a
-    collective; local steps are free of communication. ``links``: ``Cluster.axis_links``."""
+    collective; local steps are free of communication. ``links``: ``Cluster.axis_links``. A
+    link measured on groups of this shape (``Cluster.measure``) prices the step by its kind's
+    fitted latency and bandwidth; otherwise a ring takes p-1 latency steps."""
     if not step.is_collective:
         return 0.0
     p = step.size(mesh_shape)
-    alpha, beta, overhead = links[step.axis]   # cluster.Links: a tuple of axes gets its group's
+    link = links[step.axis]   # cluster.Links: a tuple of axes gets its group's
     n = step_bytes(step, itemsize)
-    if step.kind == "all_gather":
-        sent, hops = (p - 1) * n, p - 1            # T = p * input
-    elif step.kind == "reduce_scatter":
-        sent, hops = (p - 1) / p * n, p - 1        # T = input
-    elif step.kind == "all_reduce":
-        return all_reduce_time(n, p, links[step.axis])
-    else:  # all_to_all, T = p * input as seen on the axis
-        sent, hops = (p - 1) / p * n, p - 1
-    return overhead + hops * alpha + sent / beta
+    if step.kind == "all_reduce":
+        return all_reduce_time(n, p, link)
+    alpha, beta, overhead = link
+    fit = _fit(link, step.kind)
+    if fit is not None:
+        return overhead + fit[0] + ring_bytes(step.kind, n, p) / fit[1]
+    return overhead + (p - 1) * alpha + ring_bytes(step.kind, n, p) / beta
+
+
+def _fit(link, kind: str):
+    """(alpha, beta) of ``kind`` measured on the link's groups, or None."""
+    return getattr(link, "fits", {}).get(kind)
 
 
 def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
     """The faster of a ring all-reduce (2(p-1) latency steps, 2(p-1)/p of the tensor sent) and a
     tree (2 log2 p steps, the whole tensor up and down), as NCCL picks by size: small tensors
     (a loss's sum, a norm's statistics) pay log p latency, not p. ``share`` < 1 when the tensor
-    rides in a bucket with others and pays only that part of the bucket's launch and latency."""
+    rides in a bucket with others and pays only that part of the bucket's launch and latency.
+    A measured link (``Cluster.measure``) prices it by the fitted latency and bandwidth of the
+    all-reduce its groups ran, whatever algorithm the backend chose."""
     alpha, beta, overhead = link
+    fit = _fit(link, "all_reduce")
+    if fit is not None:
+        return share * (overhead + fit[0]) + ring_bytes("all_reduce", nbytes, p) / fit[1]
     ring = share * 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
     tree = share * 2 * math.ceil(math.log2(p)) * alpha + 2 * nbytes / beta
     return share * overhead + min(ring, tree)

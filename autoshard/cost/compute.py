@@ -5,6 +5,11 @@
 Costing the local shapes charges redundant compute (a broadcast op runs whole on every rank) its
 full FLOPs, so replicating everything is never free. Backward of a differentiable op is costed as
 twice its forward (two matmuls per matmul), the usual rule of thumb.
+
+A measured cluster (``Cluster.measure``) adds what its machine measured one launch to cost: the
+op's in forward, one autograd node's in backward. There a view (an op that aliases its input:
+view, transpose, split, ...) costs its launch and nothing else, since it moves no bytes; the
+published presets charge every op its tensors' bytes and no launch, as before.
 """
 from __future__ import annotations
 
@@ -60,8 +65,17 @@ FLOPS = {
 }
 
 
-def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
-    """Forward seconds of one op on one rank with these local shapes."""
+# aliasing in their schema, but they copy when the input's strides do not allow a view
+MAY_COPY = {aten.contiguous.default, aten.reshape.default}
+
+
+def is_view(target) -> bool:
+    """Whether the op returns a view of its input: no kernel runs, no byte moves."""
+    return bool(getattr(target, "is_view", False)) and target not in MAY_COPY
+
+
+def work_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
+    """Seconds of the op's kernel on one rank with these local shapes: the roofline."""
     moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
     t_mem = moved / (cluster.efficiency * cluster.memory_bandwidth)
     fn = FLOPS.get(target)
@@ -69,3 +83,17 @@ def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> f
         return t_mem
     flops = fn(in_shapes, out_shapes[0] if out_shapes else ())
     return max(flops / (cluster.efficiency * cluster.matmul_flops(itemsize)), t_mem)
+
+
+def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
+    """Forward seconds of one op on one rank with these local shapes: its kernel and its launch."""
+    if cluster.measured and is_view(target):
+        return cluster.op_overhead
+    return work_time(target, in_shapes, out_shapes, itemsize, cluster) + cluster.op_overhead
+
+
+def backward_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
+    """Backward seconds of one differentiable op: twice its kernel's, and one autograd node."""
+    if cluster.measured and is_view(target):
+        return cluster.backward_overhead
+    return BACKWARD_FACTOR * work_time(target, in_shapes, out_shapes, itemsize, cluster) + cluster.backward_overhead

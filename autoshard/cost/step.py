@@ -7,7 +7,10 @@ cost only what that compute does not cover:
 
     step = compute_fwd + compute_bwd + comm
            + max(0, hidden_fwd - compute_fwd) + max(0, hidden_bwd - compute_bwd)
-           + DRAG * (hidden_fwd + hidden_bwd)
+           + DRAG * (hidden_fwd + hidden_bwd) + optimizer
+
+``optimizer`` is the optimizer's step over this rank's parameter shares, after backward's
+collectives are done; only a measured cluster prices it (``Cluster.optimizer``).
 
 Overlapped communication is not quite free: its kernels take memory bandwidth and SMs from the
 compute beside it (a few percent in NCCL measurements), which ``DRAG`` charges. It also makes the
@@ -29,6 +32,7 @@ class Cost:
     comm: float = 0.0         # communication compute has to wait for
     hidden_fwd: float = 0.0   # forward communication the schedule overlaps with forward compute
     hidden_bwd: float = 0.0   # backward communication overlapped with backward compute
+    optimizer: float = 0.0    # the optimizer's step over this rank's parameter shares
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -49,7 +53,7 @@ class Cost:
 
     @property
     def step(self) -> float:
-        return self.compute + self.exposed
+        return self.compute + self.exposed + self.optimizer
 
 
 PARTS = tuple(f.name for f in fields(Cost))
