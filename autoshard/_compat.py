@@ -33,3 +33,19 @@ def blocked_shard(dim: int, groups: int):
     public name for it yet."""
     from torch.distributed.tensor.placement_types import _StridedShard
     return _StridedShard(dim, split_factor=groups)
+
+
+def dtensor_like(p, local):
+    """A DTensor of ``p``'s mesh, placements, shape and strides holding ``local``, which has this
+    rank's share's shape and strides (a gradient of ``p``). ``DTensor.from_local`` builds the same
+    through an autograd function and a new spec, 40 us a call in Python, paid for every parameter
+    at every step; DTensor's constructor with ``p``'s spec costs a tenth of that. Where torch has
+    no such constructor, from_local."""
+    from torch.distributed.tensor import DTensor
+    spec = getattr(p, "_spec", None)
+    if spec is not None:
+        try:
+            return DTensor(local, spec, requires_grad=False)
+        except TypeError:
+            pass
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

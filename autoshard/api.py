@@ -233,6 +233,7 @@ class ParallelModule(nn.Module):
         self.__dict__["_plan_kwargs"] = plan_kwargs
         self.__dict__["_overlap"] = overlap
         self.__dict__["_programs"] = {}
+        self.__dict__["_feeds"] = {}      # id(program) -> _Feed
         self.__dict__["_distributed"] = False
         self.__dict__["_planned_shapes"] = None
         self.__dict__["_planned_consts"] = None
@@ -271,8 +272,9 @@ class ParallelModule(nn.Module):
         args, kwargs = normalize_inputs(example_inputs)
         self._program_for(args, kwargs)
 
-    def _program_for(self, args, kwargs):
-        leaves, _ = tree_flatten((args, kwargs))
+    def _program_for(self, args, kwargs, leaves=None):
+        if leaves is None:
+            leaves, _ = tree_flatten((args, kwargs))
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
         # non-tensor arguments (flags, sizes) are constants of the captured graph
         consts = tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor))
@@ -300,6 +302,7 @@ class ParallelModule(nn.Module):
         self.__dict__["_planned_shapes"] = shapes
         self.__dict__["_planned_consts"] = consts
         self._programs[key] = (program, graph, plan)
+        self._feeds[id(program)] = _Feed(self._model, graph, plan, self._device)
         return self._programs[key]
 
     def _agree_on_plan(self, graph: Graph) -> Plan:
@@ -358,34 +361,70 @@ class ParallelModule(nn.Module):
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
-        program, graph, plan = self._program_for(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
-        user = [x for x in leaves if isinstance(x, torch.Tensor)]
-        params = dict(self._model.named_parameters(remove_duplicate=False))
-        buffers = dict(self._model.named_buffers(remove_duplicate=False))
+        program, graph, plan = self._program_for(args, kwargs, leaves)
+        feed = self._feeds[id(program)]
+        inputs = feed.inputs() + [x for x in leaves if isinstance(x, torch.Tensor)]
+        with runtime.active(self._rank_mesh), (runtime.regathering() if feed.again else contextlib.nullcontext()):
+            outs = program(*inputs)
+        return feed.outputs(outs)
+
+
+class _Feed:
+    """What one program takes and gives back, worked out once: where each parameter and buffer
+    placeholder's tensor lives in the model, and what each output is (a user output, or a
+    buffer's new value). The graph's signature builds its output spec anew at every look (a
+    namedtuple class a call), so it is read here, once."""
+
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, device):
+        from torch.export.graph_signature import OutputKind
+
+        def owner(fqn):
+            prefix, _, name = fqn.rpartition(".")
+            return model.get_submodule(prefix), name
+
         constants = graph.exported.constants
-        feed = []
+        self._slots = []   # (registry name, module, attribute) or a constant tensor
         for n in graph.nodes:
             if n.kind == "param":
-                feed.append(params[n.fqn].to_local())
-            elif n.kind == "buffer":
-                feed.append(buffers[n.fqn] if n.fqn in buffers else constants[n.fqn].to(self._device))
-        feed.extend(user)
-        again = plan.training and plan.schedule.get("reshard_after_forward", False)
-        with runtime.active(self._rank_mesh), (runtime.regathering() if again else contextlib.nullcontext()):
-            outs = program(*feed)
-        return _outputs(graph, outs, buffers)
+                self._slots.append(("_parameters", *owner(n.fqn)))
+            elif n.kind == "buffer":   # a module's buffer, or a constant the graph lifted
+                try:
+                    mod, name = owner(n.fqn)
+                except AttributeError:
+                    mod, name = None, None
+                if mod is not None and mod._buffers.get(name) is not None:
+                    self._slots.append(("_buffers", mod, name))
+                else:
+                    self._slots.append(constants[n.fqn].to(device))
+        self._outs = []
+        for spec in graph.exported.graph_signature.output_specs:
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                self._outs.append(owner(spec.target))
+            elif spec.kind == OutputKind.USER_OUTPUT:
+                self._outs.append(None)
+            else:
+                raise NotImplementedError(f"autoshard does not yet run models whose graph outputs {spec.kind}")
+        self._out_spec = graph.exported.call_spec.out_spec
+        self.again = plan.training and plan.schedule.get("reshard_after_forward", False)
 
+    def inputs(self) -> list:
+        feed = []
+        for slot in self._slots:
+            if isinstance(slot, torch.Tensor):
+                feed.append(slot)
+            elif slot[0] == "_parameters":
+                feed.append(runtime.param_share(slot[1]._parameters[slot[2]]))
+            else:
+                feed.append(slot[1]._buffers[slot[2]])
+        return feed
 
-def _outputs(graph: Graph, outs, buffers):
-    from torch.export.graph_signature import OutputKind
-    user = []
-    for spec, value in zip(graph.exported.graph_signature.output_specs, outs):
-        if spec.kind == OutputKind.BUFFER_MUTATION:
-            with torch.no_grad():
-                buffers[spec.target].copy_(value)
-        elif spec.kind == OutputKind.USER_OUTPUT:
-            user.append(value)
-        else:
-            raise NotImplementedError(f"autoshard does not yet run models whose graph outputs {spec.kind}")
-    return tree_unflatten(user, graph.exported.call_spec.out_spec)
+    def outputs(self, outs):
+        user = []
+        for target, value in zip(self._outs, outs):
+            if target is None:
+                user.append(value)
+            else:
+                with torch.no_grad():
+                    target[0]._buffers[target[1]].copy_(value)
+        return tree_unflatten(user, self._out_spec)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import placement as pl
+from autoshard._compat import dtensor_like
 
 _state = threading.local()
 
@@ -294,6 +295,42 @@ def grad_sync(x, axes: tuple):
     if not x.requires_grad or not axes:
         return x
     return _GradSync.apply(x, m.group(tuple(axes)))   # one all-reduce on the group spanning them
+
+
+# ---- parameters fed to the program --------------------------------------------------------------
+#
+# A DTensor parameter's ``to_local()`` is an autograd function whose backward wraps the local
+# gradient back into a DTensor: a Python autograd node and a DTensor built through
+# ``from_local``'s own autograd function, for every parameter at every step (a third of the
+# step of a small model). The program needs no DTensor: it takes each share as a leaf of its own,
+# aliasing the parameter's local tensor, and hands the gradient to ``param.grad`` once autograd
+# has accumulated it there.
+
+def param_share(p: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the DTensor parameter ``p``, as a leaf tensor aliasing its storage,
+    whose gradient goes to ``p.grad`` (a DTensor of ``p``'s placements) when backward completes it."""
+    with torch.no_grad():
+        local = p.to_local().detach()
+    if not p.requires_grad:
+        return local
+    local.requires_grad_()
+    local.register_post_accumulate_grad_hook(lambda leaf: _hand_back(leaf, p))
+    return local
+
+
+def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
+    g, leaf.grad = leaf.grad, None
+    # the gradient is in the parameter's placement (the program reduced it there: grad_sync), and
+    # in its share's strides (autograd's layout contract for a leaf's gradient)
+    if g.stride() == leaf.stride():
+        grad = dtensor_like(p, g)
+    else:
+        from torch.distributed.tensor import DTensor
+        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+    if p.grad is None:
+        p.grad = grad
+    else:   # accumulation over several backward passes
+        p.grad.add_(grad)
 
 
 # ---- scheduled collectives: start/wait pairs (built by passes.schedule) ----------------------
