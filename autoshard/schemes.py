@@ -1,33 +1,47 @@
 """The hand-designed parallel schemes of DESIGN.md section 6, as pins for ``autoshard.plan``.
 
-Each function takes a GPT-style model (blocks of ln1, qkv, proj, ln2, fc, fc2; an embedding tied
-to the head), its example inputs and a mesh shape, names the role of each mesh axis, and returns
-``{name: per-axis placements}`` to pass as ``pin=``. The solver plans whatever a scheme leaves
-open, so every scheme is costed by the same model as autoshard's own plan:
+Each function takes a model made of transformer or MLP blocks, its example inputs and a mesh
+shape, names the role of each mesh axis, and returns ``{name: per-axis placements}`` to pass as
+``pin=``. The solver plans whatever a scheme leaves open, so every scheme is costed by the same
+model as autoshard's own plan:
 
     pins = autoshard.schemes.tensor_3d(model, (idx, targets), mesh=(4, 4, 4, 4), i=0, j=1, l=2)
     plan = autoshard.plan(model, (idx, targets), mesh=(4, 4, 4, 4), pin=pins)
 
-Each captures the model to find its matmuls (by the parameter each multiplies, so no node names
-are assumed); ``graph=`` reuses one ``autoshard.passes.capture.capture(model, inputs)`` for several.
+Each captures the model and finds the role of every linear layer (a matmul by a parameter) from
+the graph, not from module names (``roles`` shows what it found); ``graph=`` reuses one
+``autoshard.passes.capture.capture(model, inputs)`` for several.
+
+- A **row** (closing) linear reads a block's attention or nonlinearity (scaled-dot-product or
+  eager softmax attention, gelu, silu, tanh, ...) and its output goes, through views and dropout,
+  into the residual add with the block's input.
+- The **column** (widening) linears are those whose outputs feed that attention or nonlinearity:
+  every linear a closing one's input is computed from, through the block's views, splits,
+  rotary embedding and gating products (SwiGLU's ``silu(gate) * up``), up to the norms.
+- Every other linear (an embedding's tied head, a classifier, an MLP's output layer) is
+  **other**: the solver's choice. A model without blocks gets a ``ValueError`` from the schemes
+  that need them; ``data_parallel`` and ``fsdp`` need none.
 
 A scheme pins the storage of the weights it lays out and, where it dictates how a matmul is
-computed rather than only where weights live, that matmul's output (a graph node, found by the
-weight it multiplies). Mesh axes given no role are data-parallel axes: they split the batch,
-replicate the parameters and all-reduce their gradients.
+computed rather than only where weights live, that matmul's output (a graph node). Mesh axes
+given no role are data-parallel axes: they split the batch, replicate the parameters and
+all-reduce their gradients.
 
-Placements are per axis of the ``nn.Linear`` call ``y = x @ weight.T + bias``; ``weight`` is
-(out, in), so the design's ``W (k x n)`` is ``weight.T``: a split of W's dim 0 (k) is a split of
-weight's dim 1 and the other way round. Activations are (batch, seq, features): "S0" of the
-design's token dim is a split of the batch (``S(0)``), its feature dim is ``S(2)``.
+Placements are written per axis of ``nn.Linear``'s ``y = x @ weight.T + bias``, whose ``weight``
+is (out, in): the design's ``W (k x n)`` is ``weight.T``, so a split of W's dim 0 (k) is a split
+of weight's dim 1 and the other way round. A weight multiplied as it is stored (HuggingFace
+GPT-2's Conv1D: ``addmm`` by an (in, out) weight) is W itself: the schemes place each weight by
+the dim that actually holds its output features. Activations are (batch, seq, features), or
+(tokens, features) where the model flattens them: "S0" of the design's token dim is ``S(0)``,
+its feature dim the last.
 
 A split that does not divide evenly is a ``ValueError`` naming the tensor, the axis and the size.
-The GPT here fuses q, k and v into one linear whose weight holds them side by side, so a
-contiguous split of its output features would straddle q, k and v. Where a scheme splits those
-features, it splits them in blocks (``S(0)/3`` of the weight and bias, ``S(2)/3`` of the output:
-each rank holds its share of q, of k and of v, as Megatron-LM lays out its fused qkv weight), so
-the split into q, k and v and the attention heads stay local; where two axes split them (3-D,
-AxoNN 4-D), not yet (see ``_block_fused``).
+A fused projection (one linear for q, k and v side by side, as the GPT here and GPT-2 have) must
+not be split contiguously by its output features, which would straddle q, k and v. Where a
+scheme splits those features, it splits them in blocks (``S(0)/3`` of an (out, in) weight and
+its bias, ``S(2)/3`` of the output: each rank holds its share of q, of k and of v, as Megatron-LM
+lays out its fused qkv weight), so the split into q, k and v and the attention heads stay local;
+where two axes split them (3-D, AxoNN 4-D), not yet (see ``_block_fused``).
 """
 from __future__ import annotations
 
@@ -43,10 +57,38 @@ from autoshard.passes.capture import Graph, capture
 
 aten = torch.ops.aten
 
-# block linears by the name of their module: column-type ones widen the features (their output is
-# split by features under tensor parallelism), row-type ones contract them back
-COLUMN = ("qkv", "fc")
-ROW = ("proj", "fc2")
+# ---- finding the blocks in the graph -------------------------------------------------------------
+
+# matmul by a weight -> (slot of x, slot of the weight, slot of the bias, the weight dim that holds
+# the output features when the parameter is used as stored)
+_MATMULS = {aten.linear.default: (0, 1, 2, 0), aten.addmm.default: (1, 2, 0, 1),
+            aten.mm.default: (0, 1, None, 1), aten.matmul.default: (0, 1, None, 1)}
+# a weight used transposed on the way (``x @ w.t()``)
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.numpy_T.default}
+
+# op families, every overload: attention (the fused op, or an eager softmax between the q @ k^T
+# and probs @ v products, which are matmuls of two activations) and the nonlinearities
+_ATTENTION = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
+              aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_efficient_attention,
+              aten._scaled_dot_product_cudnn_attention, aten.softmax, aten._softmax, aten._safe_softmax}
+_PRODUCTS = {aten.matmul, aten.bmm, aten.baddbmm, aten.mm, aten.einsum}
+_NONLINEAR = {aten.gelu, aten.silu, aten.relu, aten.tanh, aten.sigmoid, aten.elu, aten.selu, aten.celu,
+              aten.leaky_relu, aten.hardswish, aten.hardsigmoid, aten.hardtanh, aten.mish, aten.softplus,
+              aten.glu, aten.prelu}
+# a block's region ends at a norm, or a reduction (a decomposed RMSNorm's mean): what lies beyond
+# is the residual stream, which every block reads
+_NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm, aten.group_norm,
+          aten.native_group_norm, aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
+          aten._native_batch_norm_legit_no_training, aten.instance_norm}
+_REDUCTIONS = {aten.mean, aten.sum, aten.var, aten.var_mean, aten.std, aten.amax, aten.amin, aten.max,
+               aten.min, aten.logsumexp, aten.norm, aten.linalg_vector_norm, aten.prod}
+_ADDS = {aten.add, aten.add_}
+# ops that only re-lay a tensor (a flattening before an addmm): traced back through to the norm
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.alias, aten.contiguous, aten.clone}
+
+
+def _family(node):
+    return getattr(node.target, "overloadpacket", None)
 
 
 @dataclass
@@ -54,9 +96,160 @@ class _Linear:
     node: str                 # graph node of the matmul
     weight: str               # the weight's parameter name
     bias: Optional[str]
-    weight_shape: tuple       # (out, in)
+    weight_shape: tuple       # as stored: (out, in) for nn.Linear, (in, out) for GPT-2's Conv1D
+    out_dim: int              # the weight dim that holds the output features
+    x: tuple                  # the activation it multiplies (a graph value)
     out_shape: tuple
-    kind: str                 # "column", "row", or "other" (the head)
+    kind: str = "other"       # "column", "row" or "other"
+
+    @property
+    def in_dim(self) -> int:
+        return 1 - self.out_dim
+
+    @property
+    def n_out(self) -> int:
+        return self.weight_shape[self.out_dim]
+
+
+def _weight_of(graph: Graph, value):
+    """The parameter node a matmul multiplies by, and whether it is used transposed."""
+    node = graph.by_name[value[0]]
+    if node.kind == "param":
+        return node, False
+    if node.kind == "op" and node.target in _TRANSPOSES and len(node.outputs[0].shape) == 2:
+        src = graph.by_name[node.inputs[0][0]]
+        if src.kind == "param":
+            return src, True
+    return None, False
+
+
+def _linears(graph: Graph) -> list:
+    by = graph.by_name
+    out = []
+    for n in graph.nodes:
+        if n.kind != "op" or n.target not in _MATMULS:
+            continue
+        xs, ws, bs, out_dim = _MATMULS[n.target]
+        if len(n.inputs) <= max(xs, ws) or len(n.outputs) != 1:
+            continue
+        w, flipped = _weight_of(graph, n.inputs[ws])
+        if w is None or len(w.outputs[0].shape) != 2 or by[n.inputs[xs][0]].kind == "param":
+            continue
+        b = by[n.inputs[bs][0]] if bs is not None and len(n.inputs) > bs else None
+        out.append(_Linear(n.name, w.fqn, b.fqn if b is not None and b.kind == "param" else None,
+                           w.outputs[0].shape, 1 - out_dim if flipped else out_dim, n.inputs[xs],
+                           n.outputs[0].shape))
+    return out
+
+
+@dataclass
+class _Blocks:
+    """What the graph says of its blocks."""
+    linears: list             # every _Linear, its kind set
+    closes: dict              # row linear's node -> (its residual add's node, the add's other operand)
+    attention: int            # how many attention ops (fused, softmax or a product of activations)
+    nonlinear: int            # how many nonlinearities
+
+
+def _is_core(graph: Graph, node) -> bool:
+    """Attention or a nonlinearity: the work a block's linears open and close."""
+    fam = _family(node)
+    if fam in _ATTENTION or fam in _NONLINEAR:
+        return True
+    # an eager attention's products: two activations, no weight
+    return fam in _PRODUCTS and all(graph.by_name[v[0]].kind in ("op", "input") and _weight_of(graph, v)[0] is None
+                                    for v in node.inputs)
+
+
+def _residual_add(graph: Graph, users: dict, ancestors: dict, order: dict, lin: _Linear):
+    """The add that takes ``lin``'s output (through ops of that one input: views, dropout, casts)
+    to the residual stream, with an operand ``lin`` is computed from (the block's input); or None."""
+    by = graph.by_name
+    frontier, seen = [(lin.node, 0)], set()
+    while frontier:
+        value = frontier.pop()
+        for consumer, slot in users.get(value, ()):
+            c = by[consumer]
+            if c.kind != "op" or consumer in seen:
+                continue
+            seen.add(consumer)
+            fam = _family(c)
+            if fam in _ADDS and len(c.inputs) == 2:
+                other = c.inputs[1 - slot]
+                if (ancestors[lin.node] >> order[other[0]]) & 1 and other != value \
+                        and graph.meta(other).shape == c.outputs[0].shape:
+                    return consumer, other
+            elif len(c.inputs) == 1 and len(c.outputs) == 1 and fam not in _NORMS | _REDUCTIONS \
+                    and not _is_core(graph, c):
+                frontier.append((consumer, 0))
+    return None
+
+
+def _cone(graph: Graph, lin: _Linear, linear_nodes: set):
+    """What ``lin``'s input is computed from, back to the norms: whether it holds attention or a
+    nonlinearity, and the linears whose outputs feed it."""
+    by = graph.by_name
+    stack, seen, core, openers = [lin.x[0]], set(), False, []
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = by[name]
+        if name in linear_nodes:
+            openers.append(name)
+            continue
+        if node.kind != "op" or _family(node) in _NORMS | _REDUCTIONS:
+            continue
+        core = core or _is_core(graph, node)
+        stack.extend(v[0] for v in node.inputs)
+    return core, openers
+
+
+def _find_blocks(graph: Graph) -> _Blocks:
+    linears = _linears(graph)
+    users = graph.users()
+    ancestors: dict = {}     # node -> the set of its ancestors (itself included), as bits by graph order
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    for i, n in enumerate(graph.nodes):
+        bits = 1 << i
+        for v in n.inputs:
+            bits |= ancestors[v[0]]
+        ancestors[n.name] = bits
+    linear_nodes = {l.node for l in linears}
+    closes, opened = {}, set()
+    for lin in linears:
+        add = _residual_add(graph, users, ancestors, order, lin)
+        if add is None:
+            continue
+        core, openers = _cone(graph, lin, linear_nodes)
+        if core and openers:
+            closes[lin.node] = add
+            opened.update(openers)
+    for lin in linears:
+        # one that closes a block and opens the next (no norm between) is laid out as closing
+        lin.kind = "row" if lin.node in closes else "column" if lin.node in opened else "other"
+    cores = [n for n in graph.nodes if n.kind == "op" and _is_core(graph, n)]
+    return _Blocks(linears, closes, sum(_family(n) not in _NONLINEAR for n in cores),
+                   sum(_family(n) in _NONLINEAR for n in cores))
+
+
+def _missing(blocks: _Blocks) -> Optional[str]:
+    """What the model lacks for the schemes that lay out blocks, or None."""
+    if blocks.closes:   # a closing linear comes with the linears that open its block
+        return None
+    found = (f"the model has {len(blocks.linears)} linear layers (matmuls by a parameter), "
+             f"{blocks.attention} attention ops and {blocks.nonlinear} nonlinearities")
+    return ("found no linear that closes a block (feeds the residual add from the attention or the "
+            f"nonlinearity): {found}. Megatron-style schemes need blocks such as x + W2 act(W1 ln(x)) "
+            "or x + Wo attention(Wq x, Wk x, Wv x); data_parallel and fsdp need none")
+
+
+def roles(model, example_inputs, *, graph: Optional[Graph] = None) -> dict:
+    """``{weight name: "column" | "row" | "other"}`` for every linear layer of ``model``, as the
+    schemes find them in its graph (see the module's docstring)."""
+    graph = graph if graph is not None else capture(model, example_inputs)
+    return {l.weight: l.kind for l in _find_blocks(graph).linears}
 
 
 @dataclass
@@ -67,7 +260,8 @@ class _Layout:
     params: dict              # parameter name the graph uses -> shape
     linears: list
     blocked: dict             # matmul node -> the number of blocks its output is split into downstream
-    residual: dict = field(default_factory=dict)   # nodes feeding and leaving each layer norm -> shape
+    residual: dict = field(default_factory=dict)   # the residual stream and its norms: node -> shape
+    missing: Optional[str] = None                  # why the model has no blocks to lay out
 
 
 def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layout:
@@ -77,33 +271,37 @@ def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layo
     if not mesh or any(not isinstance(a, int) or a < 1 for a in mesh):
         raise ValueError(f"mesh is a tuple of axis sizes such as (4, 2), got {mesh!r}")
     graph = graph if graph is not None else capture(model, example_inputs)
-    by = graph.by_name
     params = {n.fqn: n.outputs[0].shape for n in graph.nodes if n.kind == "param"}
     inputs = {n.name: n.outputs[0].shape for n in graph.nodes if n.kind == "input" and n.outputs}
-    linears, residual = [], {}
-    for n in graph.nodes:
-        if n.kind != "op":
-            continue
-        if n.target == aten.linear.default and len(n.inputs) >= 2 and by[n.inputs[1][0]].kind == "param":
-            w = by[n.inputs[1][0]]
-            b = by[n.inputs[2][0]] if len(n.inputs) > 2 and by[n.inputs[2][0]].kind == "param" else None
-            parts = w.fqn.split(".")
-            owner = parts[-2] if len(parts) > 1 else ""
-            # a weight tied to another module's (the head's, to the embedding) is no block's
-            tied = [a for a, f in graph.param_aliases.items() if f == w.fqn and a != w.fqn]
-            kind = "other" if tied else "column" if owner in COLUMN else "row" if owner in ROW else "other"
-            linears.append(_Linear(n.name, w.fqn, b.fqn if b else None, w.outputs[0].shape,
-                                   n.outputs[0].shape, kind))
-        elif n.target in (aten.layer_norm.default, aten.rms_norm.default):
-            src = graph.meta(n.inputs[0])
-            if by[n.inputs[0][0]].kind == "op" and n.inputs[0][1] == 0:
-                residual[n.inputs[0][0]] = src.shape
-            residual[n.name] = n.outputs[0].shape
-    if not any(l.kind == "column" for l in linears) or not any(l.kind == "row" for l in linears):
-        raise ValueError(f"found no block linears named {COLUMN} (column-type) and {ROW} (row-type): "
-                         "the schemes are for GPT-style models whose blocks have qkv, proj, fc and fc2")
+    blocks = _find_blocks(graph)
     blocked = {name: g for name, (_, g) in blocked_splits(graph).items()}
-    return _Layout(mesh, inputs, params, linears, blocked, residual)
+    return _Layout(mesh, inputs, params, blocks.linears, blocked, _residual_stream(graph, blocks),
+                   _missing(blocks))
+
+
+def _residual_stream(graph: Graph, blocks: _Blocks) -> dict:
+    """The values between the blocks' matmuls, where sequence parallelism splits by sequence:
+    each residual add and the stream it adds to, what each column-type linear reads (back
+    through views to the norm that made it), and every norm of the stream."""
+    by = graph.by_name
+    stream = set()
+    for add, other in blocks.closes.values():
+        stream.add(add)
+        if by[other[0]].kind == "op" and other[1] == 0:
+            stream.add(other[0])
+    for lin in blocks.linears:
+        if lin.kind != "column":
+            continue
+        value = lin.x
+        while by[value[0]].kind == "op" and _family(by[value[0]]) in _VIEWS and value[1] == 0:
+            value = by[value[0]].inputs[0]
+        if by[value[0]].kind == "op" and value[1] == 0:
+            stream.add(value[0])
+    values = {(s, 0) for s in stream}
+    for n in graph.nodes:
+        if n.kind == "op" and _family(n) in _NORMS and n.inputs and n.inputs[0] in values:
+            stream.add(n.name)
+    return {n.name: n.outputs[0].shape for n in graph.nodes if n.name in stream}
 
 
 def _axes(lay: _Layout, **roles) -> dict:
@@ -150,7 +348,9 @@ def _batch_pins(lay: _Layout, axes: Sequence[int]) -> dict:
             for name, shape in lay.inputs.items() if len(shape) >= 1}
 
 
-def _block_linears(lay: _Layout):
+def _block_linears(lay: _Layout, scheme: str) -> list:
+    if lay.missing:
+        raise ValueError(f"{scheme}: {lay.missing}")
     return [l for l in lay.linears if l.kind != "other"]
 
 
@@ -168,15 +368,16 @@ def _out(lay: _Layout, lin: _Linear, per_axis: dict) -> tuple:
 
 def _block_fused(lay: _Layout, pins: dict) -> dict:
     """A fused projection (qkv) split by its output features is split in its blocks instead:
-    ``S(0)`` of its weight and bias and ``S(features)`` of its output become ``S(d)/g``. Not
-    where the weight's features are split by two axes (3-D, AxoNN 4-D): a parameter may be
-    stored in blocks on one axis only (``passes.annotate.storage_options``), and those schemes
-    leave the solver to re-lay the fused output for attention."""
+    ``S(out)`` of its weight (``S(0)`` of an (out, in) weight), ``S(0)`` of its bias and
+    ``S(features)`` of its output become ``S(d)/g``. Not where the weight's features are split
+    by two axes (3-D, AxoNN 4-D): a parameter may be stored in blocks on one axis only
+    (``passes.annotate.storage_options``), and those schemes leave the solver to re-lay the
+    fused output for attention."""
     for lin in lay.linears:
         g = lay.blocked.get(lin.node, 1)
-        if g == 1 or sum(p == "S(0)" for p in pins.get(lin.weight, ())) > 1:
+        if g == 1 or sum(p == _s(lin.out_dim) for p in pins.get(lin.weight, ())) > 1:
             continue
-        for name, dim, shape in ((lin.weight, 0, lin.weight_shape), (lin.bias, 0, (lin.weight_shape[0],)),
+        for name, dim, shape in ((lin.weight, lin.out_dim, lin.weight_shape), (lin.bias, 0, (lin.n_out,)),
                                  (lin.node, _features(lin), lin.out_shape)):
             if name not in pins:
                 continue
@@ -226,15 +427,13 @@ def fsdp(model, example_inputs, mesh, *, shard=None, graph: Optional[Graph] = No
     return pins
 
 
-def _megatron(lay: _Layout, tp: int, data: list) -> dict:
+def _megatron(lay: _Layout, tp: int, data: list, scheme: str) -> dict:
     pins = _batch_pins(lay, data)
-    for l in _block_linears(lay):
-        n, _ = l.weight_shape
+    for l in _block_linears(lay, scheme):
         col = l.kind == "column"
-        w = {tp: "S(0)" if col else "S(1)"}
-        pins[l.weight] = _nd(lay, l.weight, l.weight_shape, w)
+        pins[l.weight] = _nd(lay, l.weight, l.weight_shape, {tp: _s(l.out_dim if col else l.in_dim)})
         if l.bias:
-            pins[l.bias] = _nd(lay, l.bias, (n,), {tp: "S(0)"} if col else {})
+            pins[l.bias] = _nd(lay, l.bias, (l.n_out,), {tp: "S(0)"} if col else {})
         out = {a: "S(0)" for a in data}
         out[tp] = _s(_features(l)) if col else "P"
         pins[l.node] = _out(lay, l, out)
@@ -244,14 +443,14 @@ def _megatron(lay: _Layout, tp: int, data: list) -> dict:
 def megatron(model, example_inputs, mesh, *, tp: int = -1, graph: Optional[Graph] = None) -> dict:
     """Megatron-LM 1-D tensor parallelism on axis ``tp`` (other axes: data parallel).
 
-    Column-parallel qkv and fc: weight stored ``S(0)`` (W's n), bias ``S(0)``, output ``S(2)``:
-    ``(B, S1) -> S1``. Row-parallel proj and fc2: weight ``S(1)`` (W's k), bias ``B``, output
-    ``P``: ``(S1, S0) -> P``, all-reduced (or reduce-scattered) before the residual add. On data
-    axes weights are ``B`` and the inputs and linear outputs ``S(0)``. Layer norms, embeddings
-    and the head are the solver's choice."""
+    Column-parallel linears (qkv, fc; q, k, v, gate, up): weight stored ``S(0)`` (W's n), bias
+    ``S(0)``, output ``S(features)``: ``(B, S1) -> S1``. Row-parallel ones (proj, fc2; o, down):
+    weight ``S(1)`` (W's k), bias ``B``, output ``P``: ``(S1, S0) -> P``, all-reduced (or
+    reduce-scattered) before the residual add. On data axes weights are ``B`` and the inputs and
+    linear outputs ``S(0)``. Norms, embeddings and the head are the solver's choice."""
     lay = _layout(model, example_inputs, mesh, graph)
     roles = _axes(lay, tp=tp)
-    return _megatron(lay, roles["tp"], _data_axes(lay, roles))
+    return _megatron(lay, roles["tp"], _data_axes(lay, roles), "megatron")
 
 
 def sequence_parallel(model, example_inputs, mesh, *, tp: int = -1, graph: Optional[Graph] = None) -> dict:
@@ -260,13 +459,18 @@ def sequence_parallel(model, example_inputs, mesh, *, tp: int = -1, graph: Optio
     instead of ``B``, so a reduce-scatter after each row-parallel matmul and an all-gather before
     each column-parallel one replace the all-reduce.
 
-    Pins, besides Megatron's, the output of every layer norm and of the node feeding it ``S(1)``
-    on ``tp`` (``S(0)`` on data axes)."""
+    Pins, besides Megatron's, the residual stream ``S(1)`` on ``tp`` (``S(0)`` on data axes):
+    each residual add and the stream it adds to, what each column-parallel linear reads (its
+    norm's output) and every norm of the stream."""
     lay = _layout(model, example_inputs, mesh, graph)
     roles = _axes(lay, tp=tp)
     tp, data = roles["tp"], _data_axes(lay, roles)
-    pins = _megatron(lay, tp, data)
+    pins = _megatron(lay, tp, data, "sequence_parallel")
     for name, shape in lay.residual.items():
+        if len(shape) < 3:
+            raise ValueError(f"sequence_parallel splits the residual stream by sequence (dim 1 of (batch, seq, "
+                             f"features)), but {name} of the stream has shape {list(shape)}: use megatron for a "
+                             "model without a sequence dim")
         per = {a: "S(0)" for a in data}
         per[tp] = "S(1)"
         pins[name] = _nd(lay, f"the output of {name} (the residual stream)", shape, per)
@@ -287,11 +491,10 @@ def tensor_2d(model, example_inputs, mesh, *, row: int = 0, col: int = 1, graph:
     roles = _axes(lay, row=row, col=col)
     r, c, data = roles["row"], roles["col"], _data_axes(lay, roles)
     pins = _batch_pins(lay, data + [r])
-    for l in _block_linears(lay):
-        n, _ = l.weight_shape
-        pins[l.weight] = _nd(lay, l.weight, l.weight_shape, {r: "S(1)", c: "S(0)"})
+    for l in _block_linears(lay, "tensor_2d"):
+        pins[l.weight] = _nd(lay, l.weight, l.weight_shape, {r: _s(l.in_dim), c: _s(l.out_dim)})
         if l.bias:
-            pins[l.bias] = _nd(lay, l.bias, (n,), {c: "S(0)"})
+            pins[l.bias] = _nd(lay, l.bias, (l.n_out,), {c: "S(0)"})
         out = {a: "S(0)" for a in data + [r]}
         out[c] = _s(_features(l))
         pins[l.node] = _out(lay, l, out)
@@ -314,12 +517,12 @@ def tensor_3d(model, example_inputs, mesh, *, i: int = 0, j: int = 1, l: int = 2
     roles = _axes(lay, i=i, j=j, l=l)
     i, j, l_, data = roles["i"], roles["j"], roles["l"], _data_axes(lay, roles)
     pins = _batch_pins(lay, data + [i, j])
-    for lin in _block_linears(lay):
+    for lin in _block_linears(lay, "tensor_3d"):
         a, b = (j, l_) if lin.kind == "column" else (l_, j)     # (output-feature axis, contracted axis)
-        n, _ = lin.weight_shape
-        pins[lin.weight] = _nd(lay, lin.weight, lin.weight_shape, {b: "S(1)", a: "S(0)", i: "S(0)"})
+        out_, in_ = _s(lin.out_dim), _s(lin.in_dim)
+        pins[lin.weight] = _nd(lay, lin.weight, lin.weight_shape, {b: in_, a: out_, i: out_})
         if lin.bias:
-            pins[lin.bias] = _nd(lay, lin.bias, (n,), {a: "S(0)"})
+            pins[lin.bias] = _nd(lay, lin.bias, (lin.n_out,), {a: "S(0)"})
         out = {x: "S(0)" for x in data + [i]}
         out[a] = _s(_features(lin))
         out[b] = "P"
@@ -348,23 +551,25 @@ def axonn_4d(model, example_inputs, mesh, *, x: Optional[int] = 0, y: Optional[i
         raise ValueError("axonn_4d needs at least one of x, y and z as a mesh axis: with none it is data_parallel")
     z, others = roles.get("z"), _data_axes(lay, roles)
     pins = _batch_pins(lay, others + ([z] if z is not None else []))
-    for lin in _block_linears(lay):
+    for lin in _block_linears(lay, "axonn_4d"):
         a, b = (roles.get("x"), roles.get("y")) if lin.kind == "column" else (roles.get("y"), roles.get("x"))
-        n, _ = lin.weight_shape                                  # (contracted, output) axes; None: absent
-        used = {ax: p for ax, p in ((a, "S(1)"), (b, "S(0)")) if ax is not None}
+        # (contracted, output) axes, None where absent; the weight's dims that each cuts
+        cut_by = {lin.in_dim: a, lin.out_dim: b}
+        used = {ax: _s(d) for d, ax in cut_by.items() if ax is not None}
         if z is not None:
-            # store the z split on a dim whose other cut (if any) is outer to z, so the gather is one all-gather
+            # store the z split on a dim whose other cut (if any) is outer to z, so the gather is one
+            # all-gather; the output features' dim where both are
             zsize = lay.mesh[z]
-            cuts = {0: lay.mesh[b] if b is not None else 1, 1: lay.mesh[a] if a is not None else 1}
-            inner = {0: b is not None and b > z, 1: a is not None and a > z}
-            options = [d for d in (0, 1) if (lin.weight_shape[d] // cuts[d]) % zsize == 0]
+            options = [d for d, ax in cut_by.items()
+                       if (lin.weight_shape[d] // (lay.mesh[ax] if ax is not None else 1)) % zsize == 0]
             if not options:
                 raise ValueError(f"{lin.weight} of shape {list(lin.weight_shape)} cannot also be split by axis {z} "
                                  f"of size {zsize} (mesh {lay.mesh}): choose sizes that divide")
-            used[z] = _s(min(options, key=lambda d: (inner[d], d)))
+            inner = {d: ax is not None and ax > z for d, ax in cut_by.items()}
+            used[z] = _s(min(options, key=lambda d: (inner[d], d != lin.out_dim)))
         pins[lin.weight] = _nd(lay, lin.weight, lin.weight_shape, used)
         if lin.bias:
-            pins[lin.bias] = _nd(lay, lin.bias, (n,), {b: "S(0)"} if b is not None else {})
+            pins[lin.bias] = _nd(lay, lin.bias, (lin.n_out,), {b: "S(0)"} if b is not None else {})
         out = {o: "S(0)" for o in others + ([z] if z is not None else [])}
         if a is not None:
             out[a] = "P"

@@ -4,17 +4,14 @@ builder returns the model and its keyword inputs, labels included, so the model 
 beside its logits.
 
 ``megatron_pins`` pins Megatron-LM's tensor parallelism on a model's attention and MLP
-projections, found in its captured graph by the weight each matmul multiplies (as
-``autoshard.schemes`` does for its GPT), since HuggingFace names them differently per model.
+projections: ``autoshard.schemes.megatron``, which finds them in the captured graph, since
+HuggingFace names them differently per model.
 """
-import re
-
 import torch
 import transformers
 
-from autoshard.passes.capture import capture
+from autoshard import schemes
 
-aten = torch.ops.aten
 VOCAB, SEQ, BATCH = 128, 8, 8
 
 
@@ -69,50 +66,10 @@ def bert(attn="sdpa"):
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
 
-# Megatron roles by parameter name: column-parallel projections widen the features (q, k, v, the
-# MLP's up projections), row-parallel ones contract them back (the attention output, the MLP's
-# down projection)
-COLUMN = re.compile(r"\.(attn\.c_attn|mlp\.c_fc|self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|"
-                    r"attention\.self\.(query|key|value)|intermediate\.dense)\.weight$")
-ROW = re.compile(r"\.(attn\.c_proj|mlp\.c_proj|self_attn\.o_proj|mlp\.down_proj|attention\.output\.dense|"
-                 r"layer\.\d+\.output\.dense)\.weight$")
-
-
 def megatron_pins(model, inputs, mesh, tp=-1, graph=None):
-    """Megatron-LM 1-D tensor parallelism on mesh axis ``tp``, data parallelism on the others.
-
-    Column-parallel weights are stored split by output features, with their bias, and their
-    matmul's output is pinned split by features; row-parallel weights are split by input
-    features and their output is pinned P, all-reduced before the residual add. ``nn.Linear``
-    holds its weight (out, in), GPT-2's Conv1D (in, out) and multiplies by ``addmm``. On data
-    axes weights are B and inputs and matmul outputs split by the batch. ``graph=`` reuses one
-    ``capture(model, inputs)`` for several meshes."""
-    tp %= len(mesh)
-    data = [a for a in range(len(mesh)) if a != tp]
-    graph = graph if graph is not None else capture(model, inputs)
-    by = graph.by_name
-
-    def nd(per_axis):
-        return tuple(per_axis.get(a, "B") for a in range(len(mesh)))
-
-    pins = {n.name: nd({a: "S(0)" for a in data}) for n in graph.nodes if n.kind == "input" and n.outputs}
-    for n in graph.nodes:
-        if n.target == aten.linear.default:
-            w, b, out_dim = n.inputs[1], n.inputs[2] if len(n.inputs) > 2 else None, 0
-        elif n.target == aten.addmm.default:
-            w, b, out_dim = n.inputs[2], n.inputs[0], 1
-        else:
-            continue
-        weight = by[w[0]]
-        if weight.kind != "param":
-            continue
-        column, row = COLUMN.search("." + weight.fqn), ROW.search("." + weight.fqn)
-        if not (column or row):
-            continue
-        split = out_dim if column else 1 - out_dim
-        pins[weight.fqn] = nd({tp: f"S({split})"})
-        if b is not None and by[b[0]].kind == "param":
-            pins[by[b[0]].fqn] = nd({tp: "S(0)"} if column else {})
-        features = len(n.outputs[0].shape) - 1
-        pins[n.name] = nd({**{a: "S(0)" for a in data}, tp: f"S({features})" if column else "P"})
-    return pins
+    """Megatron-LM 1-D tensor parallelism on mesh axis ``tp``, data parallelism on the others:
+    ``autoshard.schemes.megatron``, which finds the attention and MLP projections in the graph
+    (column-parallel q, k, v and the MLP's up projections, row-parallel the attention output and
+    the MLP's down projection) and places each weight by its orientation (GPT-2's Conv1D holds
+    it (in, out)). ``graph=`` reuses one ``capture(model, inputs)`` for several meshes."""
+    return schemes.megatron(model, inputs, mesh, tp=tp, graph=graph)
