@@ -39,6 +39,9 @@ class Cluster:
     backward_overhead: float = 0.0   # seconds one autograd node costs in backward
     collectives: tuple = ()          # ((kind, size, stride, alpha, beta), ...): t = alpha + ring bytes / beta
     optimizer: tuple = ()            # AdamW's step: (seconds per step, per parameter tensor, per parameter byte)
+    overlap: float = 1.0             # the fraction of a scheduled collective that compute beside it hides
+    kernels: tuple = ()              # ((family, forward rate, backward rate), ...) of cost.compute.FAMILY,
+                                     # in FLOP/s (matmul, attention) or bytes/s of the forward's work
 
     def __post_init__(self):
         for field in ("gpus_per_node",):
@@ -53,6 +56,8 @@ class Cluster:
                 raise ValueError(f"Cluster.{field} must not be negative, got {getattr(self, field)}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Cluster.efficiency is a fraction in (0, 1], got {self.efficiency}")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"Cluster.overlap is a fraction in [0, 1], got {self.overlap}")
         for field in ("op_overhead", "backward_overhead"):
             if not 0 <= getattr(self, field) < math.inf:
                 raise ValueError(f"Cluster.{field} is seconds per launch, finite and not negative, got "
@@ -73,6 +78,15 @@ class Cluster:
             raise ValueError(f"Cluster.optimizer is (seconds per step, per tensor, per byte), each finite and "
                              f"not negative, or empty; got {self.optimizer}")
         object.__setattr__(self, "optimizer", opt)
+        kernels = tuple(tuple(k) for k in self.kernels)
+        for row in kernels:
+            if (len(row) != 3 or not isinstance(row[0], str)
+                    or not all(isinstance(v, (int, float)) and 0 < v < math.inf for v in row[1:])):
+                raise ValueError(f"Cluster.kernels holds (family, forward rate, backward rate) rows, each rate "
+                                 f"positive and finite; got {row}")
+        if len({k[0] for k in kernels}) != len(kernels):
+            raise ValueError("Cluster.kernels holds one row per family")
+        object.__setattr__(self, "kernels", kernels)
 
     @staticmethod
     def preset(name: str) -> "Cluster":
@@ -105,6 +119,10 @@ class Cluster:
     def load(path) -> "Cluster":
         with open(path) as f:
             return Cluster(**json.load(f))
+
+    def kernel(self, family: str) -> Optional[tuple]:
+        """(forward, backward) rate the kernel ``family`` was timed at, or None."""
+        return next((k[1:] for k in self.kernels if k[0] == family), None)
 
     @property
     def measured(self) -> bool:

@@ -1,9 +1,10 @@
 """Measure the machine a plan runs on: ``Cluster.measure``.
 
-Inside an initialized process group every rank takes part (the collectives need them all, and
-each rank measures its compute while the others do, so the figures carry the contention a real
-step has); rank 0's figures decide and are broadcast, so every rank returns the same Cluster.
-What is measured, and what it is fitted to:
+Inside an initialized process group every rank takes part: the collectives need them all, and
+each rank times its compute while the others do, so the figures carry the contention a real step
+has. Every rank returns the same Cluster: the links as rank 0 timed them, the compute figures of
+the slowest rank (the lowest rate, the longest time), since every step waits for the slowest
+rank at its collectives. What is measured, and what it is fitted to:
 
     collectives   each kind the plans use (all_gather, reduce_scatter, all_reduce, all_to_all) on
                   every group a mesh axis of this world can form: ``size`` ranks ``stride`` apart
@@ -12,24 +13,33 @@ What is measured, and what it is fitted to:
                   one call at several sizes are fitted by least squares (in relative error) to
                   t = alpha + sent / beta, ``sent`` the bytes a ring sends per rank
                   (``cost.comm.ring_bytes``), so beta is a bus bandwidth comparable across kinds
-    matmul        FLOP/s per dtype (fp32, bf16): t = c + flops / rate over three sizes
-    memory        bytes/s of the kernels besides matmuls (add, mul, gelu, layer norm, softmax, each
-                  allocating its output): t = c + bytes / bandwidth over four sizes
+    kernels       forward and backward rates of each kernel family of ``cost.compute.FAMILY``, in
+                  the cost model's own count of the forward's work (FLOPs of linear layers of
+                  several shapes and of causal attention; bytes of gelu, layer norm, softmax and
+                  cross-entropy over a vocabulary), fp32; the matmul rate is also the fp32 peak
+    matmul bf16   FLOP/s of the same linear layers in bf16 (forward)
+    memory        bytes/s of streaming elementwise ops (add, mul, each allocating its output)
     op launch     seconds one small op costs in an fx program shaped like the emitted one: the
                   Python of the graph module, the dispatcher and autograd's bookkeeping, per op
                   in forward and per autograd node in backward
     optimizer     AdamW's step over DTensor parameters, held as ``parallelize`` holds them:
-                  t = fixed + per tensor * tensors + per byte * bytes, fitted over four sets
+                  t = fixed + per tensor * tensors + per byte * bytes, solved over three sets
+                  (few small tensors, many small ones, few large ones out of cache)
+    overlap       how much of an all-reduce started before a run of matmuls as long as it, and
+                  waited for after them, the matmuls hide: (alone + alone - together) / alone,
+                  within [0, 1]. On a CPU the collective's copies and the compute share the
+                  cores, and it hides nothing
 
+Each figure is a mean over a window of calls, not the best of short bursts: on a machine whose
+cores are shared, a burst often runs unhindered while a training step gets only its share.
 Outside a process group only this process's compute can be measured: the links stay those of
-``base`` (a warning says so). Measurement takes a second or two on a CPU at world 2-4.
+``base`` (a warning says so). Measurement takes a few seconds on a CPU at world 2-4.
 """
 from __future__ import annotations
 
 import math
 import os
 import socket
-import statistics
 import time
 import warnings
 from typing import Optional
@@ -43,10 +53,20 @@ from autoshard.cost.comm import ring_bytes
 
 aten = torch.ops.aten
 
-COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22)   # per rank: a norm's statistics to a layer's activations
-MATMUL_SIZES = (256, 512, 768)
-ELEMENTWISE_BYTES = (1 << 18, 1 << 20, 1 << 22)                   # activations of small models, in cache or not
-LAUNCH_OPS = 120                                                   # ops in the launch-timing program
+# bytes per rank: a norm's statistics to a layer's activations
+COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22)
+TOKENS = 1024                 # rows of the timed kernels: a small model's batch on one rank
+LINEARS = ((256, 768), (256, 1024), (1024, 256), (256, 2048))   # (in, out) features of the timed matmuls
+STREAM_BYTES = 1 << 22        # tensors of the streaming ops: a layer's activations
+LAUNCH_OPS = 120              # ops in the launch-timing program
+WINDOW = 0.03                 # seconds of calls per timed point: several scheduler slices (CFS: ~3 ms)
+COLLECTIVE_CALLS = 4          # calls per timed collective point, after one warm-up
+OVERLAP_BYTES = 1 << 22       # the all-reduce the overlap is timed with: a layer's activations
+# AdamW's parameter sets (tensors, elements each): few small, many small, few large (16 MB: with
+# their gradients and moments out of a CPU's cache, as a model's are)
+OPTIMIZER_SETS = ((8, 1 << 12), (32, 1 << 12), (8, 1 << 19))
+RATES = ("peak_flops", "peak_flops_fp32", "memory_bandwidth", "memory")
+TIMES = ("op_overhead", "backward_overhead")
 
 
 def measure(base=None, *, name: Optional[str] = None) -> Cluster:
@@ -63,9 +83,9 @@ def measure(base=None, *, name: Optional[str] = None) -> Cluster:
     if grouped and dist.get_world_size() > 1:
         figures.update(_links(device))
     if grouped:
-        box = [figures if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        figures = box[0]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, figures)
+        figures = dict(every[0], **_slowest(every))
     else:
         warnings.warn("Cluster.measure outside a process group measures this process's compute only; "
                       f"the links are {base.name}'s. Measure inside the group the plan will run on "
@@ -91,6 +111,16 @@ def measure(base=None, *, name: Optional[str] = None) -> Cluster:
     return base.with_(**changes)
 
 
+def _slowest(every: list) -> dict:
+    """The compute figures of the slowest rank: each rate's lowest, each time's longest."""
+    out = {key: min(f[key] for f in every) for key in RATES}
+    out.update({key: max(f[key] for f in every) for key in TIMES})
+    out["optimizer"] = tuple(max(v) for v in zip(*(f["optimizer"] for f in every)))
+    out["kernels"] = tuple((row[0],) + tuple(min(r[k] for r in rows) for k in (1, 2))
+                           for row, rows in zip(every[0]["kernels"], zip(*(f["kernels"] for f in every))))
+    return out
+
+
 # ---- timing -------------------------------------------------------------------------------------
 
 def _device() -> torch.device:
@@ -104,21 +134,35 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device, calls: int = 1, repeats: int = 5, barrier=None) -> float:
-    """Median seconds of one call of ``fn``, timing ``calls`` back to back ``repeats`` times after
-    one warm-up; ``barrier()`` (a group's) lines the ranks up before each timing."""
+def _timed(fn, device, window: float = WINDOW) -> float:
+    """Mean seconds of one call of ``fn`` over at least ``window`` seconds of calls (two at
+    least), after one warm-up. A mean over a window, not the best of short bursts: on a machine
+    whose cores are shared, a short burst often runs unhindered while a training step gets only
+    its share of the cores, and the figures are to predict steps."""
     fn()
-    out = []
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        out.append((time.perf_counter() - t0) / calls)
-    return statistics.median(out)
+    _sync(device)
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if calls >= 2:
+            _sync(device)
+            if time.perf_counter() - t0 >= window:
+                return (time.perf_counter() - t0) / calls
+
+
+def _timed_together(fn, device, calls: int, barrier) -> float:
+    """Mean seconds of one call of a collective ``fn``: every rank of its group makes the same
+    number of calls (a window each rank closed by itself would leave one waiting), lined up by
+    ``barrier`` after one warm-up."""
+    fn()
+    barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / calls
 
 
 def fit_line(xs, ts) -> tuple:
@@ -142,36 +186,59 @@ def fit_line(xs, ts) -> tuple:
 # ---- compute ------------------------------------------------------------------------------------
 
 def _compute(device) -> dict:
-    out = {}
-    for field, dtype in (("peak_flops_fp32", torch.float32), ("peak_flops", torch.bfloat16)):
-        xs, ts = [], []
-        for n in MATMUL_SIZES:
-            a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-            xs.append(2.0 * n ** 3)
-            ts.append(_timed(lambda: torch.mm(a, b), device, calls=2, repeats=3))
-        out[field] = 1.0 / fit_line(xs, ts)[1]
-    xs, ts = [], []
-    for nbytes in ELEMENTWISE_BYTES:
-        a, b = (torch.randn(nbytes // 1024, 256, device=device) for _ in range(2))
-        moved = 0
-        for fn, tensors in _ELEMENTWISE:
-            moved += tensors * nbytes
-        xs.append(float(moved))
-        ts.append(_timed(lambda: [fn(a, b) for fn, _ in _ELEMENTWISE], device, calls=2, repeats=3))
-    out["memory_bandwidth"] = 1.0 / fit_line(xs, ts)[1]
-    out["op_overhead"], out["backward_overhead"] = _launch(device)
-    out["optimizer"] = _optimizer(device)
-    out["memory"] = _device_memory(device)
-    return out
+    kernels = _kernels(device)
+    matmul = next(k for k in kernels if k[0] == "matmul")
+    x, w, b = (torch.randn(*shape, device=device, dtype=torch.bfloat16)
+               for shape in ((TOKENS, LINEARS[0][0]), LINEARS[0][::-1], (LINEARS[0][1],)))
+    bf16 = 2.0 * TOKENS * LINEARS[0][0] * LINEARS[0][1] / _timed(lambda: aten.linear.default(x, w, b), device)
+    a, c = (torch.randn(STREAM_BYTES // 4, device=device) for _ in range(2))
+    stream = 6.0 * STREAM_BYTES / _timed(lambda: (a + c, a * c), device)   # each reads two, writes one
+    fwd, bwd = _launch(device)
+    return {"kernels": kernels, "peak_flops_fp32": matmul[1], "peak_flops": bf16, "memory_bandwidth": stream,
+            "op_overhead": fwd, "backward_overhead": bwd, "optimizer": _optimizer(device),
+            "memory": _device_memory(device)}
 
 
-# the kernels besides matmuls that take a model's time, each allocating its output as the
-# program's ops do: (op, tensors it reads and writes). Their rates differ several-fold on a CPU
-# (an add streams, a gelu or a norm computes), so the figure is the mix's bytes per second
-_ELEMENTWISE = ((lambda a, b: a + b, 3), (lambda a, b: a * b, 3),
-                (lambda a, b: torch.nn.functional.gelu(a), 2),
-                (lambda a, b: torch.nn.functional.layer_norm(a, a.shape[-1:]), 2),
-                (lambda a, b: torch.softmax(a, -1), 2))
+def _kernels(device) -> tuple:
+    """((family, forward rate, backward rate), ...) of each family of ``cost.compute.FAMILY``:
+    the work of every timed call as the cost model counts it (``cost.compute.work``), over the
+    seconds its forward, and then its backward, took."""
+    from autoshard.cost.compute import FLOP_FAMILIES, work
+    rand = lambda *shape: torch.randn(*shape, device=device, requires_grad=True)   # noqa: E731
+    cases = {
+        "matmul": [(aten.linear.default, (rand(TOKENS, k), rand(n, k), rand(n)), {}) for k, n in LINEARS],
+        "attention": [(aten.scaled_dot_product_attention.default, (rand(4, 4, 128, 64), rand(4, 4, 128, 64),
+                                                                   rand(4, 4, 128, 64)), {"is_causal": True})],
+        "gelu": [(aten.gelu.default, (rand(TOKENS, 1024),), {})],
+        "norm": [(aten.layer_norm.default, (rand(TOKENS, 512), [512], rand(512), rand(512)), {})],
+        "softmax": [(aten._log_softmax.default, (rand(TOKENS // 2, 2048), -1, False), {})],
+        "cross_entropy": [(aten.cross_entropy_loss.default,
+                           (rand(TOKENS // 2, 4096), torch.randint(0, 4096, (TOKENS // 2,), device=device)), {})],
+    }
+    out = []
+    for family, calls in cases.items():
+        units = fwd = bwd = 0.0
+        for op, args, kwargs in calls:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            leaves = [a for a in tensors if a.requires_grad]
+            y = op(*args, **kwargs)
+            flops, moved = work(op, [tuple(a.shape) for a in tensors], [tuple(y.shape)], 4)
+            grad = torch.randn_like(y)
+
+            def forward():
+                op(*args, **kwargs)
+
+            def forward_backward():
+                for a in leaves:
+                    a.grad = None   # as after zero_grad: the first gradient is taken, not added
+                op(*args, **kwargs).backward(grad)
+
+            t = _timed(forward, device)
+            units += flops if family in FLOP_FAMILIES else moved
+            fwd += t
+            bwd += max(_timed(forward_backward, device) - t, 1e-9)
+        out.append((family, units / fwd, units / bwd))
+    return tuple(out)
 
 
 def _launch(device) -> tuple:
@@ -188,20 +255,17 @@ def _launch(device) -> tuple:
         y = g.call_function(op, args(y))
     g.output(g.call_function(aten.sum.default, (y,)))
     program = fx.GraphModule(torch.nn.Module(), g)
-    args = [torch.randn(*s, device=device, requires_grad=True) for s in ((8, 8), (8, 8), (8,))]
-    fwd, bwd = [], []
-    for _ in range(6):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = program(*args)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        fwd.append(t1 - t0)
-        bwd.append(time.perf_counter() - t1)
+    args = [torch.randn(*shape, device=device, requires_grad=True) for shape in ((8, 8), (8, 8), (8,))]
+
+    def forward():
+        program(*args)
+
+    def backward():   # the forward it needs is timed apart and taken off
+        program(*args).backward()
+
     n = LAUNCH_OPS + 1
-    return statistics.median(fwd[1:]) / n, statistics.median(bwd[1:]) / n
+    fwd = _timed(forward, device)
+    return fwd / n, max(_timed(backward, device) - fwd, 0.0) / n
 
 
 def _optimizer(device) -> tuple:
@@ -213,7 +277,7 @@ def _optimizer(device) -> tuple:
     grouped = dist.is_available() and dist.is_initialized()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if grouped else None
     rows, ts = [], []
-    for count, numel in ((4, 1 << 12), (24, 1 << 12), (4, 1 << 18), (12, 1 << 17)):
+    for count, numel in OPTIMIZER_SETS:
         params = []
         for _ in range(count):
             t = torch.randn(numel, device=device)
@@ -223,7 +287,7 @@ def _optimizer(device) -> tuple:
         _adopt(params)
         opt = torch.optim.AdamW(params, lr=1e-3)
         rows.append((count, 4.0 * count * numel))
-        ts.append(_timed(opt.step, device, calls=1, repeats=3))
+        ts.append(_timed(opt.step, device))
     return _fit_optimizer(rows, ts)
 
 
@@ -237,14 +301,13 @@ def _adopt(params) -> None:
 
 
 def _fit_optimizer(rows, ts) -> tuple:
-    """Least squares of t = fixed + per_tensor * count + per_byte * bytes (relative error)."""
-    X = torch.tensor([[1.0, c, b] for c, b in rows], dtype=torch.float64)
-    t = torch.tensor(ts, dtype=torch.float64)
-    w = 1.0 / t
-    coef = torch.linalg.lstsq(X * w[:, None], t * w).solution.tolist()
-    fixed, per_tensor, per_byte = (max(c, 0.0) for c in coef)
-    if per_byte == 0.0:
-        per_byte = ts[2] / rows[2][1]
+    """t = fixed + per_tensor * count + per_byte * bytes through the three sets, each part kept
+    at least 0 (noise can make a difference negative): the large set's bytes, the many-tensor
+    set's count, the rest fixed."""
+    (c0, b0), (c1, _), (_, b2) = rows
+    per_byte = max(ts[2] - ts[0], 0.0) / (b2 - b0)
+    per_tensor = max(ts[1] - ts[0], 0.0) / (c1 - c0)
+    fixed = max(ts[0] - per_tensor * c0 - per_byte * b0, 0.0)
     return (fixed, per_tensor, per_byte)
 
 
@@ -262,6 +325,11 @@ def _ranks_per_host() -> int:
 
 
 # ---- links --------------------------------------------------------------------------------------
+
+# torch 2.13 renamed the dim-0 gather and reduce-scatter; older releases have only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_shapes(world: int) -> dict:
     """(size, stride) -> the rank lists of every group an axis of a mesh of ``world`` can form:
@@ -281,7 +349,6 @@ def group_shapes(world: int) -> dict:
 
 def _links(device) -> dict:
     """{"links": {(kind, size, stride): (alpha, beta)}} for every group shape of this world."""
-    from autoshard.runtime import _all_gather, _reduce_scatter
     world = dist.get_world_size()
     table = {}
     for (size, stride), lists in group_shapes(world).items():
@@ -303,9 +370,35 @@ def _links(device) -> dict:
                         "all_reduce": lambda: dist.all_reduce(y, group=group),
                         "all_to_all": lambda: dist.all_to_all_single(y, x, group=group)}[kind]
                 xs.append(ring_bytes(kind, 4.0 * n, size))
-                ts.append(_timed(call, device, calls=2, repeats=3, barrier=barrier))
+                ts.append(_timed_together(call, device, COLLECTIVE_CALLS, barrier))
             alpha, slope = fit_line(xs, ts)
             table[(kind, size, stride)] = (alpha, 1.0 / slope)
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
-    return {"links": table}
+    return {"links": table, "overlap": _overlap(device)}
+
+
+def _overlap(device) -> float:
+    """The fraction of an all-reduce that matmuls run beside it hide (see the module docstring)."""
+    x = torch.randn(OVERLAP_BYTES // 4, device=device)
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+    reduce = lambda: dist.all_reduce(x)   # noqa: E731
+    alone = _timed_together(reduce, device, COLLECTIVE_CALLS, dist.barrier)
+    one = _timed(lambda: torch.mm(a, b), device, window=WINDOW / 3)
+    count = torch.tensor([max(1, round(alone / one))])
+    dist.broadcast(count, src=0)   # the same work on every rank
+    count = int(count)
+
+    def compute():
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        compute()
+        work.wait()
+
+    dist.barrier()
+    work = _timed(compute, device, window=0.0)
+    together = _timed_together(both, device, COLLECTIVE_CALLS, dist.barrier)
+    return min(1.0, max(0.0, (alone + work - together) / min(alone, work)))

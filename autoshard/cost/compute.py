@@ -8,8 +8,10 @@ twice its forward (two matmuls per matmul), the usual rule of thumb.
 
 A measured cluster (``Cluster.measure``) adds what its machine measured one launch to cost: the
 op's in forward, one autograd node's in backward. There a view (an op that aliases its input:
-view, transpose, split, ...) costs its launch and nothing else, since it moves no bytes; the
-published presets charge every op its tensors' bytes and no launch, as before.
+view, transpose, split, ...) costs its launch and nothing else, since it moves no bytes, and the
+ops of a kernel family it timed (``FAMILY``: matmul, attention, gelu, norm, softmax,
+cross-entropy) run at that family's measured forward and backward rates. The published presets
+charge every op its tensors' bytes and no launch, as before.
 """
 from __future__ import annotations
 
@@ -68,32 +70,70 @@ FLOPS = {
 # aliasing in their schema, but they copy when the input's strides do not allow a view
 MAY_COPY = {aten.contiguous.default, aten.reshape.default}
 
+# kernels a measured cluster times on its own machine (``Cluster.kernels``), by family: their
+# rates differ several-fold on a CPU (a gelu or a softmax computes an exp per element, an add
+# streams), and their backward is not always twice their forward. A family's work is counted as
+# the roofline counts it: FLOPs for matmul and attention, the bytes of its tensors for the others
+FAMILY = {
+    **{op: "matmul" for op in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default,
+                               aten.bmm.default, aten.baddbmm.default)},
+    aten.scaled_dot_product_attention.default: "attention",
+    aten.gelu.default: "gelu", aten.silu.default: "gelu",
+    aten.layer_norm.default: "norm", aten.rms_norm.default: "norm",
+    aten.softmax.int: "softmax", aten._softmax.default: "softmax",
+    aten.log_softmax.int: "softmax", aten._log_softmax.default: "softmax",
+    aten.cross_entropy_loss.default: "cross_entropy",
+}
+FLOP_FAMILIES = ("matmul", "attention")
+
 
 def is_view(target) -> bool:
     """Whether the op returns a view of its input: no kernel runs, no byte moves."""
     return bool(getattr(target, "is_view", False)) and target not in MAY_COPY
 
 
+def work(target, in_shapes, out_shapes, itemsize: int) -> tuple:
+    """(FLOPs, or None for an op without a FLOP count; bytes its tensors hold) on one rank."""
+    moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
+    fn = FLOPS.get(target)
+    return (fn(in_shapes, out_shapes[0] if out_shapes else ()) if fn else None), moved
+
+
 def work_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
     """Seconds of the op's kernel on one rank with these local shapes: the roofline."""
-    moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
+    flops, moved = work(target, in_shapes, out_shapes, itemsize)
     t_mem = moved / (cluster.efficiency * cluster.memory_bandwidth)
-    fn = FLOPS.get(target)
-    if fn is None:
+    if flops is None:
         return t_mem
-    flops = fn(in_shapes, out_shapes[0] if out_shapes else ())
     return max(flops / (cluster.efficiency * cluster.matmul_flops(itemsize)), t_mem)
+
+
+def timed_kernel(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster):
+    """(forward, backward) seconds of the op's kernels at the rates its family was timed at on
+    the cluster's machine (fp32, as they were timed), or None where it was not."""
+    family = FAMILY.get(target)
+    rates = cluster.kernel(family) if family and itemsize == 4 else None
+    if rates is None:
+        return None
+    flops, moved = work(target, in_shapes, out_shapes, itemsize)
+    units = flops if family in FLOP_FAMILIES else moved
+    return units / rates[0], units / rates[1]
 
 
 def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
     """Forward seconds of one op on one rank with these local shapes: its kernel and its launch."""
     if cluster.measured and is_view(target):
         return cluster.op_overhead
-    return work_time(target, in_shapes, out_shapes, itemsize, cluster) + cluster.op_overhead
+    timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster)
+    kernel = timed[0] if timed else work_time(target, in_shapes, out_shapes, itemsize, cluster)
+    return kernel + cluster.op_overhead
 
 
 def backward_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
-    """Backward seconds of one differentiable op: twice its kernel's, and one autograd node."""
+    """Backward seconds of one differentiable op: twice its kernel's (or as its family was timed),
+    and one autograd node."""
     if cluster.measured and is_view(target):
         return cluster.backward_overhead
-    return BACKWARD_FACTOR * work_time(target, in_shapes, out_shapes, itemsize, cluster) + cluster.backward_overhead
+    timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster)
+    kernel = timed[1] if timed else BACKWARD_FACTOR * work_time(target, in_shapes, out_shapes, itemsize, cluster)
+    return kernel + cluster.backward_overhead

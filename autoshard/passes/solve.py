@@ -90,6 +90,13 @@ class Costs:
         share = min(1.0, nbytes / self.bucket_bytes)
         return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share))]
 
+    def scheduled(self, fwd: float, bwd: float) -> Cost:
+        """Collectives the schedule overlaps with forward and backward compute (``fwd``, ``bwd``
+        seconds): the part compute beside them can hide (``Cluster.overlap``: all on the presets,
+        none on a CPU whose cores the compute already takes) and the rest, which it waits for."""
+        hide = self.cluster.overlap
+        return Cost(comm=(1 - hide) * (fwd + bwd), hidden_fwd=hide * fwd, hidden_bwd=hide * bwd)
+
     def optimizer(self, node: Node, strat) -> float:
         """Seconds of the optimizer's step over this parameter's share (``Cluster.optimizer``:
         a part of the step's fixed cost, its tensor's, its bytes')."""
@@ -103,7 +110,7 @@ class Costs:
     def node(self, node: Node, strat) -> Cost:
         mesh, cluster = self.mesh_shape, self.cluster
         if node.kind == "param":
-            cost = Cost(hidden_bwd=sum(t for _, _, t in self.grad_syncs(node, strat)))
+            cost = self.scheduled(0.0, sum(t for _, _, t in self.grad_syncs(node, strat)))
             if cluster.measured:   # its share fed to the program, its gradient handed back
                 grad = self.training and node.requires_grad
                 cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad,
@@ -116,7 +123,9 @@ class Costs:
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
         t = compute.op_time(node.target, ins, outs, itemsize, cluster)
-        bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster) if self.training and node.requires_grad else 0.0
+        bwd = 0.0
+        if self.training and node.requires_grad:
+            bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster)
         blocking = sum(comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
                        for c in comm.op_collectives(node, strat, self.graph, mesh))
         return Cost(compute_fwd=t, compute_bwd=bwd, comm=blocking)
@@ -166,7 +175,7 @@ class Costs:
             if prefetched:
                 # the first gather is prefetched; its dual, the last backward step, waits late
                 hb = bwd[-1] if bwd else 0.0
-                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again, hidden_fwd=fwd[0], hidden_bwd=hb)
+                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again) + self.scheduled(fwd[0], hb)
             else:
                 self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
         return self._conv[key]

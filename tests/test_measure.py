@@ -1,0 +1,214 @@
+"""Cluster.measure: the machine measured in its process group, saved and loaded exactly, carried by
+the plan to every rank, and priced by the cost model (fitted collectives, op launches, the
+optimizer step, overlap); the presets price as before."""
+import copy
+import math
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard import measure
+from autoshard.cluster import COLLECTIVE_KINDS, Cluster
+from autoshard.cost import comm
+from autoshard.launch import LocalWorld
+from autoshard.passes.annotate import annotate
+from autoshard.passes.capture import capture
+from autoshard.passes.solve import Costs
+from models import GPT, TwoLayer
+
+PRESET = Cluster.preset("a100-80gb-nvlink-ib")
+# a measured-looking cluster, without measuring: CPU-like figures
+FAKE = PRESET.with_(name="fake measured", peak_flops=5e10, peak_flops_fp32=4e10, memory_bandwidth=1e10,
+                    efficiency=1.0, op_overhead=8e-6, collective_overhead=8e-6, backward_overhead=1.2e-5, overlap=0.0,
+                    optimizer=(2e-4, 3e-5, 1e-9),
+                    collectives=tuple((k, 2, 1, 3e-4, 1e9) for k in COLLECTIVE_KINDS))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    w = LocalWorld(2)
+    yield w
+    w.close()
+
+
+def _measure():
+    import torch.distributed.tensor  # noqa: F401 - imported by parallelize anyway; not measuring's time
+    start = time.perf_counter()
+    cluster = Cluster.measure()
+    return cluster, time.perf_counter() - start
+
+
+def _train(cluster):
+    """parallelize(cluster=...) and one Adam step, against the same model on this process alone."""
+    torch.manual_seed(0)
+    model = GPT()
+    inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, inputs, cluster=cluster)
+    opt, ref_opt = torch.optim.Adam(pm.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(2):
+        loss, ref_loss = pm(*inputs), ref(*inputs)
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+    return pm.plan.to_json(), losses, dist.get_rank()
+
+
+@pytest.fixture(scope="module")
+def measured(world2):
+    return world2.run(_measure)
+
+
+def test_measured_on_every_rank_alike_and_sane(measured):
+    clusters = [c for c, _ in measured]
+    c = clusters[0]
+    print(f"\nCluster.measure at world 2: {max(s for _, s in measured):.2f} s")
+    assert all(other == c for other in clusters)                 # rank 0's figures, everywhere
+    assert c.measured and c.gpus_per_node == 2 and c.efficiency == 1.0
+    assert 1e8 < c.peak_flops_fp32 < 1e15 and 1e8 < c.peak_flops < 1e16       # a CPU core to a GPU
+    assert 1e8 < c.memory_bandwidth < 1e13
+    assert 0 < c.op_overhead < 1e-3 and 0 < c.backward_overhead < 1e-3        # microseconds, not seconds
+    assert len(c.optimizer) == 3 and all(math.isfinite(v) and v >= 0 for v in c.optimizer) and sum(c.optimizer) > 0
+    assert 0 <= c.overlap <= 1
+    assert {(k, p, s) for k, p, s, _, _ in c.collectives} == {(k, 2, 1) for k in COLLECTIVE_KINDS}
+    for kind, _, _, alpha, beta in c.collectives:
+        assert 0 <= alpha < 0.1, (kind, alpha)                    # below 100 ms a call
+        assert 1e6 < beta < 1e12, (kind, beta)                    # 1 MB/s to 1 TB/s
+
+
+def test_measured_cluster_round_trips_json(measured, tmp_path):
+    c = measured[0][0]
+    c.save(tmp_path / "cluster.json")
+    assert Cluster.load(tmp_path / "cluster.json") == c
+    FAKE.save(tmp_path / "fake.json")
+    assert Cluster.load(tmp_path / "fake.json") == FAKE
+    # and inside a plan's JSON, which parallelize broadcasts from rank 0
+    torch.manual_seed(0)
+    plan = autoshard.plan(TwoLayer(16, 32), (torch.randn(8, 16), torch.randn(8, 16)), world=2, cluster=c)
+    assert autoshard.Plan.from_json(plan.to_json()).cluster == c
+
+
+def test_parallelize_measures_and_trains_exactly(world2):
+    out = world2.run(_train, "measure")
+    plans = [text for text, _, _ in out]
+    assert all(p == plans[0] for p in plans)                      # one plan on every rank
+    plan = autoshard.Plan.from_json(plans[0])
+    assert plan.cluster.measured and plan.cluster.name.startswith("measured: gloo, 2 ranks")
+    for _, losses, rank in out:
+        for loss, ref in losses:
+            assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6), (rank, losses)
+
+
+def test_measure_outside_a_group_measures_compute_and_keeps_the_links():
+    with pytest.warns(UserWarning, match="compute only"):
+        c = autoshard.api.resolve_cluster("measure")
+    assert c.measured and not c.collectives and c.overlap == PRESET.overlap
+    assert c.intra_bandwidth == PRESET.intra_bandwidth and c.peak_flops_fp32 != PRESET.peak_flops_fp32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autoshard.plan(TwoLayer(16, 32), (torch.randn(8, 16), torch.randn(8, 16)), world=2,
+                              cluster="measure")
+    assert plan.cluster.measured and plan.cost > 0
+
+
+def test_fits_and_group_shapes():
+    a, b = measure.fit_line([1.0, 2.0, 4.0, 8.0], [3.0, 5.0, 9.0, 17.0])
+    assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
+    assert measure.group_shapes(4) == {(2, 1): [[0, 1], [2, 3]], (4, 1): [[0, 1, 2, 3]], (2, 2): [[0, 2], [1, 3]]}
+    assert sorted(measure.group_shapes(8)) == [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]
+
+
+def test_cluster_validates_measured_fields():
+    with pytest.raises(ValueError, match="collectives"):
+        PRESET.with_(collectives=(("all_gather", 1, 1, 1e-5, 1e9),))
+    with pytest.raises(ValueError, match="collectives"):
+        PRESET.with_(collectives=(("broadcast", 2, 1, 1e-5, 1e9),))
+    with pytest.raises(ValueError, match="one row per"):
+        PRESET.with_(collectives=(("all_gather", 2, 1, 1e-5, 1e9), ("all_gather", 2, 1, 2e-5, 1e9)))
+    with pytest.raises(ValueError, match="optimizer"):
+        PRESET.with_(optimizer=(1.0, 2.0))
+    with pytest.raises(ValueError, match="overlap"):
+        PRESET.with_(overlap=1.5)
+    with pytest.raises(ValueError, match="op_overhead"):
+        PRESET.with_(op_overhead=-1e-6)
+    # lists, as JSON gives them back, become tuples: equal to the saved cluster
+    assert Cluster(**dict(vars(FAKE), collectives=[list(r) for r in FAKE.collectives])) == FAKE
+
+
+def test_presets_price_no_launches_and_no_fits():
+    for c in autoshard.PRESETS.values():
+        assert not c.measured and c.optimizer == () and c.overlap == 1.0
+        assert c.axis_links((4, 2))[0].fits == {}
+
+
+def test_collectives_priced_by_their_fits():
+    links = FAKE.axis_links((2,))
+    assert links[0].fits["all_reduce"] == (3e-4, 1e9)
+    step = comm.Step("all_gather", 0, 0, None, (1024, 256))
+    n = 1024 * 256 * 4
+    # launch + fitted latency + ring bytes / fitted bandwidth
+    assert comm.step_time(step, 4, (2,), links) == pytest.approx(8e-6 + 3e-4 + n / 1e9)
+    assert comm.all_reduce_time(n, 2, links[0]) == pytest.approx(8e-6 + 3e-4 + n / 1e9)
+    # the preset's ring formula for the same step
+    alpha, beta, launch = PRESET.axis_links((2,))[0]
+    assert comm.step_time(step, 4, (2,), PRESET.axis_links((2,))) == pytest.approx(launch + alpha + n / beta)
+    # a group shape that was not measured falls back to the formula
+    assert FAKE.axis_links((4,))[0].fits == {}
+
+
+def _costs(cluster, mesh=(2,)):
+    torch.manual_seed(0)
+    model, inputs = GPT(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    graph = capture(model, inputs)
+    strategies = annotate(graph, mesh, {})
+    return graph, strategies, Costs(graph, mesh, cluster, True)
+
+
+def test_launches_counted_per_op_and_views_cost_only_their_launch():
+    overhead = FAKE.with_(op_overhead=1e-4, backward_overhead=3e-4)
+    graph, strategies, with_launch = _costs(overhead)
+    _, _, without = _costs(overhead.with_(op_overhead=0.0, backward_overhead=0.0))   # still measured
+    fwd = bwd = 0.0
+    launches_fwd = launches_bwd = 0
+    for n in graph.nodes:
+        s = strategies[n.name][0]
+        a, b = with_launch.node(n, s), without.node(n, s)
+        fwd += a.compute_fwd - b.compute_fwd
+        bwd += a.compute_bwd - b.compute_bwd
+        if n.kind in ("op", "param"):
+            launches_fwd += 1
+            launches_bwd += n.requires_grad
+    # every op and every parameter launches once forward, once backward when it needs a gradient
+    assert fwd == pytest.approx(launches_fwd * 1e-4, rel=1e-6)
+    assert bwd == pytest.approx(launches_bwd * 3e-4, rel=1e-6)
+    view = next(n for n in graph.nodes if n.kind == "op" and n.target == torch.ops.aten.view.default)
+    assert with_launch.node(view, strategies[view.name][0]).compute_fwd == 1e-4    # a view moves no bytes
+
+
+def test_measured_cluster_changes_the_price_and_counts_the_optimizer():
+    torch.manual_seed(0)
+    model, inputs = GPT(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    pins = autoshard.schemes.data_parallel(model, inputs, (2,))
+    preset = autoshard.plan(model, inputs, mesh=(2,), pin=pins, cluster=PRESET)
+    fake = autoshard.plan(model, inputs, mesh=(2,), pin=pins, cluster=FAKE)
+    assert fake.cost > 100 * preset.cost                                          # a CPU, not an A100
+    assert preset.breakdown["optimizer"] == 0.0
+    params = [p for p in model.parameters()]
+    fixed, per_tensor, per_byte = FAKE.optimizer
+    # every rank steps every (replicated) parameter: the fixed part once, each tensor, each byte
+    want = fixed + per_tensor * len(params) + per_byte * 4 * sum(p.numel() for p in params)
+    assert fake.breakdown["optimizer"] == pytest.approx(want, rel=1e-9)
+    # overlap 0: the gradient all-reduce is waited for, not hidden
+    assert fake.breakdown["hidden_bwd"] == 0.0 and preset.breakdown["hidden_bwd"] > 0.0
+    hidden = FAKE.with_(overlap=1.0)
+    again = autoshard.plan(model, inputs, mesh=(2,), pin=pins, cluster=hidden)
+    assert again.breakdown["comm"] < fake.breakdown["comm"] and again.breakdown["hidden_bwd"] > 0
