@@ -348,6 +348,9 @@ class Pending:
     def __init__(self):
         self.work = self.keep = None            # forward: the started gather, its input kept alive
         self.bwd_work, self.bwd_result = None, None
+        # a gather bucket's, for gathering it again in backward (regather_member)
+        self.shares = self.group = self.p = self.layout = self.again = None
+        self.packs = 0
 
 
 def pending() -> Pending:
@@ -405,55 +408,85 @@ def grad_bucket(h: Pending, axes: tuple, *xs):
     return _GradBucket.apply(h, _mesh().group(axes), *xs)
 
 
-class _GatherStart(torch.autograd.Function):
-    """Forward: start the all-gather of a stored shard into dim-0 blocks. Backward: start the dual
-    reduce-scatter; the parameter's _GradWait waits for it."""
+# Several parameters gathered as one collective (the schedule pass's gather buckets, as FSDP
+# gathers a module's parameters at once): their shares side by side in one flat buffer, one
+# all-gather into (p, total), each parameter's p blocks then put on its dim. In backward the dual:
+# each gradient cut back into its p blocks, one reduce-scatter of the (p, total) buffer, whose
+# result the bucket's _GradWait hands on (made at the program's start, it runs late).
+
+def _to_dim(blocks, dim: int, groups: int):
+    """(p, *share) -> the whole tensor: block r on ``dim`` (within each of ``groups`` blocks)."""
+    return torch.cat([b.unflatten(dim, (groups, -1)) for b in blocks.unbind(0)], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _from_dim(whole, p: int, dim: int, groups: int):
+    """The inverse of ``_to_dim``, flattened: (p, numel of a share)."""
+    return torch.stack([b.flatten(dim, dim + 1) for b in whole.unflatten(dim, (groups, -1)).chunk(p, dim + 1)]).reshape(p, -1)
+
+
+def _unpack_bucket(buf, layout) -> list:
+    p, off, out = buf.shape[0], 0, []
+    for shape, dim, groups in layout:
+        n = math.prod(shape)
+        out.append(_to_dim(buf[:, off:off + n].reshape(p, *shape), dim, groups))
+        off += n
+    return out
+
+
+class _BucketStart(torch.autograd.Function):
+    """Forward: start the one all-gather of the shares. Backward: start the one reduce-scatter of
+    their gradients."""
 
     @staticmethod
-    def forward(ctx, x, h, group, p):
-        ctx.h, ctx.group, ctx.p = h, group, p
-        x = x.contiguous()
-        out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        h.work, h.keep = _all_gather(out, x, group=group, async_op=True), x
+    def forward(ctx, h, group, p, *shares):
+        ctx.h, ctx.group, ctx.shapes = h, group, [x.shape for x in shares]
+        flat = torch.cat([x.reshape(-1) for x in shares])
+        out = flat.new_empty((p, flat.numel()))
+        h.work, h.keep = _all_gather(out.view(-1), flat, group=group, async_op=True), flat
+        h.shares, h.group, h.p = [x.detach() for x in shares], group, p   # what a regather needs
         return out
 
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous()
-        out = torch.empty((g.shape[0] // ctx.p,) + tuple(g.shape[1:]), dtype=g.dtype, device=g.device)
-        ctx.h.bwd_work = _reduce_scatter(out, g, group=ctx.group, async_op=True)
-        ctx.h.bwd_result, ctx.h.keep = [out], g
-        return out, None, None, None
+        out = g.new_empty(g.shape[1])
+        h = ctx.h
+        h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
+        h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
+        h.keep = g
+        return (None, None, None) + tuple(h.bwd_result)
 
 
-class _GatherWait(torch.autograd.Function):
-    """Forward: wait for the gather and put its blocks on their dim (of a blocked split: within
-    each of its groups). Backward: the blocks back to dim 0 (local)."""
+class _BucketWait(torch.autograd.Function):
+    """Forward: wait for the bucket's gather and give each parameter whole. Backward: the
+    gradients back into (p, total) blocks (local)."""
 
     @staticmethod
-    def forward(ctx, buf, h, p, dim, groups):
-        ctx.p, ctx.dim, ctx.groups = p, dim, groups
+    def forward(ctx, buf, h, layout):
+        ctx.layout, ctx.p, ctx.meta = layout, buf.shape[0], (buf.dtype, buf.device)
         _wait(h.work)
         h.work = h.keep = None
-        if dim == 0 and groups == 1:
-            return buf.view_as(buf)
-        return torch.cat([b.unflatten(dim, (groups, -1)) for b in buf.chunk(p, 0)], dim=dim + 1).flatten(dim, dim + 1)
+        h.layout = layout
+        return tuple(_unpack_bucket(buf, layout))
 
     @staticmethod
-    def backward(ctx, g):
-        p, dim, groups = ctx.p, ctx.dim, ctx.groups
-        if dim != 0 or groups != 1:
-            g = torch.cat([b.flatten(dim, dim + 1) for b in g.unflatten(dim, (groups, -1)).chunk(p, dim + 1)], dim=0)
-        return g, None, None, None, None
+    def backward(ctx, *gs):
+        parts = [_from_dim(g, ctx.p, dim, groups) if g is not None
+                 else torch.zeros((ctx.p, math.prod(shape)), dtype=ctx.meta[0], device=ctx.meta[1])
+                 for g, (shape, dim, groups) in zip(gs, ctx.layout)]
+        return torch.cat(parts, dim=1), None, None
 
 
-def gather_start(x, h: Pending, axis):
+def bucket_start(h: Pending, axis, *shares):
+    """Start one all-gather of several parameters' ``shares`` over ``axis`` (one, or a tuple)."""
     m = _mesh()
-    return _GatherStart.apply(x, h, m.group(axis), m.size(axis))
+    return _BucketStart.apply(h, m.group(axis), m.size(axis), *shares)
 
 
-def gather_wait(buf, h: Pending, axis, dim: int, groups: int = 1):
-    return _GatherWait.apply(buf, h, _mesh().size(axis), dim, groups)
+def bucket_wait(buf, h: Pending, layout: tuple):
+    """The parameters of a started bucket, whole: ``layout`` gives each one's (share shape, dim
+    gathered, blocks of that dim)."""
+    return _BucketWait.apply(buf, h, layout)
 
 
 # ---- parameters converted again for backward (reshard_after_forward) ------------------------------
@@ -467,11 +500,20 @@ def gather_wait(buf, h: Pending, axis, dim: int, groups: int = 1):
 def regather(x, share, steps: tuple):
     """``x``, the parameter ``share`` converted by ``steps`` ((kind, axis, dim, dim2, groups),
     as the rewriter emitted them): kept for backward only as that recipe."""
+    return _mark(x, _Convert(share.detach(), steps, _mesh()))
+
+
+def regather_member(x, h: Pending, i: int):
+    """``x``, parameter ``i`` of the gather bucket ``h`` made whole: kept for backward only as
+    the bucket's recipe, which gathers the whole bucket again once for all its members."""
+    return _mark(x, _Member(h, i))
+
+
+def _mark(x, recipe):
     marks = getattr(_state, "regather", None)
     if marks is not None and torch.is_grad_enabled():
         root = x if x._base is None else x._base
-        m = _mesh()
-        marks[id(root)] = (weakref.ref(root), share.detach(), steps, m)
+        marks[id(root)] = (weakref.ref(root), recipe)
     return x
 
 
@@ -482,22 +524,60 @@ def _convert_again(share, steps, m: RankMesh):
     return x
 
 
+class _Convert:
+    """One parameter's conversion, run again when backward needs its result."""
+
+    def __init__(self, share, steps, m: RankMesh):
+        self.share, self.steps, self.m = share, steps, m
+
+    def packed(self):
+        pass
+
+    def again(self):
+        return _convert_again(self.share, self.steps, self.m)
+
+
+class _Member:
+    """A parameter of a gather bucket: the first of the bucket's saved tensors that backward
+    needs gathers the whole bucket again (one collective), the last one used frees it."""
+
+    def __init__(self, h: Pending, i: int):
+        self.h, self.i = h, i
+
+    def packed(self):
+        self.h.packs += 1
+
+    def again(self):
+        h = self.h
+        if h.again is None:
+            flat = torch.cat([x.reshape(-1) for x in h.shares])
+            buf = flat.new_empty((h.p, flat.numel()))
+            _all_gather(buf.view(-1), flat, group=h.group)
+            h.again = _unpack_bucket(buf, h.layout)
+        whole = h.again[self.i]
+        h.packs -= 1
+        if h.packs <= 0:
+            h.again = None
+        return whole
+
+
 def _pack(t):
     marks = _state.regather
     root = t if t._base is None else t._base
     entry = marks.get(id(root))
     if entry is None or entry[0]() is not root:
         return t
-    _, share, steps, m = entry
-    return (_Again, share, steps, m, t.size(), t.stride(), t.storage_offset())
+    recipe = entry[1]
+    recipe.packed()
+    return (_Again, recipe, t.size(), t.stride(), t.storage_offset())
 
 
 def _unpack(packed):
     if not (isinstance(packed, tuple) and packed and packed[0] is _Again):
         return packed
-    _, share, steps, m, size, stride, offset = packed
+    _, recipe, size, stride, offset = packed
     with torch.no_grad():
-        whole = _convert_again(share, steps, m)
+        whole = recipe.again()
     return whole.as_strided(size, stride, offset)
 
 

@@ -65,7 +65,7 @@ def step_time(kind, overlap, d, layers, batch, steps):
     times = sorted(times[2:])
     prog = pm.program
     launches = prog.count("runtime_grad_sync(") + prog.count("runtime_grad_bucket(")
-    return times[len(times) // 2], (launches, prog.count("runtime_gather_start("))
+    return times[len(times) // 2], (launches, prog.count("runtime_bucket_start("))
 
 
 def main():

@@ -210,7 +210,7 @@ def test_a_conversion_on_several_axes_runs_as_one_collective_over_their_group(re
     joint = {(c[0], c[1]) for c in res["collectives"] if c[2] == (0, 1)}
     assert joint >= {("all_gather", "forward"), ("reduce_scatter", "backward"), ("all_to_all", "forward"),
                      ("all_reduce", "forward")}, res["collectives"]
-    assert re.search(r"gather_start\(\w+, \w+, \(0, 1\)\)", res["program"]), res["program"]
+    assert re.search(r"bucket_start\(\w+, \(0, 1\), ", res["program"]), res["program"]
 
 
 def _id(scheme, mesh, roles):

@@ -346,8 +346,8 @@ def reshard_case(mesh, reshard, overlap):
 @pytest.mark.parametrize("mesh,overlap", [((4,), True), ((4,), False), ((2, 2), True)])
 def test_reshard_after_forward_gathers_weights_again_for_backward(world4, mesh, overlap):
     """``reshard_after_forward=True``: every weight FSDP gathers for a matmul is freed after
-    forward and gathered again when the matmul's backward needs it (as many gathers in backward as
-    the plan prices), the activations no longer hold the gathered weights, and the step still
+    forward and gathered again when the matmul's backward needs it (with the weights of its gather bucket:
+    at most as many gathers as the plan prices), the activations no longer hold the gathered weights, and the step still
     equals the single device's."""
     kept = world4.run(reshard_case, mesh, False, overlap)
     freed = world4.run(reshard_case, mesh, True, overlap)
@@ -355,7 +355,8 @@ def test_reshard_after_forward_gathers_weights_again_for_backward(world4, mesh, 
         for r in (k, f):
             assert max(r["out"], r["grads"], r["params"]) <= 1e-5, (r["out"], r["grads"], r["params"])
         assert k["backward_gathers"] == 0 and k["planned_again"] == 0
-        assert f["backward_gathers"] >= 4 * 2 and f["planned_again"] >= f["backward_gathers"]
+        # every weight priced again; gathered again in buckets, as in forward (one collective each)
+        assert f["planned_again"] >= 4 * 2 and 1 <= f["backward_gathers"] <= f["planned_again"]
         assert f["activations"] < k["activations"]
         assert "converted again for backward" in f["text"]
 

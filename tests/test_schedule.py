@@ -2,6 +2,7 @@
 parameter gathers prefetched, every wait as late as the data allows; and the scheduled program
 still trains exactly as one device does (real gloo groups)."""
 import copy
+import math
 
 import pytest
 import torch
@@ -64,20 +65,27 @@ def test_waits_come_first_and_launches_before_first_use():
         assert order[b] < min(order[u] for u in users)
 
 
-def test_parameter_gathers_are_prefetched_within_the_byte_limit():
+def test_parameter_gathers_are_bucketed_and_prefetched_within_the_byte_limit():
     before = _program(FSDP)
     gathers = [n for n in _calls(before, runtime.all_gather) if n.args[0].op == "placeholder"]
     assert len(gathers) >= 10
-    eager = schedule(before)              # 64 MB: everything fits, every gather starts at once
-    starts = _calls(eager, runtime.gather_start)
-    waits = _calls(eager, runtime.gather_wait)
-    assert len(starts) == len(waits) == len(gathers)
+    one = schedule(before)                # 25 MiB: one all-gather for every parameter
+    assert len(_calls(one, runtime.bucket_start)) == len(_calls(one, runtime.bucket_wait)) == 1
+    assert not _calls(one, runtime.all_gather)
+    # 600-byte buckets: several, each within the cap unless one parameter alone is larger
+    eager = schedule(before, bucket_bytes=600)     # 64 MB in flight: every bucket starts at once
+    starts, waits = _calls(eager, runtime.bucket_start), _calls(eager, runtime.bucket_wait)
+    assert 1 < len(starts) == len(waits) < len(gathers)
+    assert sum(len(s.args) - 2 for s in starts) == len(gathers)
+    for w in waits:                       # layout: each member's (share shape, dim, blocks); fp32 on 4 ranks
+        layout = w.args[2]
+        assert len(layout) == 1 or sum(math.prod(shape) * 4 * 4 for shape, _, _ in layout) <= 600, layout
     order = {n: i for i, n in enumerate(eager.graph.nodes)}
     assert max(order[s] for s in starts) < min(order[w] for w in waits)
-    # no room: each gather starts only after the one before it was waited on
-    tight = schedule(before, prefetch_bytes=0)
+    # no room: each bucket starts only after the one before it was waited on
+    tight = schedule(before, bucket_bytes=600, prefetch_bytes=0)
     order = {n: i for i, n in enumerate(tight.graph.nodes)}
-    starts, waits = _calls(tight, runtime.gather_start), _calls(tight, runtime.gather_wait)
+    starts, waits = _calls(tight, runtime.bucket_start), _calls(tight, runtime.bucket_wait)
     for i in range(1, len(starts)):
         assert order[waits[i - 1]] < order[starts[i]] < order[waits[i]]
 
@@ -135,7 +143,7 @@ def test_scheduled_program_trains_exactly(world4, pin, mesh):
         if pin is DP:
             assert "grad_bucket" in program and "grad_sync" not in program
         if pin is FSDP:
-            assert "gather_start" in program and "gather_wait" in program
+            assert "bucket_start" in program and "bucket_wait" in program
 
 
 def test_without_overlap_the_program_is_the_rewriters(world4):

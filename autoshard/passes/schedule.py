@@ -5,10 +5,15 @@ moved, so that communication overlaps compute.
                           ``bucket_bytes`` (neighbours in backward order, one dtype, one set of
                           axes). A bucket's one all-reduce starts when all its gradients are
                           complete and is waited on after the backward compute that is ready.
-    parameter gather      a parameter stored split and all-gathered before use starts its gather
-                          early, with at most ``prefetch_bytes`` of gathers in flight, and is waited
-                          on at the use. The dual reduce-scatter starts as soon as the gradient is
-                          complete and is waited on late, like a bucket.
+    parameter gather      parameters stored split and all-gathered before use are grouped into
+                          buckets of about ``bucket_bytes`` gathered (neighbours in use order, one
+                          group, one dtype), each one all-gather, as FSDP gathers a module's
+                          parameters at once. It starts early, with at most ``prefetch_bytes`` of
+                          gathers in flight, and is waited on at the first use. The dual
+                          reduce-scatter, also one per bucket, starts as soon as the bucket's
+                          gradients are complete and is waited on late. With
+                          reshard_after_forward, backward gathers a bucket again, once, when the
+                          first of its parameters is needed.
 
 Only collectives a parameter alone feeds are moved; the layout conversions of activations stay
 where the rewriter put them, since compute waits for them anyway. The cost model prices this
@@ -62,7 +67,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     placeholders = [n for n in nodes if n.op == "placeholder"]
     start = _Cursor(g, placeholders[-1] if placeholders else None)
     joint = _bucket_gradients(g, nodes, order, start, bucket_bytes)
-    _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"])
+    _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
     g.lint()
     gm = fx.GraphModule(program, g, class_name="RankProgram")
     gm.meta.update(program.meta)
@@ -123,31 +128,49 @@ def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
     return {b["axes"] for b in buckets if len(b["axes"]) > 1}
 
 
-def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape) -> None:
+def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
     # a parameter's gather, its placeholder used by nothing else (but the recipe that makes the
     # gathered parameter again for backward, runtime.regather)
     gathers = [n for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
                and n.args[0].op == "placeholder"
                and sum(u.target is not runtime.regather for u in n.args[0].users) == 1]
+    # neighbours in use order on one group, of one dtype, up to ``cap`` gathered bytes: one
+    # collective, as FSDP gathers a module's parameters at once
+    buckets = []
+    for n in gathers:
+        axis, meta = n.kwargs["axis"], n.args[0].meta["local"]
+        size = _local_bytes(n.args[0]) * math.prod(mesh_shape[a] for a in ((axis,) if isinstance(axis, int) else axis))
+        b = buckets[-1] if buckets else None
+        if b is None or b["key"] != (axis, meta.dtype) or b["bytes"] + size > cap:
+            b = {"key": (axis, meta.dtype), "members": [], "bytes": 0}
+            buckets.append(b)
+        b["members"].append(n)
+        b["bytes"] += size
     sizes, waits, after = [], [], {}
-    for i, n in enumerate(gathers):
-        ph, axis, dim = n.args[0], n.kwargs["axis"], n.kwargs["dim"]
-        sizes.append(_local_bytes(ph) * math.prod(mesh_shape[a] for a in ((axis,) if isinstance(axis, int) else axis)))
+    for i, b in enumerate(buckets):
+        members, axis = b["members"], b["key"][0]
+        shares = [n.args[0] for n in members]
+        sizes.append(b["bytes"])
         h = start.call(runtime.pending, ())
-        waited = start.call(runtime.grad_wait, (h, ph))
-        waited = start.call(operator.getitem, (waited, 0))
-        # start after the wait of the latest earlier gather that keeps the bytes in flight <= limit
+        waited = start.call(runtime.grad_wait, (h, *shares))
+        waited = [start.call(operator.getitem, (waited, k)) for k in range(len(members))]
+        # start after the wait of the latest earlier bucket that keeps the bytes in flight <= limit
         j = i - 1
         while j >= 0 and sum(sizes[j:i + 1]) <= limit:
             j -= 1
-        if j < 0:
-            started = start.call(runtime.gather_start, (waited, h, axis))
-        else:
-            cursor = after.setdefault(j, _Cursor(g, waits[j]))
-            started = cursor.call(runtime.gather_start, (waited, h, axis))
-        with g.inserting_before(n):
-            wait = g.call_function(runtime.gather_wait, (started, h, axis, dim, n.kwargs.get("groups", 1)))
-        n.replace_all_uses_with(wait)
-        g.erase_node(n)
+        cursor = start if j < 0 else after.setdefault(j, _Cursor(g, waits[j]))
+        started = cursor.call(runtime.bucket_start, (h, axis, *waited))
+        layout = tuple((tuple(ph.meta["local"].shape), n.kwargs["dim"], n.kwargs.get("groups", 1))
+                       for ph, n in zip(shares, members))
+        with g.inserting_before(members[0]):
+            wait = g.call_function(runtime.bucket_wait, (started, h, layout))
+            whole = [g.call_function(operator.getitem, (wait, k)) for k in range(len(members))]
+        for k, n in enumerate(members):
+            for u in [u for u in n.users if u.target is runtime.regather]:   # made again from the bucket
+                with g.inserting_before(u):
+                    again = g.call_function(runtime.regather_member, (whole[k], h, k))
+                u.replace_all_uses_with(again)
+                g.erase_node(u)
+            n.replace_all_uses_with(whole[k])
+            g.erase_node(n)
         waits.append(wait)
-
