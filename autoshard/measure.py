@@ -362,13 +362,12 @@ def _links(device) -> dict:
             for nbytes in COLLECTIVE_BYTES:
                 n = max(size, nbytes // 4 // size * size)   # divisible into the group's blocks
                 x = torch.randn(n, device=device)
-                big = torch.empty(n * size, device=device)
-                small = torch.empty(n // size, device=device)
-                y = torch.empty_like(x)
-                call = {"all_gather": lambda: _all_gather(big, x, group=group),
-                        "reduce_scatter": lambda: _reduce_scatter(small, x, group=group),
-                        "all_reduce": lambda: dist.all_reduce(y, group=group),
-                        "all_to_all": lambda: dist.all_to_all_single(y, x, group=group)}[kind]
+                # each call writes a fresh tensor, as the emitted program's do (an all-reduce
+                # reduces a copy of its input): a new buffer costs gloo more than a reused one
+                call = {"all_gather": lambda: _all_gather(x.new_empty(n * size), x, group=group),
+                        "reduce_scatter": lambda: _reduce_scatter(x.new_empty(n // size), x, group=group),
+                        "all_reduce": lambda: dist.all_reduce(x.clone(), group=group),
+                        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=group)}[kind]
                 xs.append(ring_bytes(kind, 4.0 * n, size))
                 ts.append(_timed_together(call, device, COLLECTIVE_CALLS, barrier))
             alpha, slope = fit_line(xs, ts)
@@ -382,7 +381,7 @@ def _overlap(device) -> float:
     """The fraction of an all-reduce that matmuls run beside it hide (see the module docstring)."""
     x = torch.randn(OVERLAP_BYTES // 4, device=device)
     a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
-    reduce = lambda: dist.all_reduce(x)   # noqa: E731
+    reduce = lambda: dist.all_reduce(x.clone())   # noqa: E731
     alone = _timed_together(reduce, device, COLLECTIVE_CALLS, dist.barrier)
     one = _timed(lambda: torch.mm(a, b), device, window=WINDOW / 3)
     count = torch.tensor([max(1, round(alone / one))])
@@ -394,7 +393,7 @@ def _overlap(device) -> float:
             torch.mm(a, b)
 
     def both():
-        work = dist.all_reduce(x, async_op=True)
+        work = dist.all_reduce(x.clone(), async_op=True)
         compute()
         work.wait()
 

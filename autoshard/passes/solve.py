@@ -110,10 +110,14 @@ class Costs:
     def node(self, node: Node, strat) -> Cost:
         mesh, cluster = self.mesh_shape, self.cluster
         if node.kind == "param":
-            cost = self.scheduled(0.0, sum(t for _, _, t in self.grad_syncs(node, strat)))
-            if cluster.measured:   # its share fed to the program, its gradient handed back
+            syncs = self.grad_syncs(node, strat)
+            cost = self.scheduled(0.0, sum(t for _, _, t in syncs))
+            if cluster.measured:
+                # its share fed to the program, its gradient handed back, and copied into its
+                # bucket (read and written) where it is all-reduced
                 grad = self.training and node.requires_grad
-                cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad,
+                copy = sum(2 * nbytes for _, nbytes, _ in syncs) / cluster.memory_bandwidth
+                cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad + copy,
                                    optimizer=self.optimizer(node, strat))
             return cost
         if node.kind != "op":
