@@ -620,13 +620,19 @@ def dropout(x, p: float, train: bool, placement: tuple):
     return x * noise
 
 
-def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: float, axes: tuple):
+def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: float, axes: tuple,
+                       whole_target=None):
     """Mean cross-entropy over a batch split on ``axes``: this rank's sum divided by the count of
     counted targets over all ranks (weighted, as torch does), so the partial sums add up to the
-    single-device mean."""
+    single-device mean. Given ``whole_target`` (the targets of the whole batch, unweighted), the
+    count is taken there, with no all-reduce."""
     m = _mesh()
     total = F.cross_entropy(x, target, weight=weight, reduction="sum", ignore_index=ignore_index,
                             label_smoothing=label_smoothing)
+    if whole_target is not None and weight is None:
+        with torch.no_grad():
+            denom = (whole_target != ignore_index).sum().to(torch.float64)
+        return total / denom.to(total.dtype)
     with torch.no_grad():
         counted = target != ignore_index
         if weight is not None:

@@ -404,3 +404,34 @@ def test_optimizers_left_to_their_default_step_dtensors_by_foreach(world2):
         for name, (err, foreach) in default.items():
             assert foreach is True and err <= 1e-6, (name, err, foreach)
         assert chosen["Adam"][1] is False and chosen["Adam"][0] <= 1e-6     # the user's choice is kept
+
+
+# ---- a mean loss over a split batch -----------------------------------------------------------------
+
+def ignored_targets_case():
+    """A GPT whose targets ignore (-100) a different number of tokens on each rank's share: the
+    mean over the counted ones is the whole batch's. Its targets are an input (through a view),
+    so each rank counts them whole, with no all-reduce."""
+    torch.manual_seed(0)
+    model = GPT()
+    idx, targets = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    targets[0, :12] = -100          # the first rank's share is mostly ignored
+    targets[3, 5] = -100
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, (idx, targets), pin={"idx": ("S(0)",), "targets": ("S(0)",)})
+    loss, ref_loss = pm(idx, targets), ref(idx, targets)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grads = max((p.grad.full_tensor() - ref_params[n].grad).abs().max().item() for n, p in pm.named_parameters())
+    line = next(l for l in pm.program.splitlines() if "cross_entropy_mean" in l)
+    ce = next(name for name, c in pm.plan.nodes.items() if c.op == "cross_entropy_loss.default")
+    counts = [c for c in pm.plan.collectives if c.node == ce]          # what the plan prices for it
+    return (loss - ref_loss).abs().item(), grads, line, len(counts)
+
+
+def test_mean_loss_counts_ignored_targets_over_the_whole_batch(world4):
+    for loss, grads, line, counts in world4.run(ignored_targets_case):
+        assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
+        assert "(0,), targets)" in line, line                 # counted on the whole targets
+        assert counts == 0, counts                              # and the plan prices none

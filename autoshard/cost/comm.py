@@ -295,8 +295,10 @@ class OpCollective:
 def op_collectives(node, strat, graph, mesh_shape) -> list:
     """Collectives an op's own lowering issues (beyond layout conversions)."""
     from autoshard.rules.conv import norm_collectives
-    from autoshard.rules.nn import count_axes
+    from autoshard.rules.nn import count_axes, whole_targets
     fx_node = node.fx_node
     axes = count_axes(node.target, fx_node.args, fx_node.kwargs, strat.inputs) if node.kind == "op" else []
+    if axes and whole_targets(graph, node) is not None:   # counted on the whole targets, every rank alike
+        axes = []
     return ([OpCollective("all_reduce", a, 8) for a in axes if mesh_shape[a] > 1]
             + [OpCollective(*c) for c in norm_collectives(node, strat, graph, mesh_shape)])

@@ -19,7 +19,7 @@ from autoshard import runtime
 from autoshard.cost import comm
 from autoshard.passes.capture import Graph, TensorMeta
 from autoshard.plan import Plan
-from autoshard.rules.nn import MEAN, count_axes
+from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
 from autoshard.rules.registry import norm_dim
 
@@ -28,10 +28,10 @@ aten = torch.ops.aten
 
 class Lowering:
     """What a lowering function sees: the op, its rewritten arguments, its global shapes and its
-    chosen placements."""
+    chosen placements, and the captured graph."""
 
-    def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape):
-        self.g, self.node, self.args, self.kwargs = g, node, args, kwargs
+    def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape, graph=None):
+        self.g, self.node, self.args, self.kwargs, self.graph = g, node, args, kwargs, graph
         self.in_pl, self.out_pl, self.in_shapes, self.out_shapes = in_pl, out_pl, in_shapes, out_shapes
         self.mesh_shape = mesh_shape
 
@@ -139,9 +139,12 @@ def lower_cross_entropy(low: Lowering):
     axes = [a for a in axes if low.mesh_shape[a] > 1]
     if not axes:
         return low.call()
+    whole = whole_targets(low.graph, low.node) if low.graph is not None else None
+    if whole is not None:   # the input fed whole to every rank: count there, no all-reduce
+        whole = next(n for n in low.g.nodes if n.op == "placeholder" and n.target == whole)
     return low.g.call_function(runtime.cross_entropy_mean, (
         low.args[0], low.args[1], low.arg(2, "weight"), low.arg(4, "ignore_index", -100),
-        low.arg(5, "label_smoothing", 0.0), tuple(axes)))
+        low.arg(5, "label_smoothing", 0.0), tuple(axes), whole))
 
 
 def lower_conv(low: Lowering):
@@ -312,7 +315,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             g.output(args[0])
             continue
         low = Lowering(g, node, args, kwargs, ins, outs, [graph.meta(v).shape for v in node.inputs],
-                       [m.shape for m in node.outputs], mesh)
+                       [m.shape for m in node.outputs], mesh, graph)
         out = LOWERINGS.get(node.target, default)(low)
         if len(node.outputs) > 1 or isinstance(node.fx_node.meta.get("val"), (tuple, list)):
             for i in range(len(node.outputs)):

@@ -143,6 +143,32 @@ def dropout(ctx: OpCtx):
     return [Sig((Split(d),), (Split(d),)) for d in range(len(ctx.in_shapes[0])) if ctx.in_shapes[0][d] > 1]
 
 
+# ops that keep every element of their input: a count over their output counts their input
+KEEP_ELEMENTS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                 aten.contiguous.default, aten.clone.default)
+
+
+def whole_targets(graph, node):
+    """The user input that a mean cross-entropy's class targets are, through ops that keep every
+    element, or None. Every rank is fed the inputs whole, so it can count the counted targets of
+    the whole batch itself instead of all-reducing its shard's count (a forward all-reduce fewer:
+    a point where every rank waits for the slowest)."""
+    if node.target != aten.cross_entropy_loss.default or len(node.inputs) < 2:
+        return None
+    fx_node = node.fx_node
+    weight = fx_node.args[2] if len(fx_node.args) > 2 else fx_node.kwargs.get("weight")
+    if weight is not None or graph.meta(node.inputs[1]).floating:   # class weights, or probabilities
+        return None
+    value = node.inputs[1]
+    while True:
+        producer = graph.by_name[value[0]]
+        if producer.kind == "input":
+            return producer.name
+        if producer.kind != "op" or producer.target not in KEEP_ELEMENTS or not producer.inputs:
+            return None
+        value = producer.inputs[0]
+
+
 def count_axes(target, args, kwargs, in_placements) -> list:
     """Axes over which a mean cross-entropy must all-reduce its count of counted targets: those
     that split the batch. Empty for every other op."""
