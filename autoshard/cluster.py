@@ -99,16 +99,16 @@ class Cluster:
         return replace(self, **changes)
 
     @staticmethod
-    def measure(base=None, *, name: Optional[str] = None) -> "Cluster":
+    def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> "Cluster":
         """This machine, measured (``autoshard.measure``). Inside an initialized process group
         every rank must call it (it runs collectives): each collective kind's latency and
         bandwidth on every group shape a mesh axis of this world can take, matmul FLOP/s in fp32
         and bf16, memory bandwidth, op launch overhead and AdamW's step; rank 0's figures are
         returned on every rank. Outside a process group, this process's compute only, with the
-        links of ``base`` (a Cluster or preset name, default the default preset). Seconds on a
-        CPU at world 2-4."""
+        links of ``base`` (a Cluster or preset name, default the default preset). ``repeats``:
+        measure that many times and keep each figure's median. Seconds on a CPU at world 2-4."""
         from autoshard.measure import measure
-        return measure(base, name=name)
+        return measure(base, name=name, repeats=repeats)
 
     def save(self, path) -> None:
         """Write the cluster as JSON; ``Cluster.load`` reads back an equal one."""

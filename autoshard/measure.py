@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import time
 import warnings
 from typing import Optional
@@ -69,24 +70,31 @@ RATES = ("peak_flops", "peak_flops_fp32", "memory_bandwidth", "memory")
 TIMES = ("op_overhead", "backward_overhead")
 
 
-def measure(base=None, *, name: Optional[str] = None) -> Cluster:
+def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Cluster:
     """The Cluster this machine is: see the module docstring. ``base`` (a Cluster or a preset
     name; default the default preset) gives what cannot be measured here: the links outside a
-    process group."""
+    process group. ``repeats`` > 1 measures that many times and keeps each figure's median, for
+    a machine whose load comes and goes."""
     from autoshard.api import resolve_cluster
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats is a number of measurements, at least 1; got {repeats!r}")
     base = resolve_cluster(base)
     grouped = dist.is_available() and dist.is_initialized()
     device = _device()
-    if grouped:
-        dist.barrier()
-    figures = _compute(device)
-    if grouped and dist.get_world_size() > 1:
-        figures.update(_links(device))
-    if grouped:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, figures)
-        figures = dict(every[0], **_slowest(every))
-    else:
+    runs = []
+    for _ in range(repeats):
+        if grouped:
+            dist.barrier()
+        figures = _compute(device)
+        if grouped and dist.get_world_size() > 1:
+            figures.update(_links(device))
+        if grouped:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, figures)
+            figures = dict(every[0], **_slowest(every))
+        runs.append(figures)
+    figures = _median(runs)
+    if not grouped:
         warnings.warn("Cluster.measure outside a process group measures this process's compute only; "
                       f"the links are {base.name}'s. Measure inside the group the plan will run on "
                       "(torch.distributed.init_process_group) to measure them too.", stacklevel=3)
@@ -109,6 +117,31 @@ def measure(base=None, *, name: Optional[str] = None) -> Cluster:
             changes.update(intra_latency=alpha / (world - 1), intra_bandwidth=beta,
                            inter_latency=alpha / (world - 1), inter_bandwidth=beta * world)
     return base.with_(**changes)
+
+
+def _median(runs: list) -> dict:
+    """Each figure's median over several measurements (of one group: the same keys and rows)."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def med(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: med([v[k] for v in values]) for k in first}
+        if isinstance(first, (tuple, list)):
+            return tuple(med(list(v)) for v in zip(*values))
+        if all(v == first for v in values):   # names, group shapes, and what did not vary
+            return first
+        return statistics.median(values)
+    return med(runs)
+
+
+def median(clusters) -> Cluster:
+    """Each measured figure's median over ``clusters``, measured on one group (taken in turn with
+    other work, say, on a machine whose load comes and goes)."""
+    from dataclasses import asdict
+    figures = _median([asdict(c) for c in clusters])
+    return Cluster(**dict(figures, name=f"{clusters[0].name}, median of {len(clusters)}"))
 
 
 def _slowest(every: list) -> dict:

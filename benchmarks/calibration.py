@@ -13,8 +13,9 @@ on a local gloo group (CPU processes) measured by ``autoshard.Cluster.measure``.
      the median of those ``plan.cost``: on a machine shared with other work the load drifts by
      the second, and measurements taken in turn with the steps see the load the steps saw
 
-Prints predicted and measured milliseconds side by side, measured / predicted, and the Spearman
-rank correlation of the two. ``--phases`` adds forward, backward and optimizer times against the
+Prints predicted and measured milliseconds side by side, the spread of the measured steps (their
+interquartile range over the median: the machine's noise), measured / predicted, and the
+Spearman rank correlation of the two. ``--phases`` adds forward, backward and optimizer times against the
 model's parts (compute and the blocking communication of each phase; the collectives the schedule
 overlaps count in the step's exposed total only). Targets: every prediction within 25% of its
 measurement, Spearman >= 0.9.
@@ -27,14 +28,13 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import fields
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autoshard  # noqa: E402
-from autoshard import schemes  # noqa: E402
+from autoshard import measure, schemes  # noqa: E402
 from autoshard.launch import LocalWorld  # noqa: E402
 from autoshard import placement as pl  # noqa: E402
 from autoshard.api import resolve_pins  # noqa: E402
@@ -66,8 +66,11 @@ def measure_job():
     as ``parallelize`` imports it anyway)."""
     import torch.distributed.tensor  # noqa: F401
     start = time.perf_counter()
-    cluster = autoshard.Cluster.measure()
-    return cluster, time.perf_counter() - start
+    autoshard.Cluster.measure()
+    seconds = time.perf_counter() - start
+    # the plans are made on the median of three: one measurement taken during a burst of other
+    # work on the machine would make the default plan for a slower machine than the steps see
+    return autoshard.Cluster.measure(repeats=3), seconds
 
 
 def steps_job(plan_texts, args):
@@ -99,22 +102,6 @@ def steps_job(plan_texts, args):
             if step >= args.warmup:
                 times[i].append((t1 - t0, t2 - t1, t3 - t2))
     return clusters, times
-
-
-def median_cluster(clusters):
-    """Each measured figure's median over ``clusters`` (measured on the same group)."""
-    first = clusters[0]
-    changes = {}
-    for f in fields(first):
-        values = [getattr(c, f.name) for c in clusters]
-        if f.name == "collectives":
-            changes[f.name] = tuple(row[:3] + tuple(statistics.median(r[k] for r in rows) for k in (3, 4))
-                                    for row, rows in zip(first.collectives, zip(*values)))
-        elif f.name == "optimizer":
-            changes[f.name] = tuple(statistics.median(v) for v in zip(*values))
-        elif isinstance(getattr(first, f.name), float):
-            changes[f.name] = statistics.median(values)
-    return first.with_(name=f"{first.name}, median of {len(clusters)}", **changes)
 
 
 class Layout:
@@ -206,7 +193,8 @@ def main():
     with LocalWorld(args.world) as world:
         measured = world.run(measure_job)
         cluster = measured[0][0]
-        print(f"cluster measured in {max(t for _, t in measured):.2f} s")
+        print(f"cluster measured in {max(t for _, t in measured):.2f} s; the plans made on the median of three "
+              "measurements")
         print(describe(cluster) + "\n")
 
         model, inputs = make(args)
@@ -221,7 +209,7 @@ def main():
     clusters = results[0][0]
     times = [r[1] for r in results]
     print(f"measured again before each round; the median of each figure over the {len(clusters)} rounds:")
-    print(describe(median_cluster(clusters)) + "\n")
+    print(describe(measure.median(clusters)) + "\n")
 
     rows, preds, meas = [], [], []
     for i, (label, planned) in enumerate(plans):
@@ -231,19 +219,20 @@ def main():
         per_step = [[max(rank[i][s][k] for rank in times) for k in range(3)] for s in range(args.steps)]
         steps = [max(sum(rank[i][s]) for rank in times) for s in range(args.steps)]   # the slowest rank's
         m = statistics.median(steps)
+        quartiles = statistics.quantiles(steps, n=4)
         preds.append(pred)
         meas.append(m)
         phases = [statistics.median(t[k] for t in per_step) for k in range(3)]
         parts = [statistics.median(phase_parts(p)[k] for p in per_round) for k in range(3)]
-        rows.append((label, str(tuple(planned.mesh_shape)), pred, m, phases, parts))
+        rows.append((label, str(tuple(planned.mesh_shape)), pred, m, (quartiles[2] - quartiles[0]) / m, phases, parts))
     width = max(len(r[0]) for r in rows)
-    head = f"{'plan':<{width}}  {'mesh':<7} {'predicted':>10} {'measured':>10} {'meas/pred':>9}"
+    head = f"{'plan':<{width}}  {'mesh':<7} {'predicted':>10} {'measured':>10} {'spread':>7} {'meas/pred':>9}"
     if args.phases:
         head += "   fwd pred/meas   bwd pred/meas   opt pred/meas (ms)"
     print(head)
     worst = 0.0
-    for label, mesh, pred, m, phases, parts in rows:
-        line = f"{label:<{width}}  {mesh:<7} {pred * 1e3:8.1f}ms {m * 1e3:8.1f}ms {m / pred:9.3f}"
+    for label, mesh, pred, m, spread, phases, parts in rows:
+        line = f"{label:<{width}}  {mesh:<7} {pred * 1e3:8.1f}ms {m * 1e3:8.1f}ms {100 * spread:6.0f}% {m / pred:9.3f}"
         if args.phases:
             line += "   " + "   ".join(f"{p * 1e3:6.1f}/{q * 1e3:6.1f}" for p, q in zip(parts, phases))
         print(line)

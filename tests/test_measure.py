@@ -212,3 +212,14 @@ def test_measured_cluster_changes_the_price_and_counts_the_optimizer():
     hidden = FAKE.with_(overlap=1.0)
     again = autoshard.plan(model, inputs, mesh=(2,), pin=pins, cluster=hidden)
     assert again.breakdown["comm"] < fake.breakdown["comm"] and again.breakdown["hidden_bwd"] > 0
+
+
+def test_median_of_measurements():
+    slow = FAKE.with_(op_overhead=3e-5, optimizer=(4e-4, 5e-5, 3e-9),
+                      collectives=tuple((k, 2, 1, 9e-4, 5e8) for k in COLLECTIVE_KINDS))
+    fast = FAKE.with_(op_overhead=5e-6, optimizer=(1e-4, 1e-5, 1e-9))
+    m = measure.median([slow, FAKE, fast])
+    assert m.op_overhead == FAKE.op_overhead and m.optimizer == FAKE.optimizer and m.collectives == FAKE.collectives
+    assert m.gpus_per_node == FAKE.gpus_per_node and m.name == "fake measured, median of 3"
+    with pytest.raises(ValueError, match="repeats"):
+        Cluster.measure(repeats=0)
