@@ -184,6 +184,27 @@ def _timed(fn, device, window: float = WINDOW) -> float:
                 return (time.perf_counter() - t0) / calls
 
 
+def _timed_phases(forward, backward, device, window: float = 2 * WINDOW) -> tuple:
+    """Mean seconds of ``forward()`` and of ``backward(its result)``, timed apart within the same
+    calls over at least ``window`` seconds (two calls at least) after one warm-up, so that both
+    see the same load."""
+    backward(forward())
+    fwd = bwd = 0.0
+    calls, start = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - start < window:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        backward(out)
+        _sync(device)
+        fwd += t1 - t0
+        bwd += time.perf_counter() - t1
+        calls += 1
+    return fwd / calls, bwd / calls
+
+
 def _timed_together(fn, device, calls: int, barrier) -> float:
     """Mean seconds of one call of a collective ``fn``: every rank of its group makes the same
     number of calls (a window each rank closed by itself would leave one waiting), lined up by
@@ -259,17 +280,14 @@ def _kernels(device) -> tuple:
             grad = torch.randn_like(y)
 
             def forward():
-                op(*args, **kwargs)
-
-            def forward_backward():
                 for a in leaves:
                     a.grad = None   # as after zero_grad: the first gradient is taken, not added
-                op(*args, **kwargs).backward(grad)
+                return op(*args, **kwargs)
 
-            t = _timed(forward, device)
+            t_fwd, t_bwd = _timed_phases(forward, lambda y: y.backward(grad), device)
             units += flops if family in FLOP_FAMILIES else moved
-            fwd += t
-            bwd += max(_timed(forward_backward, device) - t, 1e-9)
+            fwd += t_fwd
+            bwd += t_bwd
         out.append((family, units / fwd, units / bwd))
     return tuple(out)
 
@@ -289,16 +307,8 @@ def _launch(device) -> tuple:
     g.output(g.call_function(aten.sum.default, (y,)))
     program = fx.GraphModule(torch.nn.Module(), g)
     args = [torch.randn(*shape, device=device, requires_grad=True) for shape in ((8, 8), (8, 8), (8,))]
-
-    def forward():
-        program(*args)
-
-    def backward():   # the forward it needs is timed apart and taken off
-        program(*args).backward()
-
-    n = LAUNCH_OPS + 1
-    fwd = _timed(forward, device)
-    return fwd / n, max(_timed(backward, device) - fwd, 0.0) / n
+    fwd, bwd = _timed_phases(lambda: program(*args), lambda loss: loss.backward(), device)
+    return fwd / (LAUNCH_OPS + 1), bwd / (LAUNCH_OPS + 1)
 
 
 def _optimizer(device) -> tuple:
