@@ -55,9 +55,9 @@ from autoshard.cost.comm import ring_bytes
 aten = torch.ops.aten
 
 # bytes per rank: a norm's statistics to a layer's activations
-COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22)
+COLLECTIVE_BYTES = (1 << 12, 1 << 18, 1 << 20, 1 << 22)
 TOKENS = 1024                 # rows of the timed kernels: a small model's batch on one rank
-LINEARS = ((256, 768), (256, 1024), (1024, 256), (256, 2048))   # (in, out) features of the timed matmuls
+LINEARS = ((256, 1024), (1024, 256), (256, 2048))   # (in, out) features of the timed matmuls
 STREAM_BYTES = 1 << 22        # tensors of the streaming ops: a layer's activations
 LAUNCH_OPS = 120              # ops in the launch-timing program
 WINDOW = 0.03                 # seconds of calls per timed point: several scheduler slices (CFS: ~3 ms)
