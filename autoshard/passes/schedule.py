@@ -113,9 +113,9 @@ def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
             buckets.append(b)
         b["members"].append(n)
         b["bytes"] += size
-    for b in buckets:
+    for i, b in enumerate(buckets):
         members = sorted(b["members"], key=first_use.get)
-        h = start.call(runtime.pending, ())
+        h = start.call(runtime.pending, (f"grad_bucket_{i}",))
         waited = start.call(runtime.grad_wait, (h, *[n.args[0] for n in members]))
         waited = [start.call(operator.getitem, (waited, i)) for i in range(len(members))]
         first = min((u for n in members for u in n.users), key=order.get)
