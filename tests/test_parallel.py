@@ -391,19 +391,21 @@ def optimizer_case(names, foreach):
             ref_opt.zero_grad()
             ref_params = dict(ref.named_parameters())
             worst = max([worst] + [(p.full_tensor() - ref_params[n]).abs().max().item() for n, p in pm.named_parameters()])
-        out[name] = (worst, opt.param_groups[0]["foreach"])
+        group = opt.param_groups[0]
+        out[name] = (worst, "fused" if group.get("fused") else "foreach" if group["foreach"] else "loop")
     return out
 
 
-def test_optimizers_left_to_their_default_step_dtensors_by_foreach(world2):
-    """The foreach path dispatches DTensor's ops once per list, not per parameter (autoshard.optim);
-    each optimizer it is used for steps exactly as its for-loop path on whole tensors."""
-    from autoshard.optim import FOREACH_SAFE
+def test_optimizers_left_to_their_default_step_dtensors_by_fused_or_foreach(world2):
+    """The fused and foreach paths dispatch DTensor's ops once for all parameters, not once per
+    parameter (autoshard.optim); each optimizer steps as its for-loop path does on whole tensors."""
+    from autoshard.optim import FOREACH_SAFE, FUSED_SAFE
     names = [c.__name__ for c in FOREACH_SAFE]
     for default, chosen in zip(world2.run(optimizer_case, names, None), world2.run(optimizer_case, ["Adam"], False)):
-        for name, (err, foreach) in default.items():
-            assert foreach is True and err <= 1e-6, (name, err, foreach)
-        assert chosen["Adam"][1] is False and chosen["Adam"][0] <= 1e-6     # the user's choice is kept
+        for name, (err, path) in default.items():
+            want = "fused" if name in {c.__name__ for c in FUSED_SAFE} else "foreach"
+            assert path == want and err <= 1e-6, (name, err, path)
+        assert chosen["Adam"][1] == "loop" and chosen["Adam"][0] <= 1e-6     # the user's choice is kept
 
 
 # ---- a mean loss over a split batch -----------------------------------------------------------------
