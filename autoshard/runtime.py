@@ -302,7 +302,7 @@ def grad_sync(x, axes: tuple):
 #
 # A DTensor parameter's ``to_local()`` is an autograd function whose backward wraps the local
 # gradient back into a DTensor: a Python autograd node and a DTensor built through
-# ``from_local``'s own autograd function, for every parameter at every step (a third of the
+# ``from_local``'s own autograd function, for every parameter at every step (a fifth of the
 # step of a small model). The program needs no DTensor: it takes each share as a leaf of its own,
 # aliasing the parameter's local tensor, and hands the gradient to ``param.grad`` once autograd
 # has accumulated it there.
