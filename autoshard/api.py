@@ -232,8 +232,7 @@ class ParallelModule(nn.Module):
             plan_kwargs = dict(plan_kwargs, cluster=Cluster.measure())
         self.__dict__["_plan_kwargs"] = plan_kwargs
         self.__dict__["_overlap"] = overlap
-        self.__dict__["_programs"] = {}
-        self.__dict__["_feeds"] = {}      # id(program) -> _Feed
+        self.__dict__["_programs"] = {}   # (training, shapes, constants) -> (program, graph, plan, feed)
         self.__dict__["_distributed"] = False
         self.__dict__["_planned_shapes"] = None
         self.__dict__["_planned_consts"] = None
@@ -301,8 +300,7 @@ class ParallelModule(nn.Module):
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self.__dict__["_planned_shapes"] = shapes
         self.__dict__["_planned_consts"] = consts
-        self._programs[key] = (program, graph, plan)
-        self._feeds[id(program)] = _Feed(self._model, graph, plan, self._device)
+        self._programs[key] = (program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
 
     def _agree_on_plan(self, graph: Graph) -> Plan:
@@ -362,8 +360,7 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
         leaves, _ = tree_flatten((args, kwargs))
-        program, graph, plan = self._program_for(args, kwargs, leaves)
-        feed = self._feeds[id(program)]
+        program, _, _, feed = self._program_for(args, kwargs, leaves)
         inputs = feed.inputs() + [x for x in leaves if isinstance(x, torch.Tensor)]
         with runtime.active(self._rank_mesh), (runtime.regathering() if feed.again else contextlib.nullcontext()):
             outs = program(*inputs)
