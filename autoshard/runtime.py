@@ -93,32 +93,45 @@ def _mesh() -> RankMesh:
 
 # ---- raw steps (no autograd) ------------------------------------------------------------------
 
-def _gather(x, group, p, dim):
-    # collectives exchange dim-0 blocks: move the cut to dim 0 and back
-    x = x.contiguous()
-    out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather(out, x, group=group)
-    return out if dim == 0 else torch.cat(out.chunk(p, 0), dim=dim)
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# each step's dual (DESIGN.md section 3): its kind, and which of (dim, dim2) become its (dim, dim2)
+DUAL = {"all_gather": ("reduce_scatter", 0, None), "reduce_scatter": ("all_gather", 0, None),
+        "all_reduce": ("all_reduce", None, None), "all_to_all": ("all_to_all", 1, 0),
+        "slice": ("pad", 0, None), "pad": ("slice", 0, None), "keep": ("keep", None, None)}
 
 
-def _scatter(x, group, p, dim):
-    inp = x.contiguous() if dim == 0 else torch.cat(x.chunk(p, dim), dim=0).contiguous()
-    out = torch.empty((inp.shape[0] // p,) + tuple(inp.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, inp, group=group)
-    return out
+def dual_args(kind, dim, dim2):
+    """The dual step's kind, dim and dim2."""
+    d, i, j = DUAL[kind]
+    pick = (dim, dim2)
+    return d, (None if i is None else pick[i]), (None if j is None else pick[j])
 
 
-def _reduce(x, group):
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def _a2a(x, group, p, src_dim, dst_dim):
-    inp = torch.cat(x.chunk(p, dst_dim), dim=0).contiguous()
-    out = torch.empty_like(inp)
-    dist.all_to_all_single(out, inp, group=group)
-    return torch.cat(out.chunk(p, 0), dim=src_dim)
+def _launch(x, kind, group, p, dim, dim2, groups=1):
+    """Start one collective step on ``x``: (work, finish), where ``finish()`` gives the result once
+    the work is done. Collectives exchange dim-0 blocks: the cut moves to dim 0 and back."""
+    if groups != 1:   # a blocked split: the step runs on each block's part, the blocks kept in order
+        work, finish = _launch(x.unflatten(dim, (groups, -1)), kind, group, p, dim + 1, None)
+        return work, lambda: finish().flatten(dim, dim + 1)
+    if kind == "all_gather":
+        inp = x.contiguous()
+        out = inp.new_empty((p * inp.shape[0],) + tuple(inp.shape[1:]))
+        work = _all_gather(out, inp, group=group, async_op=True)
+        return work, (lambda: out) if dim == 0 else (lambda: torch.cat(out.chunk(p, 0), dim=dim))
+    if kind == "reduce_scatter":
+        inp = x.contiguous() if dim == 0 else torch.cat(x.chunk(p, dim), dim=0).contiguous()
+        out = inp.new_empty((inp.shape[0] // p,) + tuple(inp.shape[1:]))
+        work = _reduce_scatter(out, inp, group=group, async_op=True)
+        return work, lambda: (inp, out)[1]        # the input kept alive until the work is done
+    if kind == "all_reduce":
+        out = x.contiguous().clone()
+        return dist.all_reduce(out, group=group, async_op=True), lambda: out
+    if kind == "all_to_all":    # dim: the split it makes, dim2: the split it removes
+        inp = torch.cat(x.chunk(p, dim2), dim=0).contiguous()
+        out = torch.empty_like(inp)
+        work = dist.all_to_all_single(out, inp, group=group, async_op=True)
+        return work, lambda: (inp, torch.cat(out.chunk(p, 0), dim=dim))[1]
+    raise ValueError(kind)
 
 
 def _slice(x, p, coord, dim):
@@ -148,24 +161,18 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         kind, group, p, coord, dim, dim2, groups = ctx.args
-        dual = {"all_gather": ("reduce_scatter", dim, None), "reduce_scatter": ("all_gather", dim, None),
-                "all_reduce": ("all_reduce", None, None), "all_to_all": ("all_to_all", dim2, dim),
-                "slice": ("pad", dim, None), "pad": ("slice", dim, None), "keep": ("keep", None, None)}[kind]
-        return (_run(g, dual[0], group, p, coord, dual[1], dual[2], groups),) + (None,) * 7
+        kind, dim, dim2 = dual_args(kind, dim, dim2)
+        return (_run(g, kind, group, p, coord, dim, dim2, groups),) + (None,) * 7
 
 
 def _run(x, kind, group, p, coord, dim, dim2, groups=1):
-    if groups != 1:   # a blocked split: the step runs on each block's part, the blocks kept in order
+    if kind in COLLECTIVE_KINDS:
+        work, finish = _launch(x, kind, group, p, dim, dim2, groups)
+        work.wait()
+        return finish()
+    if groups != 1:
         x = x.unflatten(dim, (groups, -1))
         return _run(x, kind, group, p, coord, dim + 1, None).flatten(dim, dim + 1)
-    if kind == "all_gather":
-        return _gather(x, group, p, dim)
-    if kind == "reduce_scatter":
-        return _scatter(x, group, p, dim)
-    if kind == "all_reduce":
-        return _reduce(x, group)
-    if kind == "all_to_all":
-        return _a2a(x, group, p, dim, dim2)
     if kind == "slice":
         return _slice(x, p, coord, dim)
     if kind == "pad":
@@ -212,6 +219,71 @@ def keep_partial(x, axis: int):
 
 STEP_FUNCTIONS = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce,
                   "all_to_all": all_to_all, "slice": slice_shard, "pad": pad_shard, "keep": keep_partial}
+
+
+# ---- activation steps, started early and waited on late ---------------------------------------
+#
+# The schedule pass splits each collective step between ops into ``step_start`` (right after its
+# input is made) and ``step_wait`` (right before its first use), so the ops between them run while
+# it is in flight. Backward mirrors it: the wait's backward starts the dual step, the start's
+# backward waits for it. Autograd runs ready nodes latest-made first, so the backward of every op
+# made between the two in forward runs while the dual step is in flight.
+
+class _StepStart(torch.autograd.Function):
+    """Forward: start the step; its result comes from the matching ``_StepWait``. The token it
+    returns only ties the two in autograd. Backward: wait for the dual step, hand on its result."""
+
+    @staticmethod
+    def forward(ctx, x, h, args):
+        ctx.h = h
+        h.work, h.finish = _launch(x, *args)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        h = ctx.h
+        _wait(h.bwd_work)
+        g = h.bwd_finish()
+        h.bwd_work = h.bwd_finish = None
+        return g, None, None
+
+
+class _StepWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, h, args):
+        ctx.h, ctx.args = h, args
+        _wait(h.work)
+        out = h.finish()
+        h.work = h.finish = None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        kind, group, p, dim, dim2, groups = ctx.args
+        kind, dim, dim2 = dual_args(kind, dim, dim2)
+        ctx.h.bwd_work, ctx.h.bwd_finish = _launch(g, kind, group, p, dim, dim2, groups)
+        return g.new_empty(0), None, None
+
+
+def step_start(x, h: "Pending", kind: str, axis, dim=None, dim2=None, groups: int = 1):
+    """Start the collective step ``kind`` (one of ``COLLECTIVE_KINDS``) on ``x``; ``step_wait``
+    gives its result."""
+    m = _mesh()
+    h.args = (kind, m.group(axis), m.size(axis), dim, dim2, groups)
+    if x.requires_grad:
+        return _StepStart.apply(x, h, h.args)
+    h.work, h.finish = _launch(x, *h.args)
+    return None
+
+
+def step_wait(token, h: "Pending"):
+    """The result of the step ``step_start`` started."""
+    if token is not None:
+        return _StepWait.apply(token, h, h.args)
+    _wait(h.work)
+    out = h.finish()
+    h.work = h.finish = None
+    return out
 
 
 def _convert(x, src, dst, m: RankMesh):
@@ -286,7 +358,7 @@ class _GradSync(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(g, ctx.group), None
+        return _run(g, "all_reduce", ctx.group, None, None, None, None), None
 
 
 def grad_sync(x, axes: tuple):
@@ -349,6 +421,7 @@ class Pending:
     def __init__(self):
         self.work = self.keep = None            # forward: the started gather, its input kept alive
         self.bwd_work, self.bwd_result = None, None
+        self.args = self.finish = self.bwd_finish = None   # an activation step's (step_start)
         # a gather bucket's, for gathering it again in backward (regather_member)
         self.shares = self.group = self.p = self.layout = self.again = None
         self.packs = 0

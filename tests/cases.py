@@ -35,3 +35,10 @@ def step_on_the_same_gradients(pm, ref, opt, ref_opt):
                 ref_params[n].grad.copy_(p.grad.full_tensor())
     opt.step()
     ref_opt.step()
+
+
+def emits(program: str, kind: str) -> bool:
+    """Whether a rank's program code runs the collective step ``kind`` (all_reduce, all_gather,
+    ...): called where the rewriter put it, or started early and waited on late (the schedule pass)."""
+    return (f"autoshard_runtime_{kind}(" in program
+            or any("autoshard_runtime_step_start(" in line and f"'{kind}'" in line for line in program.splitlines()))

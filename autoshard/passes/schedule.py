@@ -67,6 +67,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     start = _Cursor(g, placeholders[-1] if placeholders else None)
     joint = _bucket_gradients(g, nodes, order, start, bucket_bytes)
     _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
+    _start_steps_early(g, start)
     g.lint()
     gm = fx.GraphModule(program, g, class_name="RankProgram")
     gm.meta.update(program.meta)
@@ -173,3 +174,34 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
             n.replace_all_uses_with(whole[k])
             g.erase_node(n)
         waits.append(wait)
+
+
+_STEP_KINDS = {getattr(runtime, k): k for k in runtime.COLLECTIVE_KINDS}
+
+
+def _start_steps_early(g, start: _Cursor) -> None:
+    """Every collective step between ops (the rewriter's conversions of activations, and of
+    parameters the gather buckets did not take) becomes a start right after its input is made and
+    a wait right before its first use (``runtime.step_start`` / ``step_wait``)."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    prologue = order[start.anchor] if start.anchor is not None else -1
+    for n in list(g.nodes):
+        kind = _STEP_KINDS.get(n.target) if n.op == "call_function" else None
+        if kind is None or not n.users or any(u.target is runtime.regather for u in n.users):
+            continue
+        x, first = n.args[0], min(n.users, key=order.get)
+        kw = n.kwargs
+        args = (kind, kw["axis"], kw.get("dim"), kw.get("dim2"), kw.get("groups", 1))
+        if order[x] > prologue:
+            with g.inserting_after(x):
+                h = g.call_function(runtime.pending, ())
+            with g.inserting_after(h):
+                token = g.call_function(runtime.step_start, (x, h, *args))
+        else:   # the input is ready at the program's start: start after what the other passes put there
+            h = start.call(runtime.pending, ())
+            token = start.call(runtime.step_start, (x, h, *args))
+        with g.inserting_before(first):
+            wait = g.call_function(runtime.step_wait, (token, h))
+        order[wait] = order[first] - 0.5
+        n.replace_all_uses_with(wait)
+        g.erase_node(n)
