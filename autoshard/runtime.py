@@ -286,6 +286,56 @@ def step_wait(token, h: "Pending"):
     return out
 
 
+# ---- weight gradients computed while a backward step is in flight --------------------------------
+#
+# A linear's backward makes its input's gradient, which the dual of an earlier step must carry on,
+# and its weight's gradient, which nothing waits for until the optimizer. ``linear_dw_later``
+# makes only the first; the second is made by ``weight_later``'s backward, a node the schedule
+# pass places between that earlier step's start and wait in forward, so that autograd runs it
+# after the dual step has started and before its wait (AxoNN's backward).
+
+class _LinearDwLater(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, h):
+        ctx.save_for_backward(x, w)
+        ctx.h, ctx.bias = h, b is not None
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g.matmul(w) if ctx.needs_input_grad[0] else None
+        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
+        ctx.h.late = (g, x)
+        return gx, None, gb, None
+
+
+class _WeightLater(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, h):
+        ctx.set_materialize_grads(False)
+        ctx.h = h
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, _):
+        g, x = ctx.h.late
+        ctx.h.late = None
+        return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])), None
+
+
+def weight_later(w, h: "Pending"):
+    """``w`` for a ``linear_dw_later`` that hands its gradient here, to be made in this node's backward."""
+    return _WeightLater.apply(w, h) if w.requires_grad else w
+
+
+def linear_dw_later(x, w, b, h: "Pending"):
+    """``F.linear`` whose weight gradient ``weight_later`` makes."""
+    if not (w.requires_grad and torch.is_grad_enabled()):
+        return F.linear(x, w, b)
+    return _LinearDwLater.apply(x, w, b, h)
+
+
 def _convert(x, src, dst, m: RankMesh):
     """Raw conversion between nd placements (no autograd), by the shared step planner."""
     from autoshard.cost.comm import transition
@@ -422,6 +472,7 @@ class Pending:
         self.work = self.keep = None            # forward: the started gather, its input kept alive
         self.bwd_work, self.bwd_result = None, None
         self.args = self.finish = self.bwd_finish = None   # an activation step's (step_start)
+        self.late = None                        # a linear's (gradient, input) for weight_later
         # a gather bucket's, for gathering it again in backward (regather_member)
         self.shares = self.group = self.p = self.layout = self.again = None
         self.packs = 0

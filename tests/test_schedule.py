@@ -15,7 +15,7 @@ from autoshard.passes.capture import capture
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import schedule
 from cases import step_on_the_same_gradients
-from models import MLP
+from models import GPT, MLP
 
 DP = {"x": ("S(0)",)} | {n: ("B",) for n, _ in MLP().named_parameters()}
 # FSDP: every parameter stored split, every activation split over the batch, so each weight is
@@ -30,6 +30,16 @@ def _program(pin, world=4, **kw):
     graph = capture(model, (x,))
     plan = autoshard.plan(model, (x,), world=world, pin=pin, **kw)
     return rewrite(graph, plan)
+
+
+def _gpt(mesh):
+    """A 2-block GPT pinned to Megatron's layout on the last mesh axis (its batch split on the
+    others), with its inputs."""
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, heads=4, layers=2, seq=16)
+    idx = torch.randint(0, 64, (8, 16))
+    batch = (idx, torch.roll(idx, -1, dims=1))
+    return model, batch, autoshard.schemes.megatron(model, batch, mesh)
 
 
 def _calls(gm, fn):
@@ -187,3 +197,90 @@ def test_every_bucket_starts_before_any_wait(world4):
         waits = [i for i, e in enumerate(events) if e == "wait"]
         assert len(launches) >= 3 and len(waits) == len(launches)
         assert max(launches) < min(waits), events
+
+
+# ---- activation collectives started early, waited on late ----------------------------------------
+
+def test_activation_steps_start_after_their_input_and_wait_before_first_use():
+    model, batch, pin = _gpt((4,))
+    plan = autoshard.plan(model, batch, mesh=(4,), pin=pin)
+    before = rewrite(capture(model, batch), plan)
+    kinds = [n.target.__name__ for n in before.graph.nodes
+             if n.op == "call_function" and n.target.__name__ in runtime.COLLECTIVE_KINDS]
+    assert kinds   # the Megatron layout reduces every block's partial sums in forward
+    gm = schedule(before)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    starts, waits = _calls(gm, runtime.step_start), _calls(gm, runtime.step_wait)
+    # every collective step between ops became a start and a wait, none left blocking
+    assert sorted(n.args[2] for n in starts) == sorted(kinds)
+    assert not [n for n in nodes if n.op == "call_function" and n.target.__name__ in runtime.COLLECTIVE_KINDS]
+    for wait in waits:
+        start = wait.args[0]
+        x = start.args[0]
+        # the start right after its input is made (after the pending it uses), the wait right
+        # before its first use
+        scheduled = (runtime.pending, runtime.step_start, runtime.step_wait, runtime.weight_later)
+        between = nodes[order[x] + 1:order[start]]
+        assert all(n.target in scheduled for n in between), between
+        between = nodes[order[wait] + 1:order[min(wait.users, key=order.get)]]
+        assert all(n.target in scheduled for n in between), between
+    # each linear after the first started step makes its weight gradient in a node placed
+    # between a start and its wait
+    later = _calls(gm, runtime.weight_later)
+    linears = _calls(gm, runtime.linear_dw_later)
+    assert later and len(later) == len(linears)
+    spans = [(order[w.args[0]], order[w]) for w in waits]
+    assert all(any(a < order[n] < b for a, b in spans) for n in later)
+
+
+def overlap_case(mesh):
+    """The Megatron-pinned GPT with the schedule pass and without it, against one device: the
+    largest differences of loss and gradients, and the order in which backward started each dual
+    step, waited for it and made the weight gradients moved into its span."""
+    model, batch, pin = _gpt(mesh)
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    refp = dict(ref.named_parameters())
+    out, events = {}, []
+    traced = [(runtime._StepWait, "start"), (runtime._StepStart, "wait"), (runtime._WeightLater, "dW")]
+    real = {cls: cls.backward for cls, _ in traced}
+
+    def tracing(cls, name):
+        def backward(ctx, *gs):
+            events.append(name)
+            return real[cls](ctx, *gs)
+        return staticmethod(backward)
+    for overlap in (True, False):
+        pm = autoshard.parallelize(copy.deepcopy(model), batch, pin=pin, mesh=mesh, overlap=overlap)
+        loss = pm(*batch)
+        for cls, name in traced:
+            cls.backward = tracing(cls, name)
+        try:
+            loss.backward()
+        finally:
+            for cls, _ in traced:
+                cls.backward = real[cls]
+        out[overlap] = (abs(loss.item() - ref_loss.item()),
+                        max((p.grad.full_tensor() - refp[n].grad).abs().max().item() for n, p in pm.named_parameters()),
+                        {n: p.grad.full_tensor() for n, p in pm.named_parameters()})
+    on, off = out[True], out[False]
+    same = max((on[2][n] - off[2][n]).abs().max().item() for n in on[2])
+    return on[:2], off[:2], same, events
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_overlapped_activation_steps_train_exactly(world4, mesh):
+    for on, off, same, events in world4.run(overlap_case, mesh):
+        assert on[0] <= 1e-5 and on[1] <= 1e-4, on
+        assert off[0] <= 1e-5 and off[1] <= 1e-4, off
+        assert same <= 1e-5
+        # backward: dual steps started and waited for in pairs, and weight gradients made while
+        # a dual step was in flight
+        assert events.count("start") == events.count("wait") > 0
+        depth, inside = 0, 0
+        for e in events:
+            depth += {"start": 1, "wait": -1}.get(e, 0)
+            inside += e == "dW" and depth > 0
+        assert inside == events.count("dW") > 0, events

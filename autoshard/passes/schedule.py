@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import operator
 
+import torch
 import torch.fx as fx
 
 from autoshard import runtime
@@ -68,6 +69,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     joint = _bucket_gradients(g, nodes, order, start, bucket_bytes)
     _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
     _start_steps_early(g, start)
+    _weight_grads_later(g)
     g.lint()
     gm = fx.GraphModule(program, g, class_name="RankProgram")
     gm.meta.update(program.meta)
@@ -205,3 +207,39 @@ def _start_steps_early(g, start: _Cursor) -> None:
         order[wait] = order[first] - 0.5
         n.replace_all_uses_with(wait)
         g.erase_node(n)
+
+
+def _weight_grads_later(g) -> None:
+    """Each linear after a started step (the latest one waited on before it) makes its weight's
+    gradient in a node placed between that step's start and wait: in backward, autograd runs it
+    while the step's dual is in flight (``runtime.linear_dw_later`` / ``weight_later``). Only
+    weights made before that wait (parameters, as fed or after their gradient's bucket) are."""
+    latest = None
+    nodes = list(g.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is runtime.step_wait:
+            latest = n
+        elif n.target is torch.ops.aten.linear.default and latest is not None:
+            x, w = n.args[0], n.args[1]
+            b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            if not (isinstance(w, fx.Node) and order[w] < order[latest] and _from_parameter(w)):
+                continue
+            with g.inserting_before(latest):
+                h = g.call_function(runtime.pending, ())
+                late = g.call_function(runtime.weight_later, (w, h))
+            with g.inserting_before(n):
+                again = g.call_function(runtime.linear_dw_later, (x, late, b, h))
+            n.replace_all_uses_with(again)
+            g.erase_node(n)
+
+
+def _from_parameter(node) -> bool:
+    """A parameter as fed to the program, or handed on by its gradient bucket."""
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+        if node.target in (runtime.grad_bucket, runtime.grad_wait):
+            return True
+    return node.op == "placeholder"

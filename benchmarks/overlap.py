@@ -1,0 +1,215 @@
+"""What hiding activation communication gains, measured: the same plan run with the schedule pass
+(``overlap=True``: every collective step started right after its input is made and waited on
+right before its first use, in forward and, mirrored, in backward) and without it
+(``overlap=False``: every step blocks where the rewriter put it), back to back on a local gloo
+group, beside the bound the machine allows, measured in the same run:
+
+  compute alone   the scheduled program with every collective replaced by one that returns at
+                  once (its output buffer zeroed): the step if communication were free
+  comm alone      the collectives one step issues (recorded on each rank, in order), replayed one
+                  after another with nothing else running
+  ideal           max(compute alone, comm alone): the step if every collective hid behind compute
+  both at once    compute alone and comm alone run at the same time, in two threads, with no
+                  dependency between them: what this machine gives when both share it (on a
+                  CPU, gloo moves bytes with the same cores the ops compute on); no schedule
+                  does better than this
+
+Cases:
+  megatron     a GPT pinned to ``schemes.megatron`` where only the split matmuls train, so every
+               collective is an activation's (the case of issue 13: d=128, 4 blocks, batch
+               16 x 256 tokens)
+  seq-parallel the same GPT pinned to ``schemes.sequence_parallel``, only the split matmuls train
+  default      the same GPT under the default plan, every parameter training
+
+Rounds interleave the contenders (order rotated each round); a step is forward and backward of
+the loss, timed on the slowest rank from a barrier; medians after the warm-up rounds. Prints ms
+per step and on/off; "comm share" is comm alone over the step without overlap.
+
+    python benchmarks/overlap.py [--world 2] [--rounds 12] [--cases megatron,seq-parallel,default]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard import runtime, schemes
+from autoshard.launch import LocalWorld
+from vs_torch import GPT
+
+
+class _Done:
+    def wait(self, *a, **k):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+# the collectives the emitted program calls: (module, attribute) and the index of its output
+_COLLECTIVES = [(runtime, "_all_gather"), (runtime, "_reduce_scatter"), (dist, "all_reduce"),
+                (dist, "all_to_all_single")]
+
+
+_REAL = {name: getattr(mod, name) for mod, name in _COLLECTIVES}
+
+
+@contextlib.contextmanager
+def _patched(wrap, only_this_thread=False):
+    """The program's collectives replaced by ``wrap(name, real)``; with ``only_this_thread``, other
+    threads still get the real ones."""
+    import threading
+    me = threading.get_ident()
+
+    def choose(name, real):
+        fake = wrap(name, real)
+        if not only_this_thread:
+            return fake
+        return lambda *a, **k: (fake if threading.get_ident() == me else real)(*a, **k)
+    try:
+        for mod, name in _COLLECTIVES:
+            setattr(mod, name, choose(name, _REAL[name]))
+        yield
+    finally:
+        for mod, name in _COLLECTIVES:
+            setattr(mod, name, _REAL[name])
+
+
+def _no_comm(name, fn):
+    def call(*args, group=None, async_op=False, **kw):
+        if name != "all_reduce":        # the output buffer: zeroed, as the collective writes it
+            args[0].zero_()
+        return _Done() if async_op else None
+    return call
+
+
+def _recording(log):
+    def wrap(name, fn):
+        def call(*args, group=None, async_op=False, **kw):
+            log.append((name, [(a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)], group))
+            return fn(*args, group=group, async_op=async_op, **kw)
+        return call
+    return wrap
+
+
+def _replay(log, barrier=True):
+    """The recorded collectives, one after another: the communication of one step alone."""
+    bufs = [[torch.ones(s, dtype=d) for s, d in shapes] for _, shapes, _ in log]
+    fns = {name: _REAL[name] for _, name in _COLLECTIVES}
+    if barrier:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for (name, _, group), b in zip(log, bufs):
+        fns[name](*b, group=group)
+    return time.perf_counter() - t0
+
+
+def _build(case, a):
+    torch.manual_seed(0)
+    model = GPT(a.vocab, a.d, a.heads, a.layers, a.seq)
+    idx = torch.randint(0, a.vocab, (a.batch, a.seq))
+    batch = (idx, torch.roll(idx, -1, dims=1))
+    mesh = (dist.get_world_size(),)
+    pin = {"megatron": schemes.megatron, "seq-parallel": schemes.sequence_parallel}.get(case)
+    kw = {"pin": pin(model, batch, mesh)} if pin else {}
+    plan = autoshard.plan(model, batch, mesh=mesh, cluster=a.cluster, **kw)
+    if pin:   # only the split matmuls train: every collective left is an activation's
+        for name, p in model.named_parameters():
+            p.requires_grad_(any(s != "B" for s in plan.params[name]))
+    return model, batch, plan
+
+
+def _step(pm, batch, barrier=True):
+    if barrier:
+        dist.barrier()
+    t0 = time.perf_counter()
+    pm(*batch).backward()
+    for p in pm.parameters():
+        p.grad = None
+    return time.perf_counter() - t0
+
+
+def rank_case(case, a):
+    import copy
+    model, batch, plan = _build(case, a)
+    on = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=True)
+    off = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=False)
+    contenders = {"off": lambda: _step(off, batch), "on": lambda: _step(on, batch)}
+
+    def compute_alone():
+        with _patched(_no_comm):
+            return _step(on, batch)
+    contenders["compute"] = compute_alone
+    log = []
+    with _patched(_recording(log)):
+        _step(on, batch)
+    contenders["comm"] = lambda: _replay(log)
+
+    def both():
+        import threading
+        took = {}
+        t = threading.Thread(target=lambda: took.setdefault("comm", _replay(log, barrier=False)))
+        dist.barrier()
+        t0 = time.perf_counter()
+        t.start()
+        with _patched(_no_comm, only_this_thread=True):
+            _step(on, batch, barrier=False)
+        t.join()
+        return time.perf_counter() - t0
+    contenders["both"] = both
+    names, times = list(contenders), {k: [] for k in contenders}
+    for r in range(a.warmup + a.rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t = contenders[k]()
+            if r >= a.warmup:
+                times[k].append(t)
+    kinds = {}
+    for name, _, _ in log:
+        kinds[name] = kinds.get(name, 0) + 1
+    return {"times": times, "collectives": kinds, "mesh": plan.mesh_shape}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cases", default="megatron,seq-parallel,default")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--cluster", default=None, help="a preset name, a saved cluster file, or \"measure\" (default: the A100 preset)")
+    a = ap.parse_args()
+    print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq} "
+          f"tokens; gloo world {a.world}; forward + backward; medians of {a.rounds} rounds after {a.warmup}")
+    print()
+    print("| case | off ms | on ms | on/off | compute alone ms | comm alone ms | ideal ms | ideal/off "
+          "| both at once ms | both/off | comm share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    world = LocalWorld(a.world)
+    try:
+        for case in a.cases.split(","):
+            res = world.run(rank_case, case, a)
+            # a step's time is the slowest rank's
+            med = {k: statistics.median(max(r["times"][k][i] for r in res) for i in range(a.rounds)) * 1e3
+                   for k in res[0]["times"]}
+            ideal = max(med["compute"], med["comm"])
+            print(f"| {case} | {med['off']:.1f} | {med['on']:.1f} | {med['on'] / med['off']:.2f} | "
+                  f"{med['compute']:.1f} | {med['comm']:.1f} | {ideal:.1f} | {ideal / med['off']:.2f} | "
+                  f"{med['both']:.1f} | {med['both'] / med['off']:.2f} | {med['comm'] / med['off']:.2f} |")
+            counts = ", ".join(f"{k.strip('_')} x{v}" for k, v in sorted(res[0]["collectives"].items()))
+            print(f"|  | collectives per step on rank 0: {counts} |")
+    finally:
+        world.close()
+
+
+if __name__ == "__main__":
+    main()
