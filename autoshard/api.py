@@ -254,6 +254,24 @@ class ParallelModule(nn.Module):
         """Seed the generator every rank shares for random ops (dropout)."""
         self._rank_mesh.generator.manual_seed(seed)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation, as DDP's ``no_sync``: the backward of every forward run inside
+        reduces no parameter gradient across ranks; a gradient that needs a reduction leaves
+        ``param.grad`` as it was, and each rank keeps its unreduced sum (for a parameter stored
+        split, the size of the whole parameter). The first backward of a forward run outside
+        adds that sum to what it reduces, so the gradients arrive reduced once, summed over every
+        micro-batch. Gradients that need no reduction accumulate in ``param.grad`` as usual, and
+        activations' communication (tensor parallelism) still runs. Without the schedule pass
+        (``overlap=False``) a parameter gathered before use still has its gradient reduced each
+        time: the same sum, more often."""
+        m = self._rank_mesh
+        before, m.sync_grads = m.sync_grads, False
+        try:
+            yield
+        finally:
+            m.sync_grads = before
+
     def train(self, mode: bool = True):
         self._model.train(mode)
         return super().train(mode)

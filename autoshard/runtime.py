@@ -37,6 +37,7 @@ class RankMesh:
         self.coords = list(device_mesh.get_coordinate())
         self.generator = generator
         self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
+        self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
         self._joint: dict = {}
 
     def group(self, axes):
@@ -400,24 +401,50 @@ class _ToWhole(torch.autograd.Function):
         return _convert(g, _whole(len(ctx.src)), _dual(ctx.src), ctx.mesh), None, None
 
 
+# ---- gradient accumulation without reduction (ParallelModule.no_sync) ---------------------------
+#
+# A backward whose forward ran under no_sync reduces no parameter gradient: each reduction point
+# adds its unreduced gradient to a sum kept in the rank's mesh and hands nothing on. The first
+# backward after it adds that sum to what it reduces, so the gradients reach the parameters
+# reduced once, summed over every micro-batch. Reductions are linear: a gradient reduced late is
+# the gradient reduced every time.
+
+def _unsynced(kept: dict, g):
+    """Add ``g`` to the unreduced sum kept in ``kept``."""
+    held = kept.get("unsynced")
+    kept["unsynced"] = g.clone() if held is None else held.add_(g)
+
+
+def _with_unsynced(kept: dict, g, inplace: bool = False):
+    """``g`` plus the unreduced sum kept in ``kept`` (which is then gone); ``inplace``: added into ``g``."""
+    held = kept.pop("unsynced", None)
+    if held is None:
+        return g
+    return g.add_(held) if inplace else g + held
+
+
 class _GradSync(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, kept):
+        ctx.group, ctx.kept, ctx.sync = group, kept, _mesh().sync_grads
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _run(g, "all_reduce", ctx.group, None, None, None, None), None
+        if not ctx.sync:
+            _unsynced(ctx.kept, g)
+            return None, None, None
+        return _run(_with_unsynced(ctx.kept, g), "all_reduce", ctx.group, None, None, None, None), None, None
 
 
-def grad_sync(x, axes: tuple):
+def grad_sync(x, axes: tuple, key: str = None):
     """A parameter stored broadcast on ``axes``: its gradient arrives as partial sums there and is
-    all-reduced (data parallelism)."""
+    all-reduced (data parallelism). ``key`` names the parameter's unreduced sum under no_sync."""
     m = _mesh()
     if not x.requires_grad or not axes:
         return x
-    return _GradSync.apply(x, m.group(tuple(axes)))   # one all-reduce on the group spanning them
+    kept = m.kept.setdefault(("grad_sync", key), {})
+    return _GradSync.apply(x, m.group(tuple(axes)), kept)   # one all-reduce on the group spanning them
 
 
 # ---- parameters fed to the program --------------------------------------------------------------
@@ -443,6 +470,8 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 
 def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
     g, leaf.grad = leaf.grad, None
+    if g is None:   # its reduction held back (no_sync): nothing to hand on
+        return
     # the gradient is in the parameter's placement (the program reduced it there: grad_sync), and
     # in its share's strides (autograd's layout contract for a leaf's gradient)
     if g.stride() == leaf.stride():
@@ -500,6 +529,7 @@ class _GradWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, *xs):
         ctx.h = h
+        ctx.set_materialize_grads(False)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
@@ -508,7 +538,7 @@ class _GradWait(torch.autograd.Function):
         _wait(h.bwd_work)
         out = h.bwd_result if h.bwd_result is not None else list(gs)
         if h.copy_out:
-            out = [g.clone() for g in out]
+            out = [None if g is None else g.clone() for g in out]
         h.bwd_work = h.bwd_result = None
         return (None,) + tuple(out)
 
@@ -519,12 +549,17 @@ class _GradBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, group, *xs):
-        ctx.h, ctx.group = h, group
+        ctx.h, ctx.group, ctx.sync = h, group, _mesh().sync_grads
         ctx.metas = [(x.shape, x.dtype, x.device) for x in xs]
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *gs):
+        if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
+            _unsynced(ctx.h.kept, torch.cat([(g if g is not None else torch.zeros(s, dtype=d, device=dev)).reshape(-1)
+                                             for g, (s, d, dev) in zip(gs, ctx.metas)]))
+            ctx.h.bwd_result = [None] * len(gs)
+            return (None, None) + (None,) * len(gs)
         numel = sum(math.prod(s) for s, _, _ in ctx.metas)
         _, dtype, device = ctx.metas[0]
         # kept from step to step: a fresh one each step costs the page faults of new memory
@@ -535,6 +570,7 @@ class _GradBucket(torch.autograd.Function):
             flat = ctx.h.kept["buffer"] = torch.empty(numel, dtype=dtype, device=device)
         torch.cat([(g if g is not None else torch.zeros(s, dtype=d, device=dev)).reshape(-1)
                    for g, (s, d, dev) in zip(gs, ctx.metas)], out=flat)
+        _with_unsynced(ctx.h.kept, flat, inplace=True)   # what micro-batches under no_sync left
         ctx.h.bwd_work = dist.all_reduce(flat, group=ctx.group, async_op=True)
         # each gradient a tensor of its own once reduced (_GradWait): the bucket is written again
         # next step, and a gradient the optimizer or the user holds must not change with it
@@ -583,7 +619,7 @@ class _BucketStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, group, p, *shares):
-        ctx.h, ctx.group, ctx.shapes = h, group, [x.shape for x in shares]
+        ctx.h, ctx.group, ctx.shapes, ctx.sync = h, group, [x.shape for x in shares], _mesh().sync_grads
         flat = torch.cat([x.reshape(-1) for x in shares])
         out = flat.new_empty((p, flat.numel()))
         h.work, h.keep = _all_gather(out.view(-1), flat, group=group, async_op=True), flat
@@ -592,9 +628,13 @@ class _BucketStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous()
-        out = g.new_empty(g.shape[1])
         h = ctx.h
+        if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
+            _unsynced(h.kept, g)
+            h.bwd_result = [None] * len(ctx.shapes)
+            return (None, None, None) + (None,) * len(ctx.shapes)
+        g = _with_unsynced(h.kept, g).contiguous()
+        out = g.new_empty(g.shape[1])
         h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
         h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
         h.keep = g

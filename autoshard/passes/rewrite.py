@@ -275,7 +275,8 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             ph.meta["local"] = TensorMeta(pl.local_shape(node.outputs[0].shape, outs[0], mesh), node.outputs[0].dtype)
             if node.kind == "param":
                 axes = tuple(a for a, p in enumerate(outs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
-                x = g.call_function(runtime.grad_sync, (ph, axes)) if (plan.training and node.requires_grad and axes) else ph
+                x = (g.call_function(runtime.grad_sync, (ph, axes), {"key": node.name})
+                     if (plan.training and node.requires_grad and axes) else ph)
             else:
                 x = g.call_function(runtime.to_local, (ph, pl.to_strings(outs[0])))
             local[(node.name, 0)] = x

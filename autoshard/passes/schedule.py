@@ -153,7 +153,7 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
         members, axis = b["members"], b["key"][0]
         shares = [n.args[0] for n in members]
         sizes.append(b["bytes"])
-        h = start.call(runtime.pending, ())
+        h = start.call(runtime.pending, (f"gather_bucket_{i}",))
         waited = start.call(runtime.grad_wait, (h, *shares))
         waited = [start.call(operator.getitem, (waited, k)) for k in range(len(members))]
         # start after the wait of the latest earlier bucket that keeps the bytes in flight <= limit
