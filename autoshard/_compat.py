@@ -49,3 +49,13 @@ def dtensor_like(p, local):
         except TypeError:
             pass
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def set_collective_timeout(groups, seconds: float) -> None:
+    """Bound every collective on ``groups`` to ``seconds``. A group's timeout is fixed when it is
+    made (``new_group(timeout=)``; DeviceMesh's subgroups take torch's default, 30 minutes on
+    gloo) and torch has no public way to change it after."""
+    import datetime
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    for group in {id(g): g for g in groups}.values():
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)

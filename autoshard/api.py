@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from autoshard import placement as pl
 from autoshard import optim, runtime
-from autoshard._compat import blocked_shard, tree_flatten, tree_unflatten
+from autoshard._compat import blocked_shard, set_collective_timeout, tree_flatten, tree_unflatten
+from autoshard.arguments import check_number
 from autoshard.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
@@ -188,14 +189,17 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
 # ---- running ------------------------------------------------------------------------------------
 
 def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Optional[Plan] = None,
-                overlap: bool = True, **plan_kwargs) -> "ParallelModule":
+                overlap: bool = True, timeout: Optional[float] = None, **plan_kwargs) -> "ParallelModule":
     """``model`` for the current rank of an initialized process group.
 
     With ``example_inputs`` (or a ``plan``) it plans and shards the parameters now; without, at
     its first call, from the real inputs. Like FSDP, it takes the model over: its parameters are
     replaced, in place, by this rank's DTensor shares. ``overlap=False`` skips the schedule pass:
     every collective then runs where the rewriter put it, one gradient at a time (for debugging
-    and for measuring what the schedule gains)."""
+    and for measuring what the schedule gains). ``timeout`` (seconds) bounds every collective on
+    the module's process groups (the mesh's, and those spanning several axes), which otherwise
+    wait as long as torch's default for each (gloo: the default group's ``init_process_group``
+    timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
                            "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
@@ -212,6 +216,9 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
         mesh_shape = tuple(plan.mesh_shape)
     plan_kwargs.pop("mesh", None)
     pm = ParallelModule(model, mesh_shape, plan, plan_kwargs, overlap)
+    if timeout is not None:
+        pm.__dict__["_timeout"] = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
+        pm._bound_collectives()
     if example_inputs is not None:
         pm.prepare(example_inputs)
     return pm
@@ -316,10 +323,16 @@ class ParallelModule(nn.Module):
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
+        self._bound_collectives()
         self.__dict__["_planned_shapes"] = shapes
         self.__dict__["_planned_consts"] = consts
         self._programs[key] = (program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
+
+    def _bound_collectives(self):
+        if self.__dict__.get("_timeout") is not None:
+            m = self._rank_mesh
+            set_collective_timeout([*m.groups, *m._joint.values()], self._timeout)
 
     def _agree_on_plan(self, graph: Graph) -> Plan:
         """Rank 0 plans and every rank takes its plan, so no two ranks can disagree."""

@@ -6,12 +6,20 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
+import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
+
+from autoshard.arguments import check_int, check_number
+
+POLL_S = 0.2   # how often run looks for a rank that died without reporting
+GRACE_S = 0.5  # how long it waits, once a rank failed, for the others' errors
+_SIGNALS = {s.value for s in signal.Signals}
 
 
 def _free_port() -> int:
@@ -42,12 +50,22 @@ def _worker(rank, world, port, backend, timeout_s, jobs, results):
 
 class LocalWorld:
     """``world`` processes in one process group. ``run(fn, *args)`` calls ``fn`` on every rank and
-    returns the per-rank results; a failure on any rank raises here with that rank's traceback."""
+    returns the per-rank results.
+
+    A rank that raises, or whose process dies (a signal, ``os._exit``), is reported within a
+    second or two: ``run`` raises a ``RuntimeError`` naming the rank and its error (its traceback,
+    or how its process ended), after stopping the other ranks, which may be waiting for it in a
+    collective. The group starts afresh at the next ``run``. ``timeout_s`` bounds every collective
+    (gloo's own timeout) and, with a minute's grace, the whole of ``run``."""
 
     def __init__(self, world: int, backend: str = "gloo", timeout_s: float = 120.0):
-        if world < 1:
-            raise ValueError(f"world must be at least 1, got {world}")
-        self.world, self.backend, self.timeout_s = world, backend, timeout_s
+        self.world = check_int("world", world, low=1, hint="the number of processes, such as 4")
+        if not isinstance(backend, str) or backend not in ("gloo", "nccl", "mpi", "ucc"):
+            raise ValueError(f"backend is the name of a torch.distributed backend, 'gloo' on CPUs or 'nccl' on "
+                             f"GPUs; got {backend!r}")
+        self.timeout_s = check_number("timeout_s", timeout_s, positive=True,
+                                      hint="the seconds a collective may wait, such as 120")
+        self.backend = backend
         self._procs = []
 
     def _start(self):
@@ -62,38 +80,85 @@ class LocalWorld:
             p.start()
 
     def run(self, fn, *args, **kwargs) -> list:
+        if not callable(fn):
+            raise TypeError(f"fn is the function to run on every rank, got {type(fn).__name__}")
         if not self._procs:
             self._start()
+        name = getattr(fn, "__name__", repr(fn))
         for q in self._jobs:
             q.put((fn, args, kwargs))
-        out, errors = [None] * self.world, {}
-        for _ in range(self.world):
-            try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s + 60)
-            except queue.Empty:
-                self.close()
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on every rank within "
-                                   f"{self.timeout_s + 60:.0f} s") from None
+        out, done, errors = [None] * self.world, set(), {}
+        deadline = time.monotonic() + self.timeout_s + 60
+        while len(done) < self.world and not errors:
+            got = self._next_result(POLL_S)
+            if got is None:
+                errors.update(self._dead(done))
+                if not errors and time.monotonic() > deadline:
+                    self.close()
+                    raise TimeoutError(f"{name} did not finish on every rank within {self.timeout_s + 60:.0f} s; "
+                                       f"ranks {sorted(set(range(self.world)) - done)} are still running")
+                continue
+            rank, ok, value = got
+            done.add(rank)
             if ok:
                 out[rank] = ForkingPickler.loads(value)
             else:
                 errors[rank] = value
         if errors:
-            self.close()  # a failed collective can leave the group unusable: start afresh next time
-            rank = min(errors)
-            raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on rank {rank}:\n{errors[rank]}")
+            # a rank that died makes its peers' collectives fail at once ("connection reset"): the
+            # cause is the dead rank, else the first to report. The others may be waiting for it
+            # in a collective, where they would wait for the collective timeout: stop them now
+            end = time.monotonic() + GRACE_S
+            while (got := self._next_result(max(end - time.monotonic(), 0))) is not None:
+                if not got[1]:
+                    errors.setdefault(got[0], got[2])
+            dead = self._dead(set())
+            rank = next(iter(dead or errors))
+            cause = dead.get(rank) or errors[rank]
+            others = [r for r in range(self.world) if r != rank and r not in dead]
+            self.close(stop=True)
+            stopped = f" (ranks {others} were stopped)" if others else ""
+            raise RuntimeError(f"{name} failed on rank {rank}{stopped}:\n{cause}")
         return out
 
-    def close(self):
-        for q in getattr(self, "_jobs", []):
-            try:
-                q.put(None)
-            except Exception:  # noqa: BLE001
-                pass
+    def _next_result(self, timeout):
+        try:
+            return self._results.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _dead(self, done) -> dict:
+        """Ranks whose process ended without reporting, and how it ended."""
+        dead = {}
+        for rank, p in enumerate(self._procs):
+            if rank not in done and p.exitcode is not None:
+                code = p.exitcode
+                how = (f"killed by signal {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS
+                       else f"exited with code {code}")
+                dead[rank] = f"its process (pid {p.pid}) {how} before returning"
+        return dead
+
+    def close(self, stop: bool = False):
+        """End every rank's process: let each leave its loop, or with ``stop`` terminate it at once
+        (a rank blocked in a collective never reads its queue). None is left running."""
+        if not stop:
+            for q in getattr(self, "_jobs", []):
+                try:
+                    q.put(None)
+                except Exception:  # noqa: BLE001 - a queue whose reader is gone
+                    pass
         for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            if stop and p.is_alive():
                 p.terminate()
+        for p in self._procs:
+            p.join(timeout=2 if stop else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for q in [*getattr(self, "_jobs", []), getattr(self, "_results", None)]:
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()
         self._procs = []
 
     def __enter__(self):
