@@ -270,9 +270,17 @@ def overlap_case(mesh):
     return on[:2], off[:2], same, events
 
 
-@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
-def test_overlapped_activation_steps_train_exactly(world4, mesh):
-    for on, off, same, events in world4.run(overlap_case, mesh):
+@pytest.fixture(scope="module")
+def world2():
+    w = LocalWorld(2)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2), (2,)])
+def test_overlapped_activation_steps_train_exactly(request, mesh):
+    world = request.getfixturevalue("world2" if mesh == (2,) else "world4")
+    for on, off, same, events in world.run(overlap_case, mesh):
         assert on[0] <= 1e-5 and on[1] <= 1e-4, on
         assert off[0] <= 1e-5 and off[1] <= 1e-4, off
         assert same <= 1e-5
