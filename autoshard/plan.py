@@ -15,6 +15,8 @@ from autoshard.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.step import Cost
+from autoshard import summary
+from autoshard.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class NodeChoice:
     compute: float = 0.0            # seconds, forward (+ backward when training)
     comm: float = 0.0               # seconds of the collectives this node causes
     fqn: Optional[str] = None
+    module: Optional[str] = None    # an op's innermost module (``blocks.0.qkv``), from the trace
 
     def in_placements(self) -> list:
         return [tuple(pl.parse(p) for p in x) for x in self.inputs]
@@ -81,63 +84,13 @@ class Plan:
 
     # ---- reading ----------------------------------------------------------------------------
     def __str__(self) -> str:
-        by_node: dict = {}
-        for c in self.collectives:
-            by_node.setdefault(c.node, []).append(c)
-        rows = [("node", "op", "shape", "placement", "collectives", "compute", "comm")]
-        for n in self.nodes.values():
-            if n.kind == "output":
-                continue
-            colls = "; ".join(f"{c.kind}{_axes(c.axes)} {c.phase[:3]} {_fmt_bytes(c.bytes)}" for c in by_node.get(n.name, []))
-            shape = "x".join(map(str, n.shapes[0])) if n.shapes else "-"
-            place = pl.format_nd(n.out_placements()[0]) if n.outputs else "-"
-            rows.append((n.name, n.op, shape, place, colls or "-", _fmt_s(n.compute), _fmt_s(n.comm)))
-        out_colls = by_node.get("output", [])
-        if out_colls:
-            rows.append(("output", "output", "-", "B", "; ".join(f"{c.kind}{_axes(c.axes)} fwd {_fmt_bytes(c.bytes)}" for c in out_colls),
-                         "-", _fmt_s(sum(c.seconds for c in out_colls))))
-        widths = [min(max(len(r[i]) for r in rows), 60) for i in range(len(rows[0]))]
-        lines = ["  ".join(str(c)[:60].ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        compute = sum(n.compute for n in self.nodes.values())
-        commt = sum(c.seconds for c in self.collectives)
-        hidden = sum(c.seconds for c in self.collectives if c.overlapped)
-        exposed = Cost(**self.breakdown).exposed if self.breakdown else commt
-        kinds: dict = {}
-        for c in self.collectives:
-            kinds[c.kind] = kinds.get(c.kind, 0) + 1
-        per_axis: dict = {}
-        for c in self.collectives:
-            for a in c.axes:   # a collective over several axes at once: an equal share to each
-                per_axis[a] = per_axis.get(a, 0.0) + c.seconds / len(c.axes)
-        head = (f"autoshard plan: mesh {tuple(self.mesh_shape)} ({self.world} devices"
-                f"{', ' + self.cluster.name if self.cluster else ''}), "
-                f"{'training' if self.training else 'inference'}")
-        solver = self.solver
-        foot = [
-            "",
-            f"compute {_fmt_s(compute)}  +  exposed communication {_fmt_s(exposed)}  =  {_fmt_s(self.cost)} per step (estimated)",
-            f"communication {_fmt_s(commt)}, of which {_fmt_s(hidden)} is overlapped with compute by the schedule "
-            f"(gradient buckets of {_fmt_bytes(self.schedule.get('bucket_bytes', 0))}, prefetched parameter gathers)"
-            + ("; converted parameters are freed after forward and converted again for backward"
-               if self.schedule.get("reshard_after_forward") else ""),
-            "collectives: " + (", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"),
-            "communication per axis: " + (", ".join(f"axis {a} {_fmt_s(t)}" for a, t in sorted(per_axis.items())) or "none"),
-        ]
-        if self.memory:
-            m = self.memory
-            foot.append("memory per rank: " + ", ".join(f"{k} {_fmt_bytes(m[k])}" for k in
-                        ("parameters", "gradients", "optimizer", "activations", "total"))
-                        + (f" (budget {_fmt_bytes(m['budget'])})" if m.get("budget") else ""))
-        if self.mesh_candidates:
-            ranked = [c for c in self.mesh_candidates if c.get("cost") is not None]
-            foot.append(f"mesh search: {len(self.mesh_candidates)} shapes, {len(ranked)} solved, best first: "
-                        + ", ".join(f"{tuple(c['mesh'])} {_fmt_s(c['cost'])}" for c in ranked[:5]))
-        if solver:
-            gap = solver.get("gap")
-            foot.append(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
-                        + (f"optimality gap {100 * gap:.2f}%" if gap is not None else
-                           "a local optimum of one-axis descent (no bound on this mesh)"))
-        return "\n".join([head, ""] + lines + foot)
+        """The plan at a glance: mesh, step, memory, solver, the model with repeated blocks
+        folded, the largest collectives (``autoshard.summary``)."""
+        return summary.summary(self)
+
+    def table(self) -> str:
+        """Every graph node: shape, placement, collectives, compute and communication."""
+        return summary.table(self)
 
     # ---- saving -----------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -178,28 +131,6 @@ class Plan:
             mesh_candidates=d.get("mesh_candidates", []))
 
 
-def _axes(axes) -> str:
-    return "(" + ",".join(map(str, axes)) + ")"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n}"
-
-
-def _fmt_s(t: float) -> str:
-    if t == 0:
-        return "0"
-    if t >= 1:
-        return f"{t:.2f}s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.2f}ms"
-    return f"{t * 1e6:.1f}us"
-
-
 def make_plan(graph, strategies, solution, costs) -> Plan:
     """The chosen strategy of every node, with the collectives and costs it implies."""
     mesh, links = costs.mesh_shape, costs.links
@@ -237,7 +168,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
         nodes[n.name] = NodeChoice(
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
             inputs=[pl.to_strings(p) for p in strat.inputs], outputs=[pl.to_strings(p) for p in strat.outputs],
-            compute=cost.compute, comm=cost.communication, fqn=n.fqn)
+            compute=cost.compute, comm=cost.communication, fqn=n.fqn, module=_module(n))
     param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
     for alias, fqn in graph.param_aliases.items():
         if fqn in param_node:
@@ -249,3 +180,9 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     return Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
                 input_shapes, memory, asdict(total),
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard})
+
+
+def _module(node) -> Optional[str]:
+    """The innermost module an op was traced in (torch.export's ``nn_module_stack``)."""
+    stack = node.fx_node.meta.get("nn_module_stack") if node.kind == "op" else None
+    return list(stack.values())[-1][0] if stack else None
