@@ -59,3 +59,86 @@ def set_collective_timeout(groups, seconds: float) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
     for group in {id(g): g for g in groups}.values():
         _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def blocked_pieces(dt):
+    """The pieces of this rank's share of a DTensor stored with blocked splits (``blocked_shard``):
+    ``[(offsets, sizes, view of the local tensor)]``, one per block (a fused qkv weight's share on
+    one rank is a piece of q, one of k and one of v), or None for any other DTensor. The local
+    tensor holds the pieces one after another along the split dim, block by block."""
+    import itertools
+
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+    places = dt.placements
+    groups = {q.dim: q.split_factor for q in places if isinstance(q, _StridedShard)}
+    if not groups:
+        return None
+    for q in places:   # only autoshard's pattern: every axis that cuts a blocked dim cuts it alike
+        if q.is_shard() and q.dim in groups and (not isinstance(q, _StridedShard) or q.split_factor != groups[q.dim]):
+            return None
+    if any(dt.shape[d] % g for d, g in groups.items()):
+        return None
+    block = [s // groups.get(d, 1) for d, s in enumerate(dt.shape)]
+    plain = [Shard(q.dim) if isinstance(q, _StridedShard) else q for q in places]
+    sizes, offsets = compute_local_shape_and_global_offset(torch.Size(block), dt.device_mesh, plain)
+    local, pieces = dt._local_tensor, []
+    for index in itertools.product(*(range(groups.get(d, 1)) for d in range(dt.ndim))):
+        view = local
+        for d in groups:
+            view = view.narrow(d, index[d] * sizes[d], sizes[d])
+        at = torch.Size(o + i * b for o, i, b in zip(offsets, index, block))
+        pieces.append((at, torch.Size(sizes), view))
+    return pieces
+
+
+def checkpoint_blocked_splits() -> None:
+    """Teach DTensor's checkpoint protocol (the three methods torch.distributed.checkpoint asks a
+    tensor for: its write items, its chunks, the tensor of one chunk) the blocked split. DTensor
+    describes every rank's share as one chunk, which a blocked split's share is not (a piece of
+    each block), so DCP refuses such a tensor ("overlapping chunks"). Here such a share is
+    described piece by piece, each a view of the local tensor, so saving reads and loading writes
+    the parameter (or its optimizer state) in place, and a checkpoint saved under one layout
+    loads under any other. Any other DTensor goes through DTensor's own methods. Called once,
+    when autoshard first makes such a parameter."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    import torch
+    from torch.distributed.tensor import DTensor
+    if getattr(DTensor, "_autoshard_blocked", False):
+        return
+    write_items, chunk_list, tensor_shard = (DTensor.__create_write_items__, DTensor.__create_chunk_list__,
+                                             DTensor.__get_tensor_shard__)
+
+    def create_write_items(self, fqn, obj):
+        pieces = blocked_pieces(self)
+        if pieces is None:
+            return write_items(self, fqn, obj)
+        props = TensorProperties.create_from_tensor(self._local_tensor)
+        return [WriteItem(index=MetadataIndex(fqn, at), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=at, sizes=sizes),
+                                                      properties=props, size=self.size()))
+                for at, sizes, _ in pieces]
+
+    def create_chunk_list(self):
+        pieces = blocked_pieces(self)
+        if pieces is None:
+            return chunk_list(self)
+        return [ChunkStorageMetadata(offsets=at, sizes=sizes) for at, sizes, _ in pieces]
+
+    def get_tensor_shard(self, index):
+        pieces = blocked_pieces(self)
+        if pieces is None:
+            return tensor_shard(self, index)
+        for at, _, view in pieces:
+            if index.offset is None or torch.Size(index.offset) == at:
+                return view
+        raise ValueError(f"{index.fqn}: this rank holds no piece at offset {list(index.offset)}")
+
+    DTensor.__create_write_items__ = create_write_items
+    DTensor.__create_chunk_list__ = create_chunk_list
+    DTensor.__get_tensor_shard__ = get_tensor_shard
+    DTensor._autoshard_blocked = True
