@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import difflib
+import inspect
 import math
 from typing import Optional
 
@@ -18,7 +19,8 @@ import torch.nn as nn
 from autoshard import placement as pl
 from autoshard import optim, runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_unflatten
-from autoshard.arguments import check_number
+from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
+                                 check_plan_options)
 from autoshard.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
@@ -29,7 +31,6 @@ from autoshard.passes.descend import lifted_starts, solve_mesh
 from autoshard.passes.solve import Costs
 from autoshard.plan import Plan, make_plan
 
-MAX_AXES = 4
 
 
 def resolve_mesh(world, mesh) -> tuple:
@@ -41,15 +42,7 @@ def resolve_mesh(world, mesh) -> tuple:
         if world is None:
             raise ValueError("say how many devices to plan for: world=N, or mesh=(a, b, ...)")
         return (world,)
-    if isinstance(mesh, int):
-        mesh = (mesh,)
-    mesh = tuple(mesh)
-    if not mesh or any(not isinstance(a, int) or isinstance(a, bool) for a in mesh):
-        raise TypeError(f"mesh is a tuple of axis sizes such as (4, 2), got {mesh!r}")
-    if len(mesh) > MAX_AXES:
-        raise ValueError(f"a mesh has at most {MAX_AXES} axes, got {len(mesh)}: {mesh}")
-    if any(a < 1 for a in mesh) or (len(mesh) > 1 and any(a < 2 for a in mesh)):
-        raise ValueError(f"every axis of mesh {mesh} needs at least 2 devices; drop axes of size 1")
+    mesh = check_mesh(mesh, MAX_AXES)
     if world is not None and math.prod(mesh) != world:
         raise ValueError(f"mesh {mesh} holds {math.prod(mesh)} devices but world={world}; make the "
                          "product of the axis sizes equal world")
@@ -101,32 +94,13 @@ def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
 
 
 def resolve_budget(memory_budget, cluster: Cluster) -> float:
-    if memory_budget is None:
-        return cluster.memory
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0:
-        raise ValueError(f"memory_budget is a positive number of bytes per device, got {memory_budget!r}")
-    return float(memory_budget)
-
-
-def check_bucket(bucket_bytes) -> None:
-    if bucket_bytes is None:   # chosen from the cluster's links (passes.schedule.bucket_bytes_for)
-        return
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes is a positive number of bytes, or None to choose it from the links; "
-                         f"got {bucket_bytes!r}")
-
-
-def check_reshard(reshard_after_forward) -> None:
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
+    return cluster.memory if memory_budget is None else check_budget(memory_budget)
 
 
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
                bucket_bytes=None, memory_budget=None, reshard_after_forward=False) -> Plan:
     cluster = resolve_cluster(cluster)
-    budget = resolve_budget(memory_budget, cluster)
-    check_bucket(bucket_bytes)
-    check_reshard(reshard_after_forward)
+    budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes, reshard_after_forward)
@@ -154,6 +128,10 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     as PyTorch's FSDP does: a parameter stored split then holds only its share between uses, at
     the price of the gathers run again in backward. By default the converted parameter is kept
     from forward to backward (faster, and counted in the activations)."""
+    check_module("model", model)
+    normalize_inputs(example_inputs)
+    check_plan_options(cluster=cluster, pin=pin, training=training, time_limit=time_limit, bucket_bytes=bucket_bytes,
+                       memory_budget=memory_budget, reshard_after_forward=reshard_after_forward)
     mesh_shape = resolve_mesh(world, mesh)
     graph = capture(model, example_inputs)
     args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward)
@@ -162,13 +140,15 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     return plan_graph(graph, mesh_shape, *args)
 
 
+# what parallelize passes on to the planner: plan's keyword options
+PLAN_OPTIONS = [n for n, p in inspect.signature(plan).parameters.items() if p.kind is p.KEYWORD_ONLY and n != "world"]
+
+
 def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
                 bucket_bytes=None, memory_budget=None, reshard_after_forward=False) -> Plan:
     """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
     cluster = resolve_cluster(cluster)
-    budget = resolve_budget(memory_budget, cluster)
-    check_bucket(bucket_bytes)
-    check_reshard(reshard_after_forward)
+    budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
     arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}
     if len(arity) > 1:
         raise ValueError(f"the pins name different numbers of mesh axes ({sorted(arity)}); give every pin "
@@ -200,6 +180,16 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     the module's process groups (the mesh's, and those spanning several axes), which otherwise
     wait as long as torch's default for each (gloo: the default group's ``init_process_group``
     timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise."""
+    check_module("model", model)
+    if example_inputs is not None:
+        normalize_inputs(example_inputs)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan is an autoshard.Plan (Plan.from_json(text) reads one back), got {type(plan).__name__}")
+    check_bool("overlap", overlap)
+    if timeout is not None:
+        timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
+    check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
+    check_plan_options(**plan_kwargs)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
                            "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
@@ -217,7 +207,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     plan_kwargs.pop("mesh", None)
     pm = ParallelModule(model, mesh_shape, plan, plan_kwargs, overlap)
     if timeout is not None:
-        pm.__dict__["_timeout"] = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
+        pm.__dict__["_timeout"] = timeout
         pm._bound_collectives()
     if example_inputs is not None:
         pm.prepare(example_inputs)

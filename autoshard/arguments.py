@@ -7,6 +7,8 @@ import difflib
 import math
 import numbers
 
+MAX_AXES = 4   # the most mesh axes a plan has
+
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -55,3 +57,53 @@ def check_options(where: str, given, known) -> None:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"{where} got an unknown option {name!r}: it takes "
                             f"{', '.join(sorted(known))}{hint}")
+
+
+def check_module(name: str, value) -> None:
+    import torch.nn as nn
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+
+
+def check_mesh(mesh, max_axes: int = MAX_AXES) -> tuple:
+    """A mesh shape: an int or a tuple of up to ``max_axes`` axis sizes, each at least 2 when
+    there are several."""
+    if _is_int(mesh):
+        mesh = (mesh,)
+    if not isinstance(mesh, (tuple, list)) or not mesh or not all(_is_int(a) for a in mesh):
+        raise TypeError(f"mesh is a tuple of axis sizes such as (4, 2), got {mesh!r}")
+    mesh = tuple(int(a) for a in mesh)
+    if len(mesh) > max_axes:
+        raise ValueError(f"a mesh has at most {max_axes} axes, got {len(mesh)}: {mesh}")
+    if any(a < 1 for a in mesh) or (len(mesh) > 1 and any(a < 2 for a in mesh)):
+        raise ValueError(f"every axis of mesh {mesh} needs at least 2 devices; drop axes of size 1")
+    return mesh
+
+
+def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0, bucket_bytes=None,
+                       memory_budget=None, reshard_after_forward=False, **others) -> None:
+    """The planning options of ``plan`` and ``parallelize``, each of the right kind and range
+    (the pins' names and placements are checked against the graph when it is planned)."""
+    from autoshard.cluster import Cluster
+    if cluster is not None and not isinstance(cluster, (str, Cluster)):
+        raise TypeError(f"cluster is an autoshard.Cluster, a preset name (autoshard.PRESETS) or 'measure', "
+                        f"got {type(cluster).__name__}")
+    if pin is not None and (not isinstance(pin, dict) or not all(isinstance(k, str) for k in pin)):
+        raise TypeError(f"pin is a dict {{name: placements}}, e.g. {{'fc1.weight': ('S(0)',)}}, got {pin!r}")
+    check_bool("training", training)
+    check_number("time_limit", time_limit, positive=True, hint="the solver's seconds, such as 60")
+    if bucket_bytes is not None:   # None: chosen from the cluster's links (passes.schedule.bucket_bytes_for)
+        check_int("bucket_bytes", bucket_bytes, low=1, hint="bytes per gradient bucket, or None to choose "
+                  "it from the links")
+    if memory_budget is not None:
+        check_budget(memory_budget)
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
+
+
+def check_budget(memory_budget) -> float:
+    if (isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real)
+            or not 0 < memory_budget < math.inf):
+        raise ValueError(f"memory_budget is a positive number of bytes per device (finite), or None for the "
+                         f"cluster's device memory; got {memory_budget!r}")
+    return float(memory_budget)

@@ -16,6 +16,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
+from autoshard.arguments import check_int, check_number
+
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
@@ -44,24 +46,18 @@ class Cluster:
                                      # in FLOP/s (matmul, attention) or bytes/s of the forward's work
 
     def __post_init__(self):
-        for field in ("gpus_per_node",):
-            if getattr(self, field) < 1:
-                raise ValueError(f"Cluster.{field} must be at least 1, got {getattr(self, field)}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"Cluster.name is a string, got {self.name!r}")
+        check_int("Cluster.gpus_per_node", self.gpus_per_node, low=1)
         for field in ("intra_bandwidth", "inter_bandwidth", "peak_flops", "peak_flops_fp32",
                       "memory_bandwidth", "memory"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"Cluster.{field} must be positive, got {getattr(self, field)}")
+            check_number(f"Cluster.{field}", getattr(self, field), positive=True)
         for field in ("intra_latency", "inter_latency", "collective_overhead"):
-            if getattr(self, field) < 0:
-                raise ValueError(f"Cluster.{field} must not be negative, got {getattr(self, field)}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"Cluster.efficiency is a fraction in (0, 1], got {self.efficiency}")
-        if not 0 <= self.overlap <= 1:
-            raise ValueError(f"Cluster.overlap is a fraction in [0, 1], got {self.overlap}")
+            check_number(f"Cluster.{field}", getattr(self, field), low=0, hint="seconds, not negative")
+        check_number("Cluster.efficiency", self.efficiency, positive=True, high=1, hint="a fraction in (0, 1]")
+        check_number("Cluster.overlap", self.overlap, low=0, high=1, hint="a fraction in [0, 1]")
         for field in ("op_overhead", "backward_overhead"):
-            if not 0 <= getattr(self, field) < math.inf:
-                raise ValueError(f"Cluster.{field} is seconds per launch, finite and not negative, got "
-                                 f"{getattr(self, field)}")
+            check_number(f"Cluster.{field}", getattr(self, field), low=0, hint="seconds per launch, not negative")
         # tuples, also when read back from JSON's lists, so a saved cluster loads equal
         rows = tuple(tuple(r) for r in self.collectives)
         for row in rows:

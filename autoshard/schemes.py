@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 import torch
 
 from autoshard import placement as pl
+from autoshard.arguments import MAX_AXES, check_mesh, check_module
 from autoshard.passes.annotate import blocked_splits
 from autoshard.passes.capture import Graph, capture
 
@@ -265,11 +266,8 @@ class _Layout:
 
 
 def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layout:
-    if isinstance(mesh, int):
-        mesh = (mesh,)
-    mesh = tuple(mesh)
-    if not mesh or any(not isinstance(a, int) or a < 1 for a in mesh):
-        raise ValueError(f"mesh is a tuple of axis sizes such as (4, 2), got {mesh!r}")
+    check_module("model", model)
+    mesh = check_mesh(mesh, MAX_AXES)
     graph = graph if graph is not None else capture(model, example_inputs)
     params = {n.fqn: n.outputs[0].shape for n in graph.nodes if n.kind == "param"}
     inputs = {n.name: n.outputs[0].shape for n in graph.nodes if n.kind == "input" and n.outputs}
@@ -311,7 +309,9 @@ def _axes(lay: _Layout, **roles) -> dict:
     for role, a in roles.items():
         if a is None:
             continue
-        if not isinstance(a, int) or not -n <= a < n:
+        if isinstance(a, bool) or not isinstance(a, int):
+            raise TypeError(f"{role} is the index of a mesh axis of {lay.mesh} (0..{n - 1}), or None; got {a!r}")
+        if not -n <= a < n:
             raise ValueError(f"{role}={a!r} is not an axis of mesh {lay.mesh}: give 0..{n - 1}")
         out[role] = a % n
     seen = {}
@@ -416,7 +416,10 @@ def fsdp(model, example_inputs, mesh, *, shard=None, graph: Optional[Graph] = No
     makes each weight used whole."""
     lay = _layout(model, example_inputs, mesh, graph)
     n = len(lay.mesh)
-    shard = list(range(n)) if shard is None else [a % n for a in ([shard] if isinstance(shard, int) else shard)]
+    if shard is not None and not isinstance(shard, (int, tuple, list)):
+        raise TypeError(f"shard is a mesh axis or a list of them, or None for every axis; got {shard!r}")
+    shard = list(range(n)) if shard is None else list(_axes(lay, **{f"shard[{i}]": a for i, a in enumerate(
+        [shard] if isinstance(shard, int) else shard)}).values())
     pins = _batch_pins(lay, range(n))
     ways = math.prod(lay.mesh[a] for a in shard)
     for name, shape in lay.params.items():
