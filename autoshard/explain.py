@@ -1,281 +1,239 @@
-"""Why a tensor is laid out as it is: the alternatives the solver had, priced.
+"""Why a tensor is laid out as it is: the alternatives the solver had, priced, and how to force one.
 
-For a graph node n (a parameter's node, an input, an op) and each strategy s the solver could
-have given it, the plan with n switched to s and every other node held where it is:
+Each alternative of a node is priced as the plan with only that node changed: its own cost (compute,
+its gradient's all-reduce, the all-reduces its lowering issues), the conversions of its inputs from
+their producers' chosen layouts and those of its outputs into its consumers' chosen layouts, all by
+the solver's own ``Costs``, and the whole step recomputed from the parts (``cost.step``), so
+overlap is priced as the solver prices it. Such a plan is one the solver could have returned, so
+pinning the alternative costs at most its price (at most: the solver then re-plans the neighbours).
 
-    step(s)    the whole plan's step (``cost.step``): n's own cost, the conversions of its
-               inputs from their producers' layouts, and of its outputs into their consumers'
-               layouts, all re-priced under s; every max of the step taken again
-    compute    n's compute under s
-    comm       n's communication under s: its own collectives and those conversions
-    memory     bytes per rank of the whole plan
-
-The solver minimised the same cost over every node at once, so no alternative beats the chosen
-one by more than the solver's gap, unless it breaks the memory budget or the solve was a local
-optimum (descent on 3- and 4-axis meshes). Holding the neighbours makes step(s) an upper bound on
-what a plan pinned to s costs: a pin (``pin={name: placement}``, which fixes a node's output
-layout) lets the solver move the neighbours too.
-
-The alternatives are worked out when first asked for (or when the plan is saved), from the
-solver's own ``Costs`` of the mesh the plan was made on; a saved plan carries them, and keeps of
-each node the best strategy per output layout: the few best overall, and the best with each
-other placement on each axis.
+Alternatives are grouped by the node's output placements (what ``pin=`` fixes); of each group the
+cheapest strategy stands for it. Only the chosen one and the ``TOP`` cheapest others are kept, and
+the nodes of repeated blocks that share one set of solver variables share one entry
+(``passes.repeat``), so a deep stack costs what one or two blocks do.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import difflib
 
 from autoshard import placement as pl
-from autoshard.cost.memory import rank_memory
 from autoshard.cost.step import Cost
+from autoshard.summary import fmt_axes, fmt_bytes, fmt_s
 
-KEEP = 6   # alternatives kept per node beside the best per axis and placement
-
-
-@dataclass(frozen=True)
-class Alternative:
-    inputs: tuple       # per tensor input: per-axis placement strings
-    outputs: tuple      # per tensor output: per-axis placement strings
-    step: float         # seconds per step of the plan with this node switched, the rest held
-    compute: float      # seconds of this node's compute
-    comm: float         # seconds of this node's collectives and of its inputs' and outputs' conversions
-    memory: int         # bytes per rank of the whole plan with this node switched
-    chosen: bool = False
-
-    def to_list(self) -> list:
-        return [list(map(list, self.inputs)), list(map(list, self.outputs)), self.step, self.compute, self.comm,
-                self.memory, self.chosen]
-
-    @staticmethod
-    def from_list(row) -> "Alternative":
-        ins, outs, step, compute, comm, memory, chosen = row
-        return Alternative(tuple(map(tuple, ins)), tuple(map(tuple, outs)), step, compute, comm, memory, chosen)
+TOP = 4
 
 
-def _minus_plus(total: Cost, old: Cost, new: Cost) -> Cost:
-    return Cost(*(getattr(total, f.name) - getattr(old, f.name) + getattr(new, f.name) for f in fields(Cost)))
+def _local(graph, strategies, choice, costs, users, n, s) -> tuple:
+    """(Cost, bytes per rank) that node ``n`` adds when it runs strategy ``s`` and every other
+    node keeps its choice."""
+    cost, mem = costs.node(n, s), costs.memory(n, s)
+    for slot, value in enumerate(n.inputs):
+        src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+        cost = cost + costs.convert(value, src, s.inputs[slot], n)
+        mem += costs.kept(value, src, s.inputs[slot], n)
+    for k in range(len(n.outputs)):
+        for name, slot in users.get((n.name, k), []):
+            consumer = graph.by_name[name]
+            dst = strategies[name][choice[name]].inputs[slot]
+            cost = cost + costs.convert((n.name, k), s.outputs[k], dst, consumer)
+            mem += costs.kept((n.name, k), s.outputs[k], dst, consumer)
+    return cost, mem
 
 
-def priced(graph, strategies, choice: dict, costs, keep: int = KEEP) -> dict:
-    """node name -> [Alternative], the chosen strategy first, then the kept ones best first."""
-    mesh = costs.mesh_shape
-    chosen = {n.name: strategies[n.name][choice[n.name]] for n in graph.nodes}
+def _collectives(graph, strategies, choice, costs, users, n, s) -> list:
+    """What strategy ``s`` of ``n`` communicates, as [kind, phase, axes, bytes, seconds, hidden, at]."""
+    from autoshard.plan import conversion_collectives, own_collectives
+    colls = list(own_collectives(graph, costs, n, s))
+    for slot, value in enumerate(n.inputs):
+        src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+        colls += conversion_collectives(graph, costs, value, src, s.inputs[slot], n)
+    for k in range(len(n.outputs)):
+        for name, slot in users.get((n.name, k), []):
+            dst = strategies[name][choice[name]].inputs[slot]
+            colls += conversion_collectives(graph, costs, (n.name, k), s.outputs[k], dst, graph.by_name[name])
+    return [[c.kind, c.phase, list(c.axes), c.bytes, c.seconds, c.overlapped, c.node] for c in colls]
+
+
+def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
+    """node name -> {"count", "options"} (the chosen option first), or {"same_as": twin}."""
+    from autoshard.passes.repeat import tie_repeated
+    rep = tie_repeated(graph, strategies)
+    count: dict = {}
+    for r in rep.values():
+        count[r] = count.get(r, 0) + 1
     users = graph.users()
-    total = Cost()
-    for n in graph.nodes:
-        total = total + costs.node(n, chosen[n.name])
-        for slot, value in enumerate(n.inputs):
-            total = total + costs.convert(value, chosen[value[0]].outputs[value[1]], chosen[n.name].inputs[slot], n)
-    memory = rank_memory(graph, strategies, choice, mesh, costs.training, costs.reshard)["total"]
+    base_memory = plan.memory.get("total", 0)
+    budget = plan.memory.get("budget")
     out = {}
     for n in graph.nodes:
-        strats = strategies[n.name]
-        if n.kind == "output" or len(strats) < 2:
+        if n.kind == "output":
             continue
-
-        def local(s, n=n):
-            cost, mem = costs.node(n, s), costs.memory(n, s)
-            for slot, value in enumerate(n.inputs):
-                src = chosen[value[0]].outputs[value[1]]
-                cost = cost + costs.convert(value, src, s.inputs[slot], n)
-                mem += costs.kept(value, src, s.inputs[slot], n)
-            for i in range(len(n.outputs)):
-                for consumer, slot in users.get((n.name, i), []):
-                    c = graph.by_name[consumer]
-                    dst = chosen[consumer].inputs[slot]
-                    cost = cost + costs.convert((n.name, i), s.outputs[i], dst, c)
-                    mem += costs.kept((n.name, i), s.outputs[i], dst, c)
-            return cost, mem
-
-        base_cost, base_mem = local(chosen[n.name])
-        best: dict = {}   # output layout -> (step, index, cost, mem)
+        if rep[n.name] != n.name:
+            out[n.name] = {"same_as": rep[n.name]}
+            continue
+        strats = strategies[n.name]
+        chosen = choice[n.name]
+        here, here_mem = _local(graph, strategies, choice, costs, users, n, strats[chosen])
+        rest = {f: getattr(total, f) - getattr(here, f) for f in Cost.__dataclass_fields__}
+        best: dict = {}   # output placements -> (step, memory, index, cost)
         for i, s in enumerate(strats):
-            cost, mem = local(s)
-            step = _minus_plus(total, base_cost, cost).step
+            cost, mem = _local(graph, strategies, choice, costs, users, n, s)
+            step = Cost(**{f: rest[f] + getattr(cost, f) for f in rest}).step
             key = s.outputs
-            if key not in best or (step, i) < best[key][:2]:
-                best[key] = (step, i, cost, mem)
-        mine = choice[n.name]
-        ranked = sorted((v for k, v in best.items() if v[1] != mine), key=lambda v: v[:2])
-        kept = {v[1]: v for v in ranked[:keep]}
-        own = chosen[n.name].outputs[0] if chosen[n.name].outputs else ()
-        for axis in range(len(own)):
-            for v in ranked:   # the best with each other placement on this axis
-                p = strats[v[1]].outputs[0][axis]
-                if p != own[axis] and not any(strats[k].outputs[0][axis] == p for k in kept):
-                    kept[v[1]] = v
-        rows = [(total.step, mine, base_cost, base_mem)] + sorted(kept.values(), key=lambda v: v[:2])
-        out[n.name] = [Alternative(tuple(pl.to_strings(p) for p in strats[i].inputs),
-                                   tuple(pl.to_strings(p) for p in strats[i].outputs), step, cost.compute,
-                                   cost.communication, int(memory - base_mem + mem), i == mine)
-                       for step, i, cost, mem in rows]
+            if i == chosen or key not in best or (step, mem) < best[key][:2]:
+                if best.get(key, (0, 0, None))[2] != chosen:
+                    best[key] = (step, mem, i, cost)
+        others = sorted((v for k, v in best.items() if v[2] != chosen), key=lambda v: (v[0], v[1], v[2]))
+        kept = others[:TOP]
+        own = strats[chosen].outputs[0] if strats[chosen].outputs else ()
+        for axis in range(len(own)):   # and the best with each other placement on each axis
+            for v in others:
+                p = strats[v[2]].outputs[0][axis]
+                if p != own[axis] and not any(strats[k[2]].outputs[0][axis] == p for k in kept):
+                    kept.append(v)
+        kept.sort(key=lambda v: (v[0], v[1], v[2]))
+        options = []
+        for step, mem, i, cost in [best[strats[chosen].outputs]] + kept:
+            s = strats[i]
+            memory = base_memory - here_mem + mem
+            options.append({
+                "outputs": [list(pl.to_strings(p)) for p in s.outputs],
+                "inputs": [list(pl.to_strings(p)) for p in s.inputs],
+                "step": step, "compute": cost.compute, "comm": cost.communication, "memory": mem,
+                "fits": budget is None or memory <= budget,
+                "collectives": _collectives(graph, strategies, choice, costs, users, n, s)})
+        out[n.name] = {"count": count[n.name], "options": options, "legal": len(best)}
     return out
 
 
-# ---- what a plan carries ------------------------------------------------------------------------
+# ---- words --------------------------------------------------------------------------------------
 
-def attach(plan, graph, strategies, choice: dict, costs) -> None:
-    """Keep what pricing the alternatives needs on the plan, to work them out when first asked."""
-    plan.__dict__["_explain_source"] = (graph, strategies, dict(choice), costs)
-
-
-def data(plan) -> dict:
-    """{"aliases": parameter name -> its graph node, "alternatives": node -> [Alternative]}."""
-    if "_explain" not in plan.__dict__:
-        source = plan.__dict__.get("_explain_source")
-        if source is None:
-            return {"aliases": {}, "alternatives": {}}
-        graph = source[0]
-        param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
-        aliases = {a: param_node[f] for a, f in graph.param_aliases.items() if f in param_node}
-        plan.__dict__["_explain"] = {"aliases": aliases, "alternatives": priced(*source)}
-    return plan.__dict__["_explain"]
+def _axis_words(p: str, size: int) -> str:
+    if p == "B":
+        return f"whole on each of its {size} devices"
+    if p == "P":
+        return f"a partial sum on each of its {size} devices (the value is their sum)"
+    place = pl.parse(p)
+    groups = f" within each of {place.groups} blocks" if getattr(place, "groups", 1) > 1 else ""
+    return f"dim {place.dim} split {size} ways{groups}"
 
 
-def to_json(plan) -> dict:
-    d = data(plan)
-    return {"aliases": d["aliases"], "alternatives": {k: [a.to_list() for a in v] for k, v in d["alternatives"].items()}}
+def _nd(p) -> str:
+    return "(" + ", ".join(p) + ")"
 
 
-def from_json(plan, d) -> None:
-    if d:
-        plan.__dict__["_explain"] = {"aliases": dict(d.get("aliases", {})), "alternatives": {
-            k: [Alternative.from_list(r) for r in v] for k, v in d.get("alternatives", {}).items()}}
+def _coll_words(c) -> str:
+    kind, phase, axes, nbytes, seconds, hidden, at = c
+    return (f"{kind} {'fwd' if phase == 'forward' else 'bwd'} over axes {fmt_axes(axes)} "
+            f"{fmt_bytes(nbytes)} {fmt_s(seconds)}{' hidden' if hidden else ''}")
 
 
-def node_alternatives(plan, name: str) -> list:
-    """The priced alternatives of node ``name`` (a parameter's name is taken too), the chosen
-    one first; empty for a node with one possible layout."""
-    return list(data(plan)["alternatives"].get(_node_name(plan, name), []))
+def _signed(t: float) -> str:
+    return ("+" if t >= 0 else "-") + fmt_s(abs(t))
 
 
-def _node_name(plan, name: str) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"name is a parameter's name (e.g. 'blocks.0.fc.weight') or a graph node's, got {name!r}")
-    if name in plan.nodes:
-        return name
-    by_fqn = {n.fqn: n.name for n in plan.nodes.values() if n.kind == "param" and n.fqn}
-    by_fqn.update(data(plan)["aliases"])
-    if by_fqn.get(name):
-        return by_fqn[name]
-    import difflib
-    known = sorted(set(plan.params) | set(plan.nodes))
+def _signed_bytes(n: float) -> str:
+    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
+
+
+def resolve(plan, name: str) -> tuple:
+    """(graph node name, parameter name or None) of a parameter or node name; a clear error else."""
+    fqn = plan.aliases.get(name, name)
+    for n in plan.nodes.values():
+        if n.kind == "param" and n.fqn == fqn:
+            return n.name, name
+    if name in plan.nodes and plan.nodes[name].kind != "output":
+        return name, None
+    known = list(plan.params) + [n for n in plan.nodes if plan.nodes[n].kind != "output"]
     close = difflib.get_close_matches(name, known, n=3)
     raise KeyError(f"{name!r} is neither a parameter of the model nor a node of its graph"
                    + (f"; did you mean {', '.join(map(repr, close))}?" if close else
-                      "; plan.params and plan.nodes list the names"))
-
-
-def _fmt_s(t: float) -> str:
-    from autoshard.summary import fmt_s
-    return fmt_s(t)
-
-
-def _fmt_bytes(n: float) -> str:
-    from autoshard.summary import fmt_bytes
-    return fmt_bytes(n)
-
-
-def _delta(t: float, base: float) -> str:
-    sign = "+" if t >= base else "-"
-    return f"{sign}{_fmt_s(abs(t - base))}"
-
-
-def _nd(strings) -> str:
-    return "(" + ", ".join(strings) + ")"
-
-
-def _what(p: str) -> str:
-    if p == "B":
-        return "whole on every device"
-    if p == "P":
-        return "a partial sum on each device"
-    return f"split along dim {p[2:p.index(')')]}" + (f" in {p.split('/')[1]} blocks" if "/" in p else "")
+                      "; plan.params lists the parameters, plan.table() the nodes"))
 
 
 def explain(plan, name: str) -> str:
-    """The placement of ``name`` per axis, what it costs, the alternatives and what forces each."""
-    node = _node_name(plan, name)
-    n = plan.nodes[node]
+    node_name, param = resolve(plan, name)
+    n = plan.nodes[node_name]
     mesh = tuple(plan.mesh_shape)
-    alts = data(plan)["alternatives"].get(node, [])
-    title = (f"{n.fqn} (parameter, graph node {n.name})" if n.kind == "param" else
-             f"{n.name} ({n.op}{', in ' + n.module if n.module else ''})" if n.kind == "op" else f"{n.name} ({n.kind})")
     shape = "x".join(map(str, n.shapes[0])) if n.shapes else "-"
-    lines = [f"{title}: shape {shape}"]
+    what = f"parameter {param} (graph node {node_name})" if param else f"node {node_name} ({n.op})"
+    lines = [f"{what}, shape {shape}" + (f", in {n.module}" if n.module else "")]
     if n.outputs:
-        place = n.outputs[0]
-        lines.append(f"placement {_nd(place)}:")
-        for a, p in enumerate(place):
-            lines.append(f"  axis {a} ({mesh[a]} devices): {p}, {_what(p)}")
-    for slot, ins in enumerate(n.inputs):
-        lines.append(f"  takes input {slot} as {_nd(ins)}")
-    for c in (c for c in plan.collectives if c.node == node):
-        lines.append(f"  {c.kind} {c.phase} over axes {tuple(c.axes)}: {_fmt_bytes(c.bytes)}, {_fmt_s(c.seconds)}"
-                     + (" (hidden behind compute)" if c.overlapped else ""))
-    lines.append(f"its cost in the plan: compute {_fmt_s(n.compute)}, communication {_fmt_s(n.comm)} "
-                 f"(its own collectives and its inputs' conversions); the plan's step {_fmt_s(plan.cost)}")
-    if not alts:
-        lines.append("no alternatives: this node has one possible layout on this mesh (a pin, or a tensor no rule splits)")
+        lines.append(f"placement {_nd(n.outputs[0])}:")
+        for a, (p, size) in enumerate(zip(n.outputs[0], mesh)):
+            lines.append(f"  axis {a} ({size} devices): {p}, {_axis_words(p, size)}")
+    if n.kind == "op" and n.inputs:
+        lines.append("computes from inputs laid out " + ", ".join(_nd(p) for p in n.inputs))
+    entry = plan.alternatives.get(node_name)
+    if entry and "same_as" in entry:
+        twin = entry["same_as"]
+        lines.append(f"its repeated block shares one choice with {twin}'s; the alternatives are priced there")
+        entry = plan.alternatives.get(twin)
+    if not entry:
+        lines.append("no alternatives recorded: this plan was saved without them")
         return "\n".join(lines)
-    mine, others = alts[0], alts[1:]
-    budget = plan.memory.get("budget")
-    lines += ["", f"alternatives, each priced with every other tensor held where it is (a plan pinned to one "
-                  f"costs at most its step: the solver may move the neighbours too):"]
+    options = entry["options"]
+    chosen = options[0]
+    colls = chosen["collectives"]
+    lines.append(f"in this plan it costs compute {fmt_s(chosen['compute'])}, communication {fmt_s(chosen['comm'])}, "
+                 f"memory {fmt_bytes(chosen['memory'])} per rank of its own"
+                 + (": " + "; ".join(_coll_words(c) for c in colls[:4]) + (" ..." if len(colls) > 4 else "") if colls else ""))
+    if entry.get("count", 1) > 1:
+        lines.append(f"the solver gives this choice to {entry['count']} nodes of the repeated blocks at once")
+    if len(options) == 1:
+        lines.append("no other layout is legal here" if entry.get("legal", 1) == 1 else "")
+        return "\n".join(line for line in lines if line)
+    lines.append(f"alternatives ({entry.get('legal', len(options)) - 1} in all; each priced as the plan with only "
+                 f"this node changed):")
     rows = [("placement", "step", "vs plan", "compute", "comm", "memory/rank", "")]
-    for a in [mine] + others:
-        fits = budget is None or a.memory <= budget
-        rows.append((_nd(a.outputs[0]) if a.outputs else "-", _fmt_s(a.step),
-                     "chosen" if a.chosen else _delta(a.step, mine.step), _fmt_s(a.compute), _fmt_s(a.comm),
-                     _fmt_bytes(a.memory), "" if fits else "over budget"))
+    for k, o in enumerate(options):
+        rows.append((_nd(o["outputs"][0]) if o["outputs"] else "-", fmt_s(o["step"]),
+                     "chosen" if k == 0 else _signed(o["step"] - plan.cost), fmt_s(o["compute"]), fmt_s(o["comm"]),
+                     fmt_bytes(o["memory"]), "" if o["fits"] else "over the memory budget"))
     from autoshard.summary import columns
     lines += ["  " + r for r in columns(rows)]
-    lines.append("")
-    lines += _why(plan, n, mine, others, budget)
+    lines += _why(plan, param or node_name, chosen, options[1:])
     return "\n".join(lines)
 
 
-def _pin(plan, n, placement) -> str:
-    key = n.fqn if n.kind == "param" and n.fqn else n.name
-    return f"pin={{{key!r}: {tuple(placement)!r}}}"
-
-
-def _why(plan, n, mine, others, budget) -> list:
-    """The reasons in words: what the best alternative would change, and what forces it."""
+def _why(plan, name, chosen, others) -> list:
+    """Words: why the chosen layout won over the runner-up, and the pin that forces another."""
     out = []
-    fitting = [a for a in others if budget is None or a.memory <= budget]
-    cheaper = [a for a in others if a.step < mine.step * (1 - 1e-9)]
-    if not others:
-        return out
-    best = min(fitting or others, key=lambda a: a.step)
-    parts = []
-    for label, d in (("compute", best.compute - mine.compute), ("communication", best.comm - mine.comm)):
-        if abs(d) > 1e-12:
-            parts.append(f"{label} {'+' if d > 0 else '-'}{_fmt_s(abs(d))}")
-    dm = best.memory - mine.memory
-    if dm:
-        parts.append(f"memory {'+' if dm > 0 else '-'}{_fmt_bytes(abs(dm))} per rank")
-    if cheaper and all(budget is not None and a.memory > budget for a in cheaper):
-        out.append(f"why: {_nd(cheaper[0].outputs[0])} would be faster by {_fmt_s(mine.step - cheaper[0].step)} "
-                   f"but needs {_fmt_bytes(cheaper[0].memory)} per rank, over the budget of {_fmt_bytes(budget)}.")
-    elif best.step < mine.step * (1 - 1e-9):
-        why = ("the solve was a local optimum of one-axis descent" if plan.solver.get("gap") is None
-               else f"the solver stops within {100 * max(plan.solver.get('gap') or 0, 1e-3):.1f}% of the optimum")
-        out.append(f"why: {_nd(best.outputs[0])} alone would save {_fmt_s(mine.step - best.step)} "
-                   f"({', '.join(parts) or 'no part changes'}); {why}.")
-    else:
-        out.append(f"why: {_nd(mine.outputs[0]) if mine.outputs else 'this layout'} is the cheapest; the next best, "
-                   f"{_nd(best.outputs[0])}, would add {_fmt_s(best.step - mine.step)} to the step "
-                   f"({', '.join(parts) or 'in the max of compute and hidden communication'}).")
-    out.append(f"to force it: {_pin(plan, n, best.outputs[0])}; the solver then re-plans the neighbours.")
-    if mine.outputs:
-        own = mine.outputs[0]
-        for axis in range(len(own)):
-            alt = [a for a in others if a.outputs[0][axis] != own[axis]]
-            if not alt:
-                out.append(f"  axis {axis}: {own[axis]} is the only placement this tensor can take on this axis")
-                continue
-            a = min(alt, key=lambda a: a.step)
-            out.append(f"  axis {axis}: {own[axis]} chosen; the best with {a.outputs[0][axis]} there, "
-                       f"{_nd(a.outputs[0])}, {_delta(a.step, mine.step)} per step")
+    exact = plan.solver.get("gap") is not None
+    runner = next((o for o in others if o["fits"]), None)
+    cheaper = [o for o in others if o["step"] < plan.cost * (1 - 1e-9)]
+    if runner is not None:
+        d_comm, d_comp = runner["comm"] - chosen["comm"], runner["compute"] - chosen["compute"]
+        d_mem = runner["memory"] - chosen["memory"]
+        parts = [f"communication {_signed(d_comm)}", f"compute {_signed(d_comp)}", f"memory {_signed_bytes(d_mem)} per rank"]
+        new = [c for c in runner["collectives"] if c not in chosen["collectives"]]
+        verdict = ("costs the same: the solver's pick among equals" if abs(runner["step"] - plan.cost) <= 1e-12 else
+                   f"would cost {fmt_s(runner['step'] - plan.cost)} more per step" if runner["step"] > plan.cost else
+                   f"would save {fmt_s(plan.cost - runner['step'])} per step")
+        out.append(f"why: the next best, {_nd(runner['outputs'][0])}, {verdict} ({', '.join(parts)}"
+                   + (f"; it would add {'; '.join(_coll_words(c) for c in new[:3])}" if new else "") + ")")
+    unfit = [o for o in others if not o["fits"]]
+    if unfit:
+        out.append(f"{', '.join(_nd(o['outputs'][0]) for o in unfit)} would not fit the memory budget")
+    if cheaper:
+        o = cheaper[0]
+        out.append(f"note: {_nd(o['outputs'][0])} alone would save {fmt_s(plan.cost - o['step'])} per step"
+                   + ("" if o["fits"] else " but breaks the memory budget")
+                   + ("; the solver's bound allows it (gap " + f"{100 * plan.solver['gap']:.2f}%)" if exact else
+                      "; this plan is a local optimum of one-axis descent, not proven"))
+    own = chosen["outputs"][0] if chosen["outputs"] else []
+    for axis, p in enumerate(own):
+        alt = [o for o in others if o["outputs"][0][axis] != p]
+        if not alt:
+            out.append(f"  axis {axis}: {p} is the only placement the solver had on this axis")
+            continue
+        o = alt[0]
+        out.append(f"  axis {axis}: {p} chosen; the best with {o['outputs'][0][axis]} there, {_nd(o['outputs'][0])}, "
+                   f"{_signed(o['step'] - plan.cost)} per step" + ("" if o["fits"] else ", over the memory budget"))
+    target = runner or (others[0] if others else None)
+    if target is not None:
+        pin = tuple(target["outputs"][0])
+        out.append(f"to force it: autoshard.plan(..., pin={{{name!r}: {pin!r}}})"
+                   + (f"; the step then costs {'at most' if exact else 'about'} {fmt_s(target['step'])}"
+                      if target["fits"] else ""))
     return out

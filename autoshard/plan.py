@@ -15,7 +15,7 @@ from autoshard.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.step import Cost
-from autoshard import summary
+from autoshard import explain, summary
 from autoshard.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
 
 
@@ -68,6 +68,23 @@ class Plan:
     breakdown: dict = field(default_factory=dict)  # seconds per part of the step (cost.step.Cost)
     schedule: dict = field(default_factory=dict)   # bucket_bytes, reshard_after_forward
     mesh_candidates: list = field(default_factory=list)  # the mesh search's ranking: mesh, bound, cost, status
+    aliases: dict = field(default_factory=dict)   # a tied parameter's other names -> the name the graph uses
+    _alternatives: Optional[dict] = field(default=None, repr=False, compare=False)
+
+    @property
+    def alternatives(self) -> dict:
+        """node name -> the layouts the solver could have given it, priced with every other node
+        as planned: the chosen one first, then the cheapest few (``autoshard.explain``)."""
+        if self._alternatives is None:
+            priced = getattr(self, "_priced", None)
+            self._alternatives = explain.alternatives(self, *priced) if priced else {}
+        return self._alternatives
+
+    def explain(self, name: str) -> str:
+        """Why a parameter (by its name in the model) or a graph node is laid out as it is: its
+        placement on each mesh axis, the alternatives the solver had with what each costs, and
+        the pin that would force another."""
+        return explain.explain(self, name)
 
     @property
     def world(self) -> int:
@@ -105,6 +122,8 @@ class Plan:
             "breakdown": self.breakdown,
             "schedule": self.schedule,
             "mesh_candidates": self.mesh_candidates,
+            "aliases": self.aliases,
+            "alternatives": self.alternatives,
             "params": {k: list(v) for k, v in self.params.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
             "collectives": [dict(asdict(c), axes=list(c.axes)) for c in self.collectives],
@@ -128,42 +147,60 @@ class Plan:
             cluster=Cluster(**d["cluster"]) if d.get("cluster") else None,
             solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])],
             memory=d.get("memory", {}), breakdown=d.get("breakdown", {}), schedule=d.get("schedule", {}),
-            mesh_candidates=d.get("mesh_candidates", []))
+            mesh_candidates=d.get("mesh_candidates", []), aliases=d.get("aliases", {}),
+            _alternatives=d.get("alternatives", {}))
+
+
+def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
+    """The collectives of converting ``value`` from ``src`` to ``dst`` for ``consumer``: forward,
+    its dual in backward, and again in backward where the parameter is regathered."""
+    mesh, links = costs.mesh_shape, costs.links
+    producer = graph.by_name[value[0]]
+    meta = graph.meta(value)
+    steps, hidden = costs.conversion(value, src, dst)
+    phases = [("forward", steps, hidden)]
+    if costs.training and meta.floating and consumer.kind != "output" and producer.requires_grad:
+        phases.append(("backward", comm.dual_steps(steps, mesh), hidden))
+        if costs.regathered(value):   # converted again for the backward, which waits for it
+            phases.append(("backward", steps, False))
+    out = []
+    for phase, sts, hid in phases:
+        for i, st in enumerate(sts):
+            if st.is_collective:
+                t = comm.step_time(st, meta.itemsize, mesh, links)
+                over = hid and i == (0 if sts is steps else len(sts) - 1)
+                out.append(Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize), consumer.name, t, over))
+    return out
+
+
+def own_collectives(graph, costs, n, strat) -> list:
+    """A node's collectives that are not conversions: a parameter's gradient all-reduce, the
+    all-reduces an op's lowering issues."""
+    mesh, links = costs.mesh_shape, costs.links
+    out = [Collective("all_reduce", "backward", axes, nbytes, n.name, t, True)
+           for axes, nbytes, t in costs.grad_syncs(n, strat)]
+    if n.kind == "op":
+        for c in comm.op_collectives(n, strat, graph, mesh):
+            t = comm.all_reduce_time(c.nbytes, mesh[c.axis], links[c.axis])
+            out.append(Collective(c.kind, "forward", (c.axis,), c.nbytes, n.name, t))
+    return out
 
 
 def make_plan(graph, strategies, solution, costs) -> Plan:
-    """The chosen strategy of every node, with the collectives and costs it implies."""
-    mesh, links = costs.mesh_shape, costs.links
+    """The chosen strategy of every node, with the collectives and costs it implies. What
+    ``Plan.explain`` needs (each node's alternatives, priced) is worked out when first asked for."""
+    mesh = costs.mesh_shape
     nodes, params, colls = {}, {}, []
     total = Cost()
     for n in graph.nodes:
         strat = strategies[n.name][solution.choice[n.name]]
         cost = costs.node(n, strat)
         for slot, value in enumerate(n.inputs):
-            producer = graph.by_name[value[0]]
-            src = strategies[producer.name][solution.choice[producer.name]].outputs[value[1]]
+            src = strategies[value[0]][solution.choice[value[0]]].outputs[value[1]]
             dst = strat.inputs[slot]
             cost = cost + costs.convert(value, src, dst, n)
-            meta = graph.meta(value)
-            steps, hidden = costs.conversion(value, src, dst)
-            phases = [("forward", steps, hidden)]
-            if costs.training and meta.floating and n.kind != "output" and producer.requires_grad:
-                phases.append(("backward", comm.dual_steps(steps, mesh), hidden))
-                if costs.regathered(value):   # converted again for the backward, which waits for it
-                    phases.append(("backward", steps, False))
-            for phase, sts, hid in phases:
-                for i, st in enumerate(sts):
-                    if st.is_collective:
-                        t = comm.step_time(st, meta.itemsize, mesh, links)
-                        over = hid and i == (0 if sts is steps else len(sts) - 1)
-                        colls.append(Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize),
-                                                n.name, t, over))
-        for axes, nbytes, t in costs.grad_syncs(n, strat):
-            colls.append(Collective("all_reduce", "backward", axes, nbytes, n.name, t, True))
-        if n.kind == "op":
-            for c in comm.op_collectives(n, strat, graph, mesh):
-                t = comm.all_reduce_time(c.nbytes, mesh[c.axis], links[c.axis])
-                colls.append(Collective(c.kind, "forward", (c.axis,), c.nbytes, n.name, t))
+            colls += conversion_collectives(graph, costs, value, src, dst, n)
+        colls += own_collectives(graph, costs, n, strat)
         total = total + cost
         nodes[n.name] = NodeChoice(
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
@@ -177,9 +214,12 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
               "gap": solution.gap, "seconds": solution.seconds}
     input_shapes = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
-    return Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
+    plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
                 input_shapes, memory, asdict(total),
-                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard})
+                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard},
+                aliases={a: f for a, f in graph.param_aliases.items() if a != f})
+    plan._priced = (graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
+    return plan
 
 
 def _module(node) -> Optional[str]:
