@@ -72,7 +72,7 @@ def plan_for_256_gpus():
         targets = torch.randint(0, vocab, (batch, seq))
 
     plan = autoshard.plan(model, (idx, targets), world=256)   # default cluster: A100 nodes of 8
-    print(plan)                                      # every tensor's layout, collective and cost
+    print(plan)                                      # at a glance; plan.table(): every op; plan.explain(name): why
 
     solver = plan.solver
     gap = "no bound: 3+ axes are solved one axis at a time" if solver["gap"] is None else f"gap {100 * solver['gap']:.2f}%"
