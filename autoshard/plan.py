@@ -86,6 +86,21 @@ class Plan:
         the pin that would force another."""
         return explain.explain(self, name)
 
+    def formula(self, dims: Optional[dict] = None, part: str = "step", nodes=None) -> tuple:
+        """``(expr, values)``: the estimated step (or its ``part``: ``compute``,
+        ``communication``, ``exposed``) as a sympy expression in named sizes (``dims``, e.g.
+        ``{"b": 512, "s": 1024}``: which sizes stay symbols), mesh axes, links and peak FLOP/s,
+        and each symbol's value in this plan; ``expr.subs(values)`` is ``plan.cost``
+        (``autoshard.formula``)."""
+        from autoshard.formula import formula
+        return formula(self, dims, part, nodes)
+
+    def to_html(self, path=None) -> str:
+        """One self-contained page: mesh, a timeline of one step, memory, the folded table, and
+        explain for any tensor on click (``autoshard.html``); written to ``path`` when given."""
+        from autoshard.html import to_html
+        return to_html(self, path)
+
     @property
     def world(self) -> int:
         return math.prod(self.mesh_shape)
