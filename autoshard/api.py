@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard import placement as pl
-from autoshard import optim, runtime
+from autoshard import agree, optim, runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_unflatten
 from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
                                  check_plan_options)
@@ -205,6 +205,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if plan is not None:
         mesh_shape = tuple(plan.mesh_shape)
     plan_kwargs.pop("mesh", None)
+    agree.check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout)   # before any collective
     pm = ParallelModule(model, mesh_shape, plan, plan_kwargs, overlap)
     if timeout is not None:
         pm.__dict__["_timeout"] = timeout
@@ -305,6 +306,7 @@ class ParallelModule(nn.Module):
                 f"input shapes {[list(s) for s, _ in shapes]} differ from the shapes the plan was made for "
                 f"{[list(s) for s, _ in self._planned_shapes]}: autoshard plans for fixed shapes. Pad or "
                 "batch inputs to the planned shapes, or parallelize a fresh copy of the model for these.")
+        agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self.__dict__.get("_timeout"))
         graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None)
         plan = self._agree_on_plan(graph)
         if not self._distributed:
