@@ -249,6 +249,7 @@ def _missing(blocks: _Blocks) -> Optional[str]:
 def roles(model, example_inputs, *, graph: Optional[Graph] = None) -> dict:
     """``{weight name: "column" | "row" | "other"}`` for every linear layer of ``model``, as the
     schemes find them in its graph (see the module's docstring)."""
+    check_module("model", model)
     graph = graph if graph is not None else capture(model, example_inputs)
     return {l.weight: l.kind for l in _find_blocks(graph).linears}
 

@@ -83,6 +83,8 @@ BAD = [
     (lambda: Cluster.measure(repeats=0), ValueError, "repeats"),
     # schemes
     (lambda: schemes.data_parallel("mlp", (X,), (2,)), TypeError, "model must be a torch.nn.Module"),
+    (lambda: schemes.roles("mlp", (X,)), TypeError, "model must be a torch.nn.Module"),
+    (lambda: schemes.roles(MODEL, X.numpy()), TypeError, "example_inputs must be a tensor"),
     (lambda: schemes.data_parallel(MODEL, (X,), "2x2"), TypeError, "mesh is a tuple of axis sizes"),
     (lambda: schemes.data_parallel(MODEL, (X,), (2, 0)), ValueError, "needs at least 2 devices"),
     (lambda: schemes.megatron(MODEL, (X,), (2, 2), tp=2), ValueError, r"tp=2 is not an axis of mesh \(2, 2\)"),
