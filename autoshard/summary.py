@@ -211,7 +211,10 @@ def folded(plan) -> tuple:
         if list(by_index) == [None]:
             for sub, names in by_index[None].items():
                 text = unit + ("." + sub if sub else "")
-                rows.append((text,) + _row(plan, names, colls_at))
+                row = _row(plan, names, colls_at)
+                if row == ("-", "-", "-", "0", "0", "-"):   # nothing to read: buffers no op uses, say
+                    continue
+                rows.append((text,) + row)
                 label.update(dict.fromkeys(names, text))
             continue
         groups: dict = {}   # blocks laid out alike, in order of first appearance
@@ -230,6 +233,14 @@ def folded(plan) -> tuple:
     return rows, label
 
 
+def _at(plan, where: str, node: str) -> str:
+    """Where a collective runs: a parameter's folded name, or the row's and the node's."""
+    n = plan.nodes.get(node)
+    if n is not None and n.kind == "param" and n.fqn:
+        return f"{where}.{n.fqn.rsplit('.', 1)[-1]}"
+    return f"{where} ({node})" if where != node else node
+
+
 def collective_lines(plan, label: dict) -> list:
     """The largest collectives, those that repeat in folded blocks counted once with their count."""
     if not plan.collectives:
@@ -244,7 +255,7 @@ def collective_lines(plan, label: dict) -> list:
     rows = [("collective", "phase", "axes", "bytes", "count", "seconds", "", "at")]
     for (kind, phase, axes, nbytes, over, where), (count, secs, node) in top:
         rows.append((kind, phase, fmt_axes(axes), fmt_bytes(nbytes), f"x{count}", fmt_s(secs),
-                     "hidden" if over else "exposed", f"{where} ({node})" if where != node else node))
+                     "hidden" if over else "exposed", _at(plan, where, node)))
     kinds: dict = {}
     for c in plan.collectives:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
