@@ -94,7 +94,7 @@ table { border-collapse: collapse; font-family: monospace; font-size: 12px; }
 td, th { padding: 1px 8px; text-align: left; border-bottom: 1px solid #eee; white-space: nowrap; }
 tr.click:hover { background: #eef4ff; cursor: pointer; }
 #explain { position: sticky; top: 8px; }
-#explain pre { max-height: 90vh; overflow: auto; font-size: 12px; }
+#explain pre { max-height: 90vh; overflow: auto; font-size: 12px; white-space: pre; }
 .legend span { display: inline-block; margin-right: 12px; }
 .sw { display: inline-block; width: 12px; height: 10px; margin-right: 4px; vertical-align: middle; }
 svg text { font: 11px monospace; }
@@ -148,7 +148,7 @@ document.getElementById("head").textContent = D.header.join("\n");
   const box = document.getElementById("mesh");
   const world = D.world, gpn = Math.min(D.gpus_per_node, world), nodes = Math.ceil(world / gpn);
   const strides = D.mesh.map((_, a) => D.mesh.slice(a + 1).reduce((x, y) => x * y, 1));
-  const cell = 9, perRow = Math.min(nodes, 16), w = perRow * (gpn * cell + 8) + 8;
+  const cell = 9, perRow = Math.max(1, Math.min(nodes, Math.floor(990 / (gpn * cell + 8)))), w = perRow * (gpn * cell + 8) + 8;
   const h = Math.ceil(nodes / perRow) * (cell + 12) + 8;
   const svg = el("svg", {width: w, height: h}, box);
   const rects = [];
