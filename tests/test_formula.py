@@ -76,6 +76,19 @@ def test_dims_name_what_stays_symbolic():
         autoshard.Plan.from_json(plan.to_json()).formula()
 
 
+def test_the_readmes_data_parallel_formula():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_factory
+    with torch.device("meta"):
+        model, batch = gpt_factory.gpt_tiny()
+    plan = autoshard.plan(model, batch, mesh=(8,), pin=schemes.data_parallel(model, batch, (8,)))
+    comm, values = plan.formula(part="communication")
+    volume = comm.subs({s: 0 for s in values if str(s).startswith("alpha") or str(s) == "o"})
+    assert str(sympy.factor(volume)) == "8*(52*d**2*p0 - 52*d**2 + d*p0*s + 54*d*p0 - d*s - 54*d + p0)/(beta_0*p0)"
+
+
 class Block(nn.Module):
     def __init__(self, k, n):
         super().__init__()
