@@ -215,6 +215,22 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     return pm
 
 
+_MESHES: dict = {}   # (device type, mesh shape) -> (default group, DeviceMesh, groups spanning axes)
+
+
+def _mesh_for(device_type: str, shape: tuple):
+    """One DeviceMesh per shape per process group, and one set of the groups spanning several of
+    its axes: torch keeps every process group made until the default one is destroyed, so each
+    model parallelized on a mesh of 2 or more axes would otherwise add groups (and their sockets)
+    that live as long as the process."""
+    world, mesh, joint = _MESHES.get((device_type, shape), (None, None, None))
+    if world is not dist.group.WORLD:
+        from torch.distributed.device_mesh import init_device_mesh
+        world, mesh, joint = dist.group.WORLD, init_device_mesh(device_type, shape), {}
+        _MESHES[(device_type, shape)] = (world, mesh, joint)
+    return mesh, joint
+
+
 class ParallelModule(nn.Module):
     """The model as one rank runs it: same names, same call signature, same results."""
 
@@ -236,13 +252,14 @@ class ParallelModule(nn.Module):
         self.__dict__["_planned_consts"] = None
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.__dict__["_device"] = device
-        from torch.distributed.device_mesh import init_device_mesh
-        self.__dict__["device_mesh"] = init_device_mesh(device.type, tuple(mesh_shape))
+        mesh, joint = _mesh_for(device.type, tuple(mesh_shape))
+        self.__dict__["device_mesh"] = mesh
         seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(seed, src=0)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
         self.__dict__["_rank_mesh"] = runtime.RankMesh(self.device_mesh, gen)
+        self._rank_mesh._joint = joint   # the groups spanning several axes, shared like the mesh's
 
     @property
     def plan(self) -> Optional[Plan]:

@@ -98,13 +98,42 @@ def test_megatron_stores_qkv_as_blocked_splits(saved):
     assert out["sgd"][1] == ("S(0)/3",)
 
 
+def held():
+    """What this process holds that a forgotten module could leak: process groups, threads, files."""
+    import os
+    import threading
+    from torch.distributed import distributed_c10d
+    return len(distributed_c10d._world.pg_map), threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def parallelize_twenty():
+    """The same model parallelized 20 times on mesh (2, 2), after a first time that makes the
+    mesh's groups: nothing held grows."""
+    from models import MLP
+    x = torch.randn(8, 32)
+    first = autoshard.parallelize(MLP(), (x,), mesh=(2, 2), time_limit=10)
+    first(x).sum().backward()
+    before = held()
+    for _ in range(20):
+        pm = autoshard.parallelize(MLP(), (x,), plan=first.plan)
+        pm(x).sum().backward()
+    return before, held()
+
+
 @pytest.fixture(scope="module")
 def fresh4(saved):
     # new processes: nothing of the saving run survives but the files
     path, _ = saved
     cases = [("adamw", "megatron", (4,)), ("sgd", "data_parallel", (4,)), ("sgd", "megatron", (2, 2))]
     with LocalWorld(4) as world:
-        return {case: world.run(resume_case, str(path / case[0]), *case)[0] for case in cases}
+        out = {case: world.run(resume_case, str(path / case[0]), *case)[0] for case in cases}
+        out["held"] = world.run(parallelize_twenty)
+    return out
+
+
+def test_parallelize_twenty_times_leaks_nothing(fresh4):
+    for before, after in fresh4["held"]:
+        assert after == before, "(process groups, threads, open files) grew"
 
 
 @pytest.mark.parametrize("kind, scheme, mesh, stored", [
