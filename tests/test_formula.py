@@ -24,15 +24,20 @@ def value(expr, values):
     return float(expr.subs(values))
 
 
-@pytest.mark.parametrize("kw", [dict(mesh=(2, 2)), dict(mesh=(4,), training=False),
-                                dict(mesh=(4,), reshard_after_forward=True, fsdp=True)],
-                         ids=["2d", "inference", "fsdp-reshard"])
-def test_formula_evaluates_to_the_plan(kw):
+@pytest.fixture(scope="module")
+def two_d():
     model, inputs = gpt()
-    kw = dict(kw)
+    return autoshard.plan(model, inputs, mesh=(2, 2))
+
+
+@pytest.mark.parametrize("kw", [None, dict(mesh=(4,), training=False), dict(mesh=(4,), reshard_after_forward=True, fsdp=True)],
+                         ids=["2d", "inference", "fsdp-reshard"])
+def test_formula_evaluates_to_the_plan(kw, two_d):
+    model, inputs = gpt()
+    kw = dict(kw or {})
     if kw.pop("fsdp", False):
         kw["pin"] = schemes.fsdp(model, inputs, kw["mesh"])
-    plan = autoshard.plan(model, inputs, **kw)
+    plan = autoshard.plan(model, inputs, **kw) if kw else two_d
     expr, values = plan.formula()
     assert value(expr, values) == pytest.approx(plan.cost, rel=1e-6)
     b = plan.breakdown
@@ -45,11 +50,10 @@ def test_formula_evaluates_to_the_plan(kw):
     assert cvalues[sympy.Symbol("b", positive=True, integer=True)] == 64
 
 
-def test_the_formula_in_the_batch_prices_the_same_layout_at_another_batch():
+def test_the_formula_in_the_batch_prices_the_same_layout_at_another_batch(two_d):
     """Doubling b in the formula gives what the cost model says of the same layout planned for
     the doubled batch: the sizes are symbols, not numbers that happen to fit."""
-    model, inputs = gpt(batch=64)
-    plan = autoshard.plan(model, inputs, mesh=(2, 2))
+    plan = two_d
     expr, values = plan.formula(dims={"b": 64, "s": 128, "d": 256})
     b = sympy.Symbol("b", positive=True, integer=True)
     assert b in expr.free_symbols
