@@ -83,7 +83,8 @@ def test_a_click_explains_the_tensor(page):
     from selenium.webdriver.common.by import By
     plan, _, driver = page
     why = driver.find_element(By.ID, "why")
-    bar = driver.find_elements(By.CSS_SELECTOR, "#timeline rect.bar")[3]
+    compute = [b for b in driver.find_elements(By.CSS_SELECTOR, "#timeline rect.bar") if b.get_attribute("fill") == "#5cb85c"]
+    bar = compute[3]   # a forward op: its tooltip starts with its node's name
     bar.click()
     node = bar.find_element(By.TAG_NAME, "title").get_attribute("textContent").split()[0]
     n = plan.nodes[node]
