@@ -215,7 +215,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     return pm
 
 
-_MESHES: dict = {}   # (device type, mesh shape) -> (default group, DeviceMesh, groups spanning axes)
+_MESHES: dict = {}   # (rank, device type, mesh shape) -> (default group, DeviceMesh, groups spanning axes)
 
 
 def _mesh_for(device_type: str, shape: tuple):
@@ -223,11 +223,12 @@ def _mesh_for(device_type: str, shape: tuple):
     its axes: torch keeps every process group made until the default one is destroyed, so each
     model parallelized on a mesh of 2 or more axes would otherwise add groups (and their sockets)
     that live as long as the process."""
-    world, mesh, joint = _MESHES.get((device_type, shape), (None, None, None))
+    key = (dist.get_rank(), device_type, shape)   # the rank: simulate's ranks share this module
+    world, mesh, joint = _MESHES.get(key, (None, None, None))
     if world is not dist.group.WORLD:
         from torch.distributed.device_mesh import init_device_mesh
         world, mesh, joint = dist.group.WORLD, init_device_mesh(device_type, shape), {}
-        _MESHES[(device_type, shape)] = (world, mesh, joint)
+        _MESHES[key] = (world, mesh, joint)
     return mesh, joint
 
 
