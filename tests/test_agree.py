@@ -1,6 +1,6 @@
 """Ranks that call parallelize differently are told so, on every rank, before they could deadlock
 or compute a wrong answer: another batch shape or another batch, a plan on some ranks only,
-different plans, different options; different initial weights warn (rank 0's are taken). A rank
+different plans, options, models or modes; different initial weights warn (rank 0's are taken). A rank
 that never comes is named when parallelize has a timeout (autoshard.agree)."""
 import warnings
 
@@ -28,7 +28,9 @@ def attempt(how):
     """parallelize an MLP with rank 1 doing ``how`` differently; what each rank saw."""
     rank = dist.get_rank()
     torch.manual_seed(0 if how != "weights" or rank == 0 else 1)
-    model, inputs, kwargs = MLP(), batch(), {}
+    model, inputs, kwargs = MLP(hidden=32 if how == "model" and rank == 1 else 64), batch(), {}
+    if how == "mode" and rank == 1:
+        model.eval()
     if how == "shapes" and rank == 1:
         inputs = batch(rows=4)
     if how == "values" and rank == 1:
@@ -62,6 +64,8 @@ def attempt(how):
     ("plan on rank 0", "on plan"),
     ("plans", "on plan"),
     ("options", "on options"),
+    ("model", "on model"),
+    ("mode", "on training: ranks [0] have True; ranks [1] have False"),
     ("first call", "on shapes"),
 ])
 def test_ranks_that_disagree_are_told_on_every_rank(world, how, says):
