@@ -28,6 +28,7 @@ from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, schedule
 from autoshard.passes.search import search
 from autoshard.passes.descend import lifted_starts, solve_mesh
+from autoshard.passes.progress import shown
 from autoshard.passes.solve import Costs
 from autoshard.plan import Plan, make_plan
 
@@ -98,14 +99,15 @@ def resolve_budget(memory_budget, cluster: Cluster) -> float:
 
 
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
-               bucket_bytes=None, memory_budget=None, reshard_after_forward=False) -> Plan:
+               bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True) -> Plan:
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes, reshard_after_forward)
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
-    solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
+    with shown(verbose):   # a long solve's progress on stderr
+        solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
     plan = make_plan(graph, strategies, solution, costs)
     plan.memory["budget"] = budget
     return plan
@@ -113,7 +115,7 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
-         memory_budget: Optional[float] = None, reshard_after_forward: bool = False) -> Plan:
+         memory_budget: Optional[float] = None, reshard_after_forward: bool = False, verbose: bool = True) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -127,14 +129,16 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     an op once the forward has used it, and gathers it again when the op's backward needs it,
     as PyTorch's FSDP does: a parameter stored split then holds only its share between uses, at
     the price of the gathers run again in backward. By default the converted parameter is kept
-    from forward to backward (faster, and counted in the activations)."""
+    from forward to backward (faster, and counted in the activations). A mesh search or solve
+    that runs more than a couple of seconds reports its progress on stderr; ``verbose=False``
+    keeps it quiet."""
     check_module("model", model)
     normalize_inputs(example_inputs)
     check_plan_options(cluster=cluster, pin=pin, training=training, time_limit=time_limit, bucket_bytes=bucket_bytes,
                        memory_budget=memory_budget, reshard_after_forward=reshard_after_forward)
     mesh_shape = resolve_mesh(world, mesh)
     graph = capture(model, example_inputs)
-    args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward)
+    args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward, verbose)
     if mesh is None and world > 1:
         return search_mesh(graph, world, *args)
     return plan_graph(graph, mesh_shape, *args)
@@ -145,7 +149,7 @@ PLAN_OPTIONS = [n for n, p in inspect.signature(plan).parameters.items() if p.ki
 
 
 def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
-                bucket_bytes=None, memory_budget=None, reshard_after_forward=False) -> Plan:
+                bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True) -> Plan:
     """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
@@ -160,8 +164,9 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
             return None
         return resolve_pins(graph, pin, len(mesh_shape))
 
-    plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-                  reshard=reshard_after_forward)
+    with shown(verbose):   # the search's progress on stderr
+        plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
+                      reshard=reshard_after_forward)
     plan.memory["budget"] = budget
     return plan
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from autoshard import placement as pl
 from autoshard.placement import B, Split
 from autoshard.passes.capture import Graph, Node
+from autoshard.passes.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for
 from autoshard.rules.registry import norm_dim
 from autoshard.rules.views import reshape, view_groups
@@ -151,30 +152,82 @@ def storage_options(meta, mesh_shape, blocked=()) -> list:
     return out
 
 
-def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
-    """node name -> list of Strategy. Warns once for each op that has no rule."""
-    strategies: dict = {}
-    missing: set = set()
-    expanded: dict = {}   # the layers of a stack expand the same signatures on the same shapes
+def _arg_key(x, order: dict):
+    """A hashable stand-in for an op's arguments: each fx node by the order it first appears in
+    (so ``mul(a, a)`` and ``mul(a, b)`` differ), constants as they are."""
+    if isinstance(x, torch.fx.Node):
+        return ("node", order.setdefault(x, len(order)))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(_arg_key(v, order) for v in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple((k, _arg_key(v, order)) for k, v in sorted(x.items()))
+    try:
+        hash(x)
+    except TypeError:
+        return ("repr", repr(x))
+    return x
+
+
+def _rules(graph: Graph) -> dict:
+    """node name -> (one-axis signatures, blocked forms included; whether a rule knew the op),
+    worked out once per graph: the rules speak of one axis, whatever the mesh. The layers of a
+    stack ask the rule once: nodes of the same op on the same arguments and shapes share the
+    answer of the first."""
+    if "rules" in graph.cache:
+        return graph.cache["rules"]
     blocked = blocked_splits(graph)
+    asked: dict = {}
+    out: dict = {}
+    for node in graph.nodes:
+        if node.kind != "op":
+            continue
+        order: dict = {}
+        key = (node.target, _arg_key(node.fx_node.args, order), _arg_key(node.fx_node.kwargs, order),
+               tuple(graph.meta(v) for v in node.inputs), tuple(node.outputs), blocked.get(node.name))
+        if key not in asked:
+            sigs, known = one_axis_sigs(node, graph)
+            if node.name in blocked:
+                sigs = sigs + [s for s in blocked_sigs(node, sigs, *blocked[node.name]) if s not in sigs]
+            asked[key] = (sigs, known)
+        out[node.name] = asked[key]
     stored: dict = {}     # parameter -> blocked splits a blocked matmul takes it in
     for node in graph.nodes:
         if node.name not in blocked or node.target not in MATMULS:
             continue
-        for s in blocked_sigs(node, one_axis_sigs(node, graph)[0], *blocked[node.name]):
+        for s in out[node.name][0]:
             for value, p in zip(node.inputs, s.inputs):
                 if graph.by_name[value[0]].kind == "param" and isinstance(p, Split) and p.groups > 1:
                     stored.setdefault(value[0], set()).add(p)
+    graph.cache["rules"] = (out, stored)
+    return graph.cache["rules"]
+
+
+def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
+    """node name -> list of Strategy. Warns once for each op that has no rule. Nodes of equal
+    signatures and shapes share one list (the layers of a stack), on every call for this mesh."""
+    with phase("annotate"):
+        return _annotate(graph, mesh_shape, pins)
+
+
+def _annotate(graph: Graph, mesh_shape, pins) -> dict:
+    strategies: dict = {}
+    missing: set = set()
+    rules, stored = _rules(graph)
+    # the layers of a stack expand the same signatures on the same shapes; so do later calls
+    expanded = graph.cache.setdefault(("expanded", tuple(mesh_shape)), {})
     for node in graph.nodes:
         if node.kind in ("param", "buffer", "input"):
-            strategies[node.name] = (storage_options(node.outputs[0], mesh_shape, stored.get(node.name, ()))
-                                     if node.outputs else [Strategy((), ())])
+            if not node.outputs:
+                strategies[node.name] = [Strategy((), ())]
+                continue
+            key = ("storage", node.outputs[0], tuple(sorted(stored.get(node.name, ()), key=repr)))
+            if key not in expanded:
+                expanded[key] = storage_options(node.outputs[0], mesh_shape, stored.get(node.name, ()))
+            strategies[node.name] = expanded[key]
         elif node.kind == "output":
             strategies[node.name] = [Strategy(tuple((B,) * len(mesh_shape) for _ in node.inputs), ())]
         else:
-            sigs, known = one_axis_sigs(node, graph)
-            if node.name in blocked:
-                sigs = sigs + [s for s in blocked_sigs(node, sigs, *blocked[node.name]) if s not in sigs]
+            sigs, known = rules[node.name]
             if not known and node.outputs:
                 missing.add(node.op_name)
             metas_in = [graph.meta(v) for v in node.inputs]

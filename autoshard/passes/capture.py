@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from autoshard.passes.progress import phase
+
 
 class CaptureError(RuntimeError):
     """torch.export could not capture the model."""
@@ -82,6 +84,9 @@ class Graph:
     param_aliases: dict             # every parameter fqn -> the fqn the graph uses for it
     user_inputs: list               # names of the user-input placeholders, in call order
     value_of: dict = field(default_factory=dict)   # fx node of the export -> Value (list if several)
+    # what the planning passes work out once per graph and reuse for every mesh (annotate's rule
+    # signatures, repeat's blocks), by the pass's own keys
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.nodes}
@@ -246,7 +251,7 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None) -> Graph:
     args, kwargs = normalize_inputs(example_inputs)
     if extra_kwargs:
         kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
-    with meta_view(model):
+    with phase("capture"), meta_view(model):
         ep = export(model, _to_meta(args), _to_meta(kwargs))
         inline_regions(ep.graph_module)
         return from_exported(ep, model)

@@ -27,6 +27,7 @@ import time
 from typing import Optional
 
 from autoshard.cost import memory
+from autoshard.passes.progress import phase
 from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
@@ -91,6 +92,11 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
             budget: Optional[float] = None, max_rounds: int = 4) -> Solution:
     """Block coordinate descent from ``choice`` (node name -> strategy index), one mesh axis per
     step, until a round over every axis improves nothing."""
+    with phase("descend"):
+        return _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds)
+
+
+def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds) -> Solution:
     start = time.perf_counter()
     naxes = len(costs.mesh_shape)
     best = choice_cost(graph, strategies, choice, costs)

@@ -31,7 +31,9 @@ def _block_of(node):
     return None
 
 
-def _signature(members, graph, strategies, container):
+def _signature(members, graph, container):
+    """What must agree for two blocks to share variables, but their strategies (``tie_repeated``
+    compares those, per mesh)."""
     pos = {n.name: i for i, n in enumerate(members)}
     sig = []
     for n in members:
@@ -43,25 +45,39 @@ def _signature(members, graph, strategies, container):
                 ins.append(("ext", graph.meta(v).shape))
         rel = n.fqn.split(".", len(container.split(".")) + 1)[-1] if n.fqn else None
         sig.append((n.kind, n.op_name, rel, n.requires_grad, tuple(m.shape for m in n.outputs),
-                    tuple(m.dtype for m in n.outputs), tuple(ins), tuple(strategies[n.name])))
+                    tuple(m.dtype for m in n.outputs), tuple(ins)))
     return tuple(sig)
 
 
-def tie_repeated(graph, strategies, period: int = PERIOD) -> dict:
-    """node name -> the name of the node whose variables it shares (itself when untied)."""
-    rep = {n.name: n.name for n in graph.nodes}
+def _blocks(graph) -> list:
+    """[(members of block k, members of the block it may tie to)] for every block past the first
+    ``PERIOD`` of each stack whose ops, shapes and wiring equal its base's; once per graph."""
+    if "blocks" in graph.cache:
+        return graph.cache["blocks"]
     blocks: dict = {}
     for n in graph.nodes:
         b = _block_of(n)
         if b is not None:
             blocks.setdefault(b[0], {}).setdefault(b[1], []).append(n)
+    pairs = []
     for container, by_index in blocks.items():
-        sigs = {k: _signature(ms, graph, strategies, container) for k, ms in by_index.items()}
+        sigs = {k: _signature(ms, graph, container) for k, ms in by_index.items()}
         indices = sorted(by_index)
-        for k in indices[period:]:
-            base = indices[indices.index(k) % period]
-            if sigs[k] != sigs[base]:
-                continue
-            for n, m in zip(by_index[k], by_index[base]):
-                rep[n.name] = m.name
+        for k in indices[PERIOD:]:
+            base = indices[indices.index(k) % PERIOD]
+            if sigs[k] == sigs[base]:
+                pairs.append(([n.name for n in by_index[k]], [m.name for m in by_index[base]]))
+    graph.cache["blocks"] = pairs
+    return pairs
+
+
+def tie_repeated(graph, strategies) -> dict:
+    """node name -> the name of the node whose variables it shares (itself when untied)."""
+    rep = {n.name: n.name for n in graph.nodes}
+    for names, bases in _blocks(graph):
+        # the legal strategies (pins included) must agree too; the layers of a stack share their
+        # lists (passes.annotate), so this is mostly a comparison of identities
+        if all(strategies[a] is strategies[b] or strategies[a] == strategies[b] for a, b in zip(names, bases)):
+            for a, b in zip(names, bases):
+                rep[a] = b
     return rep

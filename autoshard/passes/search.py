@@ -11,7 +11,14 @@ fastest links). The search runs in two phases:
 2. Refinement, up to 4 axes. Each axis of the best two-axis mesh is split in two in every way
    ((64, 4) -> (8, 8, 4), (64, 2, 2), ...); its plan lifts onto each refinement exactly and
    improves there by one-axis descent (passes.descend). The best refinement becomes the mesh to
-   refine next, while refining still pays.
+   refine next, while refining still pays. When no two-axis mesh beats the best one-axis plan by
+   more than ``TIE`` (by its plan or its lower bound), splitting an axis did not pay and
+   refinement is not tried at all: the tiny models whose every mesh ties at data parallel's cost.
+
+The simplest mesh among equals wins: of the meshes whose plans come within ``TIE`` of the
+cheapest, the one with the fewest axes, then the one whose largest axis stays inside a node (the
+cluster's ``gpus_per_node``), then the cheapest. ``plan.solver["mesh_choice"]`` says why. A mesh
+with fewer axes than the best so far is solved, not pruned, while its bound is within the tie.
 
 Three- and four-axis meshes have too many layouts to bound or solve whole in seconds, so a mesh
 that refines none of the chosen meshes is not tried; its entry in ``plan.mesh_candidates`` says
@@ -26,10 +33,12 @@ import warnings
 
 from autoshard.passes.annotate import annotate
 from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
-from autoshard.passes.solve import Costs, MemoryBudgetError, lower_bound, solve
+from autoshard.passes.progress import Progress
+from autoshard.passes.solve import Costs, MemoryBudgetError, NoBetterPlan, lower_bound, solve
 from autoshard.plan import make_plan
 
 MAX_SEARCH_AXES = 4
+TIE = 1e-3   # meshes whose estimated steps differ by less than this share are equals: the simpler wins
 
 
 def factorizations(world: int, max_axes: int) -> list:
@@ -97,15 +106,47 @@ class _Candidates:
         return entry["_work"]
 
 
+def simpler(a: tuple, b: tuple, cluster) -> bool:
+    """Whether mesh ``a`` is simpler than ``b``: fewer axes, then its largest axis within a node
+    where ``b``'s is not."""
+    if len(a) != len(b):
+        return len(a) < len(b)
+    node = cluster.gpus_per_node
+    return max(a) <= node < max(b)
+
+
+def _simplest(results: list, cluster):
+    """The result to choose among (plan, mesh, ...) results: of those within ``TIE`` of the
+    cheapest estimated step, the simplest mesh (``simpler``), then the cheapest; and why, in
+    words (None when the cheapest is chosen anyway)."""
+    cheapest = min(results, key=lambda r: r[0].cost)
+    near = [r for r in results if r[0].cost <= cheapest[0].cost * (1 + TIE)]
+    best = cheapest
+    for r in near:
+        if simpler(r[1], best[1], cluster) or (not simpler(best[1], r[1], cluster) and r[0].cost < best[0].cost):
+            best = r
+    if best is cheapest:
+        return best, None
+    why = "fewer axes" if len(best[1]) < len(cheapest[1]) else "its largest axis within a node"
+    return best, (f"{best[1]} chosen over {cheapest[1]}, whose estimated step is "
+                  f"{100 * (1 - cheapest[0].cost / best[0].cost):.3f}% shorter (within {100 * TIE:g}%): {why}")
+
+
 def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_bytes, budget,
            max_axes: int = MAX_SEARCH_AXES, reshard: bool = False):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh)."""
     start = time.perf_counter()
     cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard)
+    progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
     errors: list = []
-    best = None     # (plan, mesh, strategies, choice)
-    widest = None   # the same, of the best mesh with EXACT_AXES axes
+    results: list = []   # (plan, mesh, strategies, choice) of every mesh solved or refined
+
+    def report(step):
+        done = sum(e["cost"] is not None or e["status"].startswith(("pruned", "does not")) for e in cands.entries.values())
+        best = min(results, key=lambda r: r[0].cost) if results else None
+        progress.update(f"{step}; {done} of {len(cands.entries)} meshes done"
+                        + (f", best {best[1]} {best[0].cost * 1e3:.3f} ms per step" if best else ""))
 
     # phase 1: one and two axes, bounded and solved whole
     small = [m for m in cands.entries if len(m) <= EXACT_AXES]
@@ -116,42 +157,46 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
         entry = cands.entries[mesh]
         entry["bound"] = lower_bound(graph, *work, budget)
         entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
+        report(f"bounded {mesh}")
     for mesh in sorted((m for m in small if cands.entries[m]["status"] == "bounded"),
-                       key=lambda m: cands.entries[m]["bound"]):
+                       key=lambda m: (cands.entries[m]["bound"], len(m))):
         entry = cands.entries[mesh]
-        if best is not None and entry["bound"] >= best[0].cost * (1 - 1e-6):
-            entry["status"] = "pruned: its lower bound is no better than the best plan"
+        below = _to_beat(results, mesh, cluster)
+        if below is not None and entry["bound"] >= below * (1 - 1e-9):
+            entry["status"] = f"pruned: its lower bound is no better than the best plan's (within {100 * TIE:g}%)"
             continue
         strategies, costs = entry["_work"]
         try:
-            solution = solve(graph, strategies, costs, time_limit, budget)   # time_limit: per solve
+            solution = solve(graph, strategies, costs, time_limit, budget, below=below)   # time_limit: per solve
         except MemoryBudgetError as e:
             entry["status"] = "does not fit in memory"
             errors.append(e)
             continue
-        got = _record(graph, strategies, solution, costs, entry, mesh)
-        best = _better(best, got)
-        if len(mesh) == EXACT_AXES:
-            widest = _better(widest, got)
+        except NoBetterPlan as e:
+            entry["status"] = (f"pruned: no plan on it beats the best plan's by {100 * TIE:g}% "
+                               + ("(proven)" if e.proven else f"(none found in {time_limit:g} s)"))
+            continue
+        results.append(_record(graph, strategies, solution, costs, entry, mesh))
+        report(f"solved {mesh}")
 
     # phase 2: refine the best two-axis mesh (one axis is refined by the two-axis meshes
-    # already), one axis split at a time. A mesh of more axes may beat the bound of the mesh it
-    # refines, so when every two-axis mesh was pruned, the one with the best bound is solved
-    # to refine it
-    pruned = [m for m in small if len(m) == EXACT_AXES and cands.entries[m]["status"].startswith("pruned")]
-    if widest is None and pruned and max_axes > EXACT_AXES:
-        mesh = min(pruned, key=lambda m: cands.entries[m]["bound"])
-        entry = cands.entries[mesh]
-        strategies, costs = entry["_work"]
-        try:
-            widest = _record(graph, strategies, solve(graph, strategies, costs, time_limit, budget),
-                             costs, entry, mesh)
-        except MemoryBudgetError:
-            entry["status"] = "does not fit in memory"
-    frontier = [widest] if widest is not None else []
+    # already), one axis split at a time, while refining pays. Only where a second axis paid:
+    # when no two-axis mesh beat the best one-axis plan by more than TIE, more axes are not tried
+    best = _simplest(results, cluster)[0] if results else None
+    one = [r for r in results if len(r[1]) == 1]
+    widest = min((r for r in results if len(r[1]) == EXACT_AXES), key=lambda r: r[0].cost, default=None)
+    paid = widest is not None and (not one or widest[0].cost < min(r[0].cost for r in one) * (1 - TIE))
+    frontier = [widest] if paid and max_axes > EXACT_AXES else []
+    if widest is not None and not paid:
+        for e in cands.entries.values():
+            if len(e["mesh"]) > EXACT_AXES and e["status"].startswith("not tried"):
+                e["status"] = f"not tried: no two-axis mesh beat the one-axis plan by more than {100 * TIE:g}%"
     if best is None:   # the pins name more axes than phase 1 solves: descend from the pins
         for mesh in [m for m in cands.entries if len(m) > EXACT_AXES]:
-            best = _better(best, _descend_from(cands, graph, mesh, None, time_limit, budget, errors))
+            got = _descend_from(cands, graph, mesh, None, time_limit, budget, errors)
+            if got is not None:
+                results.append(got)
+            report(f"descended on {mesh}")
     while frontier:
         plan, mesh, strategies, choice = frontier.pop()
         round_best = None
@@ -159,19 +204,21 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             if len(fine) > max_axes or fine not in cands.entries or cands.entries[fine]["cost"] is not None:
                 continue
             lifted = (strategies, choice, groups)
-            round_best = _better(round_best, _descend_from(cands, graph, fine, lifted, time_limit, budget, errors))
-        if round_best is not None and round_best[0].cost < plan.cost * (1 - 1e-6):
+            got = _descend_from(cands, graph, fine, lifted, time_limit, budget, errors)
+            report(f"refined {fine}")
+            if got is not None:
+                results.append(got)
+                round_best = _better(round_best, got)
+        if round_best is not None and round_best[0].cost < plan.cost * (1 - TIE):
             frontier.append(round_best)
-            if round_best[0].cost < best[0].cost:
-                best = round_best
 
     for w in cands.warned.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     tried = [e.pop("_work") for e in cands.entries.values() if "_work" in e]
     candidates = list(cands.entries.values())
-    if best is None and cands.pin_errors and all(e["bound"] is None and e["cost"] is None for e in candidates):
+    if not results and cands.pin_errors and all(e["bound"] is None and e["cost"] is None for e in candidates):
         raise cands.pin_errors[0]
-    if best is None:
+    if not results:
         if errors:
             raise errors[0]
         if tried:
@@ -180,12 +227,25 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             solve(graph, strategies, costs, time_limit, budget)
         raise ValueError(f"no mesh of {world} devices with at most {max_axes} axes takes the pins given: "
                          + "; ".join(f"{tuple(e['mesh'])}: {e['status']}" for e in candidates))
+    best, why = _simplest(results, cluster)
     plan = best[0]
-    cands.entries[best[1]]["status"] = "chosen"
+    cands.entries[best[1]]["status"] = "chosen" + (f": {why}" if why else "")
     plan.mesh_candidates = sorted(candidates, key=lambda e: (e["cost"] is None, e["cost"] or 0,
                                                              e["bound"] is None, e["bound"] or 0))
     plan.solver["search_seconds"] = time.perf_counter() - start
+    plan.solver["mesh_choice"] = why or f"{best[1]}: the shortest estimated step"
+    progress.done(f"chose {best[1]}")
     return plan
+
+
+def _to_beat(results, mesh, cluster):
+    """The estimated step a mesh's plan must beat to be chosen (``_simplest``): the cheapest so
+    far less ``TIE``, or plus ``TIE`` for a mesh simpler than the cheapest one; None when
+    nothing was solved yet."""
+    if not results:
+        return None
+    cheapest = min(results, key=lambda r: r[0].cost)
+    return cheapest[0].cost * ((1 + TIE) if simpler(mesh, cheapest[1], cluster) else (1 - TIE))
 
 
 def _record(graph, strategies, solution, costs, entry, mesh):

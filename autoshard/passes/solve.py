@@ -22,6 +22,12 @@ pass overlaps are "hidden" parts: they cost only what their phase's compute does
 edge whose producer or consumer has a single layout adds its cost straight onto the other side's
 x. Costs are integers in picoseconds. CP-SAT runs with one worker and a fixed seed, so the same
 graph gives the same plan on every machine.
+
+The program's data (every tied node's strategy costs and bytes, every tied edge's layout groups
+and conversion costs) is priced once per strategies dict into a table (``_table``) that the LP
+bound, the integer program and the memory report all read; a descent's steps, which offer the
+same strategies again, reuse each node's and each pair of strategy lists' prices. A mesh search
+asks a later mesh only for a plan under the best so far (``below``: the objective's domain).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph, Node
+from autoshard.passes.progress import Progress, phase
 from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import bucket_bytes_for
 
@@ -72,6 +79,9 @@ class Costs:
         self.reshard = reshard   # a parameter converted for an op is converted again for its backward
         self.links = cluster.axis_links(self.mesh_shape)
         self._conv: dict = {}
+        self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
+        self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
+        self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
 
@@ -198,12 +208,14 @@ class _Sums:
         self.coef = {part: {} for part in PARTS}
         self.const = {part: 0 for part in PARTS}
 
-    def add(self, var, cost: Cost, times: int = 1) -> None:
-        """Add ``times`` copies of ``cost`` on ``var`` (None: the constant)."""
-        for part in PARTS:
-            c = times * (_ps(getattr(cost, part)) if self.unit == PICO else getattr(cost, part) * self.unit)
-            if not c:
+    def add(self, var, vec: tuple, times: int = 1) -> None:
+        """Add ``times`` copies of a cost (``_vec``: seconds per part) on ``var`` (None: the
+        constant)."""
+        pico = self.unit == PICO
+        for part, x in zip(PARTS, vec):
+            if not x:
                 continue
+            c = times * (_ps(x) if pico else x * self.unit)
             if var is None:
                 self.const[part] += c
             else:
@@ -238,50 +250,141 @@ class MemoryBudgetError(ValueError):
     """No layout fits the memory budget; the message says what the model can reach."""
 
 
+def _vec(cost: Cost) -> tuple:
+    """A cost's parts (``cost.step.PARTS``) as a tuple of seconds."""
+    return tuple(getattr(cost, part) for part in PARTS)
+
+
+@dataclass
+class _Table:
+    """The program's data, from the cost models, for one strategies dict on one mesh: worked out
+    once, read by every program built on it (the LP bound, the integer program, the memory
+    report). Tied nodes and edges appear once, with how many times they occur."""
+    rep: dict     # node name -> the name of the node whose variables it shares
+    nodes: list   # (node, times, cost vector per strategy, bytes per strategy)
+    edges: list   # (u, value, v, slot, times, src groups, dst groups, {(a, b): (cost vector, kept bytes)})
+
+
+TABLES_KEPT = 4   # a descent builds a new strategies dict per step; keep the last few tables only
+
+
+def _table(graph, strategies, costs: Costs) -> _Table:
+    hit = costs._tables.get(id(strategies))
+    if hit is not None and hit[0] is strategies:
+        return hit[1]
+    with phase("cost"):
+        rep = tie_repeated(graph, strategies)
+        count = _count(rep[n.name] for n in graph.nodes)
+        nodes = []
+        for n in graph.nodes:
+            if rep[n.name] != n.name:
+                continue
+            priced = [_node_cost(costs, n, st) for st in strategies[n.name]]
+            nodes.append((n, count[n.name], [c for c, _ in priced], [b for _, b in priced]))
+        edges = [(u, value, v, slot, times) + _pairs(costs, strategies, u, value, v, slot)
+                 for u, value, v, slot, times in _edges(graph, rep)]
+        table = _Table(rep, nodes, edges)
+    costs._tables[id(strategies)] = (strategies, table)
+    while len(costs._tables) > TABLES_KEPT:
+        costs._tables.pop(next(iter(costs._tables)))
+    return table
+
+
+def _node_cost(costs: Costs, n, strat) -> tuple:
+    """(cost vector, bytes) of one node's strategy, once per mesh: a descent's steps offer the
+    same strategies again."""
+    key = (n.name, id(strat))
+    hit = costs._nodes.get(key)
+    if hit is None or hit[0] is not strat:
+        hit = costs._nodes[key] = (strat, _vec(costs.node(n, strat)), costs.memory(n, strat))
+    return hit[1], hit[2]
+
+
+def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
+    """(src groups, dst groups, {(a, b): (cost vector, kept bytes)}) of one edge: the producer's
+    output layouts, the consumer's input layouts, and every conversion between them. Edges
+    between the same strategy lists with the same tensor and consumer price alike; they share
+    one answer."""
+    us, vs = strategies[u.name], strategies[v.name]
+    graph = costs.graph
+    backward = (costs.training and graph.meta(value).floating and v.kind != "output" and u.requires_grad)
+    key = (value if u.kind == "param" else graph.meta(value), value[1], slot, backward, v.kind,
+           v.requires_grad, id(us), id(vs))
+    hit = costs._pairs.get(key)
+    if hit is not None and hit[0] is us and hit[1] is vs:
+        return hit[2]
+    src = _groups(us, lambda st: st.outputs[value[1]])
+    dst = _groups(vs, lambda st: st.inputs[slot])
+    pairs = {(a, b): (_vec(costs.convert(value, a, b, v)), costs.kept(value, a, b, v)) for a in src for b in dst}
+    costs._pairs[key] = (us, vs, (src, dst, pairs))
+    return src, dst, pairs
+
+
 def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
     """The integer program of the module docstring on ``model`` (``_CpSat``, or ``_LP`` for its
     relaxation); returns the x variables and the objective as (terms, constant), in ``unit`` per
     second."""
-    sums = _Sums(unit)
-    rep = tie_repeated(graph, strategies)
-    x = _node_vars(model, graph, strategies, costs, sums, rep)
-    kept: dict = {}
-    _edge_vars(model, graph, strategies, costs, x, sums, rep, kept)
-    objective = sums.terms("compute_fwd", "compute_bwd", "comm", "optimizer")
-    for phase in ("fwd", "bwd"):
-        # exposed = max(0, hidden - compute) of the phase (cost.step)
-        hidden, work = f"hidden_{phase}", f"compute_{phase}"
-        if not sums.most(hidden):
-            continue
-        exposed = model.int_var(0, sums.most(hidden))
-        # exposed - hidden + compute >= 0
-        terms, const = _plus(({exposed: 1}, 0), sums.terms(hidden, scale=-1), sums.terms(work))
-        model.at_least(terms, -const)
-        objective = _plus(objective, ({exposed: 1}, 0), sums.terms(hidden, scale=DRAG))
-    if memory_budget is not None:
-        scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
-        limit = int(memory_budget) if unit == PICO else memory_budget * scale
-        terms, const = _plus(_memory_terms(graph, strategies, costs, x, rep, scale), _kept_terms(kept, scale))
-        model.at_most(terms, limit - const)
+    table = _table(graph, strategies, costs)
+    with phase("build"):
+        sums = _Sums(unit)
+        x = _node_vars(model, table, sums)
+        kept: dict = {}
+        _edge_vars(model, table, x, sums, kept)
+        objective = sums.terms("compute_fwd", "compute_bwd", "comm", "optimizer")
+        for ph in ("fwd", "bwd"):
+            # exposed = max(0, hidden - compute) of the phase (cost.step)
+            hidden, work = f"hidden_{ph}", f"compute_{ph}"
+            if not sums.most(hidden):
+                continue
+            exposed = model.int_var(0, sums.most(hidden))
+            # exposed - hidden + compute >= 0
+            terms, const = _plus(({exposed: 1}, 0), sums.terms(hidden, scale=-1), sums.terms(work))
+            model.at_least(terms, -const)
+            objective = _plus(objective, ({exposed: 1}, 0), sums.terms(hidden, scale=DRAG))
+        if memory_budget is not None:
+            scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
+            limit = int(memory_budget) if unit == PICO else memory_budget * scale
+            terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale))
+            model.at_most(terms, limit - const)
     return x, objective
 
 
+class NoBetterPlan(Exception):
+    """``solve(..., below=...)`` found no plan under the cost it was asked to beat: proven
+    (``proven``), or none found within the time limit."""
+
+    def __init__(self, proven: bool):
+        super().__init__("proven" if proven else "none found in time")
+        self.proven = proven
+
+
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
-          memory_budget: Optional[float] = None, hint: Optional[dict] = None) -> Solution:
+          memory_budget: Optional[float] = None, hint: Optional[dict] = None,
+          below: Optional[float] = None) -> Solution:
     """The cheapest strategy per node. ``hint`` (node name -> strategy index), a plan the solver
-    starts from."""
+    starts from. ``below`` (seconds): only a plan cheaper than that will do (a mesh search's best
+    so far); raises ``NoBetterPlan`` when there is none."""
     start = time.perf_counter()
     model = _CpSat()
     x, objective = _build(model, graph, strategies, costs, memory_budget)
     model.minimize(*objective)
+    if below is not None:
+        # as the objective's domain, not a constraint: a constraint's terms must keep their
+        # largest sum within int64, and GPT-3's do not
+        limit = _ps(below) - objective[1]
+        if limit < 0:
+            raise NoBetterPlan(True)
+        model.model.proto.objective.domain.extend([0, limit])
     hinted = set()
     for name, i in (hint or {}).items():
         if x[name] is not None and id(x[name]) not in hinted:   # twins share their variables
             hinted.add(id(x[name]))
             for k, v in enumerate(x[name]):
                 model.model.add_hint(v, k == i)
-    solver, status = _run(model.model, time_limit)
+    solver, status = _run(model.model, time_limit, Progress(f"solving mesh {tuple(costs.mesh_shape)}"))
     name = solver.status_name(status)
+    if below is not None and status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
+        raise NoBetterPlan(status == cp_model.INFEASIBLE)
     if status == cp_model.INFEASIBLE and memory_budget is not None:
         raise MemoryBudgetError(_memory_message(graph, strategies, costs, memory_budget, time_limit))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -291,6 +394,19 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     obj = solver.objective_value / PICO
     bound = solver.best_objective_bound / PICO
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
+
+
+class _Shown(cp_model.CpSolverSolutionCallback):
+    """Each better plan the solver finds, as a progress line once the solve has run a while."""
+
+    def __init__(self, progress):
+        super().__init__()
+        self.progress = progress
+
+    def on_solution_callback(self):
+        obj, bound = self.objective_value / PICO, self.best_objective_bound / PICO
+        gap = (obj - bound) / obj if obj > 0 else 0.0
+        self.progress.update(f"best {obj * 1e3:.3f} ms per step, {100 * gap:.2f}% from the bound")
 
 
 def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs) -> float:
@@ -311,7 +427,8 @@ def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Opt
     lp = _LP()
     _, objective = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
     lp.minimize(*objective)
-    status = lp.solver.Solve()
+    with phase("solve"):
+        status = lp.solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
     if status != pywraplp.Solver.OPTIMAL:
@@ -359,6 +476,9 @@ class _LP:
 
     def __init__(self):
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        # the dual simplex without presolve: on a tiny T5 at mesh (4, 2) (157k columns) 2.7 s
+        # against 17.7 s with the defaults, the same objective
+        self.solver.SetSolverSpecificParametersAsString("use_dual_simplex: true use_preprocessing: false")
 
     def bool_var(self):
         return self.solver.NumVar(0.0, 1.0, "")
@@ -391,7 +511,7 @@ class _LP:
         objective.SetMinimization()
 
 
-def _run(model, time_limit):
+def _run(model, time_limit, progress=None):
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -405,7 +525,11 @@ def _run(model, time_limit):
     solver.parameters.cp_model_probing_level = 0
     solver.parameters.symmetry_level = 0
     solver.parameters.max_time_in_seconds = float(time_limit)
-    return solver, solver.solve(model)
+    with phase("solve"):
+        status = solver.solve(model, _Shown(progress) if progress is not None and progress.on else None)
+    if progress is not None:
+        progress.done(f"{solver.status_name(status).lower()}")
+    return solver, status
 
 
 def _choice(graph, x, solver) -> dict:
@@ -413,15 +537,12 @@ def _choice(graph, x, solver) -> dict:
             next(i for i, v in enumerate(x[n.name]) if solver.boolean_value(v)) for n in graph.nodes}
 
 
-def _memory_terms(graph, strategies, costs, x, rep, scale=1) -> tuple:
+def _memory_terms(table: _Table, x, scale=1) -> tuple:
     """Bytes per rank, linear in the choices (cost.memory): (terms, constant)."""
     terms, const = {}, 0
-    count = _count(rep[n.name] for n in graph.nodes)
-    for n in graph.nodes:
-        if rep[n.name] != n.name:
-            continue
-        for i, s in enumerate(strategies[n.name]):
-            b = costs.memory(n, s) * scale * count[n.name]
+    for n, times, _, nbytes in table.nodes:
+        for i, b in enumerate(nbytes):
+            b = b * scale * times
             if not b:
                 continue
             if x[n.name] is None:
@@ -440,11 +561,11 @@ def _kept_terms(kept: dict, scale=1) -> tuple:
 def _memory_message(graph, strategies, costs, budget, time_limit) -> str:
     """What the least memory any layout reaches is, and which tensors take it."""
     model = _CpSat()
-    rep = tie_repeated(graph, strategies)
-    x = _node_vars(model, graph, strategies, costs, _Sums(), rep)
+    table = _table(graph, strategies, costs)
+    x = _node_vars(model, table, _Sums())
     kept: dict = {}
-    _edge_vars(model, graph, strategies, costs, x, _Sums(), rep, kept)
-    model.minimize(*_plus(_memory_terms(graph, strategies, costs, x, rep), _kept_terms(kept)))
+    _edge_vars(model, table, x, _Sums(), kept)
+    model.minimize(*_plus(_memory_terms(table, x), _kept_terms(kept)))
     solver, status = _run(model.model, time_limit)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return f"no layout fits in a memory budget of {_gb(budget)} per rank"
@@ -470,26 +591,23 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def _node_vars(model, graph, strategies, costs, sums: _Sums, rep: dict) -> dict:
+def _node_vars(model, table: _Table, sums: _Sums) -> dict:
     x = {}
-    count = _count(rep[n.name] for n in graph.nodes)
-    for n in graph.nodes:
-        strats = strategies[n.name]
-        if not strats:
+    for n, times, vecs, _ in table.nodes:
+        if not vecs:
             raise AssertionError(f"node {n.name} has no strategy")
-        if rep[n.name] != n.name:       # a repeated block's node: its twin's variables and costs
-            x[n.name] = x[rep[n.name]]
-            continue
-        times = count[n.name]
-        if len(strats) == 1:
+        if len(vecs) == 1:
             x[n.name] = None
-            sums.add(None, costs.node(n, strats[0]), times)
+            sums.add(None, vecs[0], times)
             continue
-        vs = [model.bool_var() for _ in strats]
+        vs = [model.bool_var() for _ in vecs]
         model.exactly_one(vs)
         x[n.name] = vs
-        for v, s in zip(vs, strats):
-            sums.add(v, costs.node(n, s), times)
+        for var, vec in zip(vs, vecs):
+            sums.add(var, vec, times)
+    for name, r in table.rep.items():   # a repeated block's node: its twin's variables and costs
+        if r != name:
+            x[name] = x[r]
     return x
 
 
@@ -520,7 +638,7 @@ def _groups(strats, pick):
     return out
 
 
-def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict, kept: Optional[dict] = None) -> None:
+def _edge_vars(model, table: _Table, x, sums: _Sums, kept: Optional[dict] = None) -> None:
     """The conversions' costs onto ``sums``, and the bytes their results keep onto ``kept``
     (variable, or None for the constant -> bytes)."""
     kept = {} if kept is None else kept
@@ -529,15 +647,12 @@ def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict, kept:
         if b:
             kept[var] = kept.get(var, 0) + b
 
-    for u, value, v, slot, times in _edges(graph, rep):
-        src = _groups(strategies[u.name], lambda s: s.outputs[value[1]])
-        dst = _groups(strategies[v.name], lambda s: s.inputs[slot])
-        cost = {(a, b): costs.convert(value, a, b, v) for a in src for b in dst}
+    for u, value, v, slot, times, src, dst, pairs in table.edges:
         if len(src) == 1 or len(dst) == 1:
             # one side fixed: the conversion's cost rides on the other side's choice
-            for (a, b), c in cost.items():
-                b_kept = costs.kept(value, a, b, v) * times
-                if c == Cost() and not b_kept:
+            for (a, b), (c, b_kept) in pairs.items():
+                b_kept = b_kept * times
+                if not any(c) and not b_kept:
                     continue
                 side, idx = (v, dst[b]) if len(src) == 1 else (u, src[a])
                 if (len(src) == 1 and len(dst) == 1) or x[side.name] is None:
@@ -549,10 +664,10 @@ def _edge_vars(model, graph, strategies, costs, x, sums: _Sums, rep: dict, kept:
                     keep(x[side.name][i], b_kept)
             continue
         y = {}
-        for (a, b), c in cost.items():
+        for (a, b), (c, b_kept) in pairs.items():
             y[a, b] = model.bool_var()
             sums.add(y[a, b], c, times)
-            keep(y[a, b], costs.kept(value, a, b, v) * times)
+            keep(y[a, b], b_kept * times)
         for a, idx in src.items():
             model.equal([y[a, b] for b in dst], [x[u.name][i] for i in idx])
         for b, idx in dst.items():

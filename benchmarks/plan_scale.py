@@ -1,0 +1,239 @@
+"""How long planning takes at scale, phase by phase, beside one torch.export of the same model.
+
+    python benchmarks/plan_scale.py              # 96-layer GPT (d=2048) at world 1024, mesh search
+    python benchmarks/plan_scale.py --tiny       # tiny HuggingFace models at world 8, mesh search
+    python benchmarks/plan_scale.py --llama      # Llama-3-style, dim 2048, 16 layers, fixed mesh (8, 8)
+
+Everything runs on the meta device, with no process group. The phases are those of
+``autoshard.passes.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
+exclusive of the phases inside it. torch.export runs once in the same process, before planning,
+on the same model and inputs: the ratio is planning's time (without its own capture, which is
+that export again) over export's. The estimated step is printed beside the one autoshard chose
+before this benchmark existed (``BEFORE``, measured at commit 1dc2334 on the same 2-core machine),
+with the model-FLOPs utilization it implies (``mfu``: the GPT's FLOPs per step, Megatron-LM's
+count, over step time times world times the cluster's peak at the model's dtype).
+"""
+import argparse
+import math
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.passes.progress import CLOCK, PHASES
+from plan_gpt import GPT
+
+CLUSTER = "a100-80gb-nvlink-ib"
+# measured at 1dc2334 (before the planner reused annotation and costs): the chosen mesh, its
+# estimated step and memory per rank, and planning's time beside export's in the same run
+BEFORE = {"gpt96": dict(mesh=(128, 8), step=1.083995, memory=79.53e9, plan=98.8, export=4.23)}
+
+
+def phases() -> str:
+    return "  ".join(f"{k} {CLOCK.seconds[k]:.2f}" for k in PHASES)
+
+
+def mfu(model, inputs, step: float, world: int, cluster) -> float:
+    """Model FLOPs per step (Megatron-LM's count for a GPT: 72 B s l h^2 (1 + s/6h + V/12hl), no
+    recomputation) over what ``world`` devices do in ``step`` seconds at the cluster's peak."""
+    b, s = inputs[0].shape
+    h, layers, vocab = model.emb.weight.shape[1], len(model.blocks), model.emb.weight.shape[0]
+    flops = 72 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (12 * h * layers))
+    dtype = model.emb.weight.dtype
+    peak = cluster.matmul_flops(dtype.itemsize)
+    return flops / (step * world * peak)
+
+
+def gpt(layers, d, heads, batch, seq=2048, vocab=50304):
+    with torch.device("meta"):
+        model = GPT(vocab, d, heads, layers, seq)
+    idx = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return model, (idx, idx)
+
+
+def timed_export(model, inputs) -> float:
+    start = time.perf_counter()
+    torch.export.export(model, inputs, strict=False)
+    return time.perf_counter() - start
+
+
+def plan_gpt(name, model, inputs, world, before=None):
+    """Plan with mesh search; print phases, export, ratio, step, MFU, memory."""
+    cluster = autoshard.Cluster.preset(CLUSTER)
+    export = timed_export(model, inputs)
+    CLOCK.reset()
+    start = time.perf_counter()
+    plan = autoshard.plan(model, inputs, world=world, cluster=CLUSTER)
+    total = time.perf_counter() - start
+    planning = total - CLOCK.seconds["capture"]
+    print(f"\n== {name}: mesh search at world {world} ==")
+    print(f"phases (s): {phases()}")
+    print(f"plan {total:.1f} s (without capture {planning:.1f} s); torch.export {export:.1f} s; "
+          f"ratio {planning / export:.2f} (with capture {total / export:.2f})")
+    used = plan.memory["total"]
+    print(f"chose {plan.mesh_shape}: estimated step {plan.cost:.4f} s, MFU {100 * mfu(model, inputs, plan.cost, world, cluster):.1f}%, "
+          f"{used / 1e9:.2f} GB per rank (budget {plan.memory['budget'] / 1e9:.0f} GB); solver "
+          f"{plan.solver['status'].lower()}; {plan.solver.get('mesh_choice', '')}")
+    if before:
+        print(f"before (1dc2334): {before['mesh']}: estimated step {before['step']:.4f} s, "
+              f"MFU {100 * mfu(model, inputs, before['step'], world, cluster):.1f}%, {before['memory'] / 1e9:.2f} GB per rank; "
+              f"plan {before['plan']:.1f} s beside export {before['export']:.1f} s (ratio {before['plan'] / before['export']:.1f}); "
+              f"now / before: step {plan.cost / before['step']:.4f}")
+    fates: dict = {}
+    for c in plan.mesh_candidates:
+        fate = c["status"].split(":")[0].split(" (")[0]
+        fates[fate] = fates.get(fate, 0) + 1
+    print(f"{len(plan.mesh_candidates)} meshes: " + ", ".join(f"{k} {v}" for k, v in sorted(fates.items(), key=lambda kv: -kv[1])))
+    return plan
+
+
+# ---- a Llama-3-style model (meta-pytorch/autoparallel's example shape), RoPE in real numbers ------
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x, cos, sin):
+    """Rotary position embedding in real numbers (no complex view), so attention can be split."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, d, heads, kv_heads, hidden):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv_heads, d // heads
+        self.attention_norm, self.ffn_norm = RMSNorm(d), RMSNorm(d)
+        self.wq, self.wo = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.wk, self.wv = nn.Linear(d, kv_heads * self.hd, bias=False), nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        h = self.attention_norm(x)
+        q = rotate(self.wq(h).view(b, t, self.heads, self.hd).transpose(1, 2), cos, sin)
+        k = rotate(self.wk(h).view(b, t, self.kv, self.hd).transpose(1, 2), cos, sin)
+        v = self.wv(h).view(b, t, self.kv, self.hd).transpose(1, 2)
+        rep = self.heads // self.kv
+        k = k[:, :, None].expand(b, self.kv, rep, t, self.hd).reshape(b, self.heads, t, self.hd)
+        v = v[:, :, None].expand(b, self.kv, rep, t, self.hd).reshape(b, self.heads, t, self.hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, dim=2048, layers=16, heads=16, kv_heads=8, vocab=128256, seq=2048, multiple_of=256):
+        super().__init__()
+        hidden = multiple_of * math.ceil(int(2 * 4 * dim / 3) / multiple_of)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaLayer(dim, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm, self.output = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        inv = 1.0 / 500000.0 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads))
+        angles = torch.outer(torch.arange(seq).float(), inv).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return self.output(self.norm(x))
+
+
+def llama(args):
+    with torch.device("meta"):
+        model = Llama(layers=args.layers or 16)
+    tokens = torch.empty(16, 2048, dtype=torch.long, device="meta")   # autoparallel's: 2 sequences per dp rank
+    CLOCK.reset()
+    start = time.perf_counter()
+    plan = autoshard.plan(model, (tokens,), mesh=(8, 8), cluster=CLUSTER, time_limit=args.time_limit)
+    s = plan.solver
+    print(f"\n== Llama-3-style, dim 2048, {args.layers or 16} layers, seq 2048, batch 16, fixed mesh (8, 8) ==")
+    print(f"phases (s): {phases()}")
+    print(f"planned in {time.perf_counter() - start:.1f} s: solver {s['status'].lower()} in {s['seconds']:.1f} s, "
+          f"gap {100 * (s['gap'] or 0):.2f}%; estimated step {plan.cost * 1e3:.2f} ms, "
+          f"{plan.memory['total'] / 1e9:.2f} GB per rank")
+
+
+# ---- tiny HuggingFace models (2 layers, hidden 32-64), none of them in the tests ---------------------
+
+def tiny_models():
+    import transformers
+    vocab, seq, batch = 128, 8, 8
+
+    def tokens(seed):
+        return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    t5 = transformers.T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                               num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    qwen2 = transformers.Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    opt = transformers.OPTConfig(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                 max_position_embeddings=seq, word_embed_proj_dim=32, dropout=0.0)
+    vit = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 image_size=16, patch_size=4, num_labels=10, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    whisper = transformers.WhisperConfig(vocab_size=vocab, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, d_model=32,
+                                         encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+                                         max_target_positions=seq, dropout=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return {
+        "T5 (encoder-decoder)": lambda: (transformers.T5ForConditionalGeneration(t5),
+                                         dict(input_ids=tokens(1), labels=tokens(2), use_cache=False)),
+        "Qwen2 (decoder)": lambda: (transformers.Qwen2ForCausalLM(qwen2),
+                                    dict(input_ids=tokens(3), labels=tokens(4), use_cache=False)),
+        "OPT (decoder)": lambda: (transformers.OPTForCausalLM(opt),
+                                  dict(input_ids=tokens(5), labels=tokens(6), use_cache=False)),
+        "ViT (vision)": lambda: (transformers.ViTForImageClassification(vit),
+                                 dict(pixel_values=torch.randn(batch, 3, 16, 16), labels=torch.randint(0, 10, (batch,)))),
+        "Whisper (speech)": lambda: (transformers.WhisperForConditionalGeneration(whisper),
+                                     dict(input_features=torch.randn(batch, 16, 32), labels=tokens(7), use_cache=False)),
+    }
+
+
+def tiny(args):
+    print(f"\n== tiny HuggingFace models, mesh search at world 8 beside the fixed mesh (8,) ==")
+    for name, build in tiny_models().items():
+        torch.manual_seed(0)
+        model, inputs = build()
+        times = {}
+        for label, kw in (("search", dict(world=8)), ("fixed (8,)", dict(mesh=(8,)))):
+            CLOCK.reset()
+            start = time.perf_counter()
+            plan = autoshard.plan(model, inputs, cluster=CLUSTER, verbose=False, **kw)
+            times[label] = (time.perf_counter() - start, phases(), plan)
+        (ts, ps, plan), (tf, _, fixed) = times["search"], times["fixed (8,)"]
+        print(f"{name}: search {ts:.2f} s -> {plan.mesh_shape} {plan.cost * 1e6:.2f} us; fixed (8,) {tf:.2f} s "
+              f"{fixed.cost * 1e6:.2f} us\n    search phases (s): {ps}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny HuggingFace models at world 8")
+    ap.add_argument("--llama", action="store_true", help="the Llama-3-style model on the fixed mesh (8, 8)")
+    ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    if args.tiny:
+        return tiny(args)
+    if args.llama:
+        return llama(args)
+    layers = args.layers or 96
+    plan_gpt(f"GPT {layers} layers, d=2048, 16 heads, batch 1024 x 2048, vocab 50304", *gpt(layers, 2048, 16, 1024),
+             1024, before=BEFORE["gpt96"] if layers == 96 else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Planning at scale: the work that is the same for every layer and every mesh is done once, the
+phases are timed, and a long search or solve says how far it got (on stderr, unless verbose=False).
+Planned on the meta device with no process group."""
+import pytest
+import torch
+
+import autoshard
+from autoshard.cluster import PRESETS
+from autoshard.passes import annotate as annotate_pass
+from autoshard.passes import progress
+from autoshard.passes.capture import capture
+from autoshard.passes.repeat import tie_repeated
+from autoshard.passes.solve import Costs, NoBetterPlan, lower_bound, solve
+from models import GPT
+
+CLUSTER = PRESETS["a100-80gb-nvlink-ib"]
+
+
+def _gpt(layers, batch=16):
+    with torch.device("meta"):
+        model = GPT(vocab=256, d=64, heads=2, layers=layers, seq=32)
+    idx = torch.zeros(batch, 32, dtype=torch.long, device="meta")
+    return model, (idx, idx)
+
+
+def test_the_rules_are_asked_once_per_distinct_op_whatever_the_depth_and_the_mesh(monkeypatch):
+    asked = []
+    real = annotate_pass.one_axis_sigs
+    monkeypatch.setattr(annotate_pass, "one_axis_sigs", lambda node, graph: asked.append(node.name) or real(node, graph))
+    counts = {}
+    for layers in (2, 6):
+        graph = capture(*_gpt(layers))
+        asked.clear()
+        for mesh in [(8,), (2, 4), (4, 2)]:
+            annotate_pass.annotate(graph, mesh)
+        counts[layers] = len(asked)
+    assert counts[6] == counts[2] > 0   # the layers of a stack ask the rule once between them, once for all meshes
+
+
+def test_reused_annotation_equals_a_fresh_one_and_ties_the_layers():
+    graph = capture(*_gpt(6))
+    mesh = (2, 4)
+    first = annotate_pass.annotate(graph, mesh)
+    again = annotate_pass.annotate(graph, mesh)
+    graph.cache.clear()
+    fresh = annotate_pass.annotate(graph, mesh)
+    assert first.keys() == fresh.keys()
+    assert all(first[k] == fresh[k] == again[k] for k in first)
+    rep = tie_repeated(graph, first)
+    tied = sum(1 for k, v in rep.items() if k != v)
+    assert tied > 0 and tied == sum(1 for k, v in tie_repeated(graph, fresh).items() if k != v)
+    # a pin narrows one layer's strategies: that layer is no longer tied to its twin
+    pinned = dict(first)
+    w = next(n.name for n in graph.nodes if n.kind == "param" and n.fqn == "blocks.4.fc.weight")
+    pinned[w] = pinned[w][:1]
+    assert tie_repeated(graph, pinned)[w] == w
+
+
+def test_the_integer_program_reads_one_table_per_mesh():
+    # the LP bound, the solve and a solve that must beat a cost share one pricing of the mesh
+    graph = capture(*_gpt(2))
+    mesh = (2, 2)
+    strategies = annotate_pass.annotate(graph, mesh)
+    costs = Costs(graph, mesh, CLUSTER, True)
+    progress.CLOCK.reset()
+    bound = lower_bound(graph, strategies, costs, 80e9)
+    priced = progress.CLOCK.seconds["cost"]
+    solution = solve(graph, strategies, costs, 60, 80e9)
+    assert progress.CLOCK.seconds["cost"] == priced          # not priced again
+    assert bound <= solution.objective * (1 + 1e-6)
+    with pytest.raises(NoBetterPlan) as info:
+        solve(graph, strategies, costs, 60, 80e9, below=solution.objective * (1 - 1e-3))
+    assert info.value.proven
+    assert solve(graph, strategies, costs, 60, 80e9, below=solution.objective * (1 + 1e-3)).objective == \
+        pytest.approx(solution.objective, rel=1e-6)
+
+
+def test_every_phase_is_timed():
+    progress.CLOCK.reset()
+    autoshard.plan(*_gpt(2), world=8, verbose=False)
+    seconds = progress.CLOCK.seconds
+    assert set(seconds) == set(progress.PHASES)
+    assert all(seconds[k] > 0 for k in ("capture", "annotate", "cost", "build", "solve"))
+
+
+def test_a_long_solve_shows_its_progress_unless_silenced(monkeypatch, capfd):
+    monkeypatch.setattr(progress, "QUIET_SECONDS", 0.0)   # every solve counts as long here
+    monkeypatch.setattr(progress, "EVERY", 0.0)
+    model, inputs = _gpt(2)
+    autoshard.plan(model, inputs, mesh=(4, 2))
+    err = capfd.readouterr().err
+    assert "autoshard: solving mesh (4, 2): best" in err and "ms per step" in err
+    assert "autoshard: solving mesh (4, 2): optimal" in err
+    autoshard.plan(model, inputs, mesh=(4, 2), verbose=False)
+    assert "autoshard" not in capfd.readouterr().err
+
+
+def test_verbose_is_a_bool():
+    with pytest.raises(TypeError, match="verbose is True or False"):
+        autoshard.plan(*_gpt(2), mesh=(8,), verbose="yes")
