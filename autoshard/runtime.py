@@ -337,6 +337,34 @@ def linear_dw_later(x, w, b, h: "Pending"):
     return _LinearDwLater.apply(x, w, b, h)
 
 
+# ---- a linear on an all-gathered input, decomposed (collective matmul) ---------------------------
+#
+# linear(all_gather(x, dim)) for a dim other than the features: the rows of this rank's own block
+# are linear(x), ready before the gather completes. ``linear_local_part`` computes them between
+# the gather's start and wait, ``linear_gathered`` the other blocks' rows after the wait, placing
+# each block where the gather puts it. In backward, the gathered input's own block gets no
+# gradient from the second (it is not read), so the dual reduce-scatter sums the other ranks'
+# contributions to this rank's block, and the first adds this rank's own, computed while the
+# reduce-scatter flies.
+
+def linear_local_part(x, w, b, dim: int):
+    """linear(x, w, b): the rows of this rank's block, or None where ``dim`` is the features'."""
+    if dim % x.dim() == x.dim() - 1:
+        return None
+    return F.linear(x, w, b)
+
+
+def linear_gathered(whole, part, w, b, axis, dim: int):
+    """linear(whole, w, b), ``whole`` the all-gather over ``axis`` on ``dim`` whose own block's
+    rows are ``part`` (from ``linear_local_part``)."""
+    if part is None:
+        return F.linear(whole, w, b)
+    m = _mesh()
+    p, me = m.size(axis), m.coord(axis)
+    blocks = whole.chunk(p, dim)
+    return torch.cat([part if r == me else F.linear(blk, w, b) for r, blk in enumerate(blocks)], dim=dim)
+
+
 def _convert(x, src, dst, m: RankMesh):
     """Raw conversion between nd placements (no autograd), by the shared step planner."""
     from autoshard.cost.comm import transition

@@ -117,7 +117,9 @@ def _build(case, a):
     mesh = (dist.get_world_size(),)
     pin = {"megatron": schemes.megatron, "seq-parallel": schemes.sequence_parallel}.get(case)
     kw = {"pin": pin(model, batch, mesh)} if pin else {}
-    plan = autoshard.plan(model, batch, mesh=mesh, cluster=a.cluster, **kw)
+    text = [autoshard.plan(model, batch, mesh=mesh, cluster=a.cluster, **kw).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text, src=0)     # one plan, rank 0's, on every rank
+    plan = autoshard.Plan.from_json(text[0])
     if pin:   # only the split matmuls train: every collective left is an activation's
         for name, p in model.named_parameters():
             p.requires_grad_(any(s != "B" for s in plan.params[name]))

@@ -32,14 +32,14 @@ def _program(pin, world=4, **kw):
     return rewrite(graph, plan)
 
 
-def _gpt(mesh):
-    """A 2-block GPT pinned to Megatron's layout on the last mesh axis (its batch split on the
-    others), with its inputs."""
+def _gpt(mesh, scheme="megatron"):
+    """A 2-block GPT pinned to Megatron's layout (or ``scheme``) on the last mesh axis (its batch
+    split on the others), with its inputs."""
     torch.manual_seed(0)
     model = GPT(vocab=64, d=32, heads=4, layers=2, seq=16)
     idx = torch.randint(0, 64, (8, 16))
     batch = (idx, torch.roll(idx, -1, dims=1))
-    return model, batch, autoshard.schemes.megatron(model, batch, mesh)
+    return model, batch, getattr(autoshard.schemes, scheme)(model, batch, mesh)
 
 
 def _calls(gm, fn):
@@ -234,11 +234,26 @@ def test_activation_steps_start_after_their_input_and_wait_before_first_use():
     assert all(any(a < order[n] < b for a, b in spans) for n in later)
 
 
-def overlap_case(mesh):
+def test_a_linear_on_a_gathered_input_computes_its_own_block_while_the_gather_flies():
+    model, batch, pin = _gpt((4,), "sequence_parallel")
+    gm = schedule(rewrite(capture(model, batch), autoshard.plan(model, batch, mesh=(4,), pin=pin)))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rest = _calls(gm, runtime.linear_gathered)
+    assert rest and not [n for n in _calls(gm, torch.ops.aten.linear.default) if n.args[0].target is runtime.step_wait
+                         and n.args[0].args[0].args[2] == "all_gather"]
+    for n in rest:
+        wait, part = n.args[0], n.args[1]
+        start = wait.args[0]
+        assert start.args[2] == "all_gather" and part.target is runtime.linear_local_part
+        assert order[start] < order[part] < order[wait] < order[n]
+        assert part.args[0] is start.args[0]     # this rank's own block: the gather's input
+
+
+def overlap_case(mesh, scheme="megatron"):
     """The Megatron-pinned GPT with the schedule pass and without it, against one device: the
     largest differences of loss and gradients, and the order in which backward started each dual
     step, waited for it and made the weight gradients moved into its span."""
-    model, batch, pin = _gpt(mesh)
+    model, batch, pin = _gpt(mesh, scheme)
     ref = copy.deepcopy(model)
     ref_loss = ref(*batch)
     ref_loss.backward()
@@ -277,10 +292,11 @@ def world2():
     w.close()
 
 
-@pytest.mark.parametrize("mesh", [(4,), (2, 2), (2,)])
-def test_overlapped_activation_steps_train_exactly(request, mesh):
+@pytest.mark.parametrize("mesh,scheme", [((4,), "megatron"), ((2, 2), "megatron"), ((2,), "megatron"),
+                                         ((4,), "sequence_parallel")])
+def test_overlapped_activation_steps_train_exactly(request, mesh, scheme):
     world = request.getfixturevalue("world2" if mesh == (2,) else "world4")
-    for on, off, same, events in world.run(overlap_case, mesh):
+    for on, off, same, events in world.run(overlap_case, mesh, scheme):
         assert on[0] <= 1e-5 and on[1] <= 1e-4, on
         assert off[0] <= 1e-5 and off[1] <= 1e-4, off
         assert same <= 1e-5

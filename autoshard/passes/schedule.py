@@ -184,7 +184,9 @@ _STEP_KINDS = {getattr(runtime, k): k for k in runtime.COLLECTIVE_KINDS}
 def _start_steps_early(g, start: _Cursor) -> None:
     """Every collective step between ops (the rewriter's conversions of activations, and of
     parameters the gather buckets did not take) becomes a start right after its input is made and
-    a wait right before its first use (``runtime.step_start`` / ``step_wait``)."""
+    a wait right before its first use (``runtime.step_start`` / ``step_wait``). An all-gather that
+    only linears take is decomposed: each computes the rows of this rank's own block before the
+    wait, and the others' after it (``runtime.linear_local_part`` / ``linear_gathered``)."""
     order = {n: i for i, n in enumerate(g.nodes)}
     prologue = order[start.anchor] if start.anchor is not None else -1
     for n in list(g.nodes):
@@ -202,11 +204,36 @@ def _start_steps_early(g, start: _Cursor) -> None:
         else:   # the input is ready at the program's start: start after what the other passes put there
             h = start.call(runtime.pending, ())
             token = start.call(runtime.step_start, (x, h, *args))
+        linears = _gathered_linears(n, first, order) if kind == "all_gather" and args[4] == 1 else []
         with g.inserting_before(first):
+            # each linear's rows from this rank's own block, computed while the gather flies
+            parts = [g.call_function(runtime.linear_local_part, (x, *_weights(u), args[2])) for u in linears]
             wait = g.call_function(runtime.step_wait, (token, h))
         order[wait] = order[first] - 0.5
+        for u, part in zip(linears, parts):
+            with g.inserting_before(u):
+                rest = g.call_function(runtime.linear_gathered, (wait, part, *_weights(u), args[1], args[2]))
+            order[rest] = order[u]
+            u.replace_all_uses_with(rest)
+            g.erase_node(u)
         n.replace_all_uses_with(wait)
         g.erase_node(n)
+
+
+def _weights(linear):
+    args = linear.args
+    return args[1], args[2] if len(args) > 2 else linear.kwargs.get("bias")
+
+
+def _gathered_linears(n, first, order) -> list:
+    """The linears that take the all-gather ``n`` as their input, when they are all it feeds
+    and their weights are ready before the first of them: their rows from this rank's block can
+    be computed before the gather completes (a collective matmul)."""
+    users = list(n.users)
+    if not all(u.target is torch.ops.aten.linear.default and u.args[0] is n and n not in u.args[1:] for u in users):
+        return []
+    ready = all(not isinstance(w, fx.Node) or order[w] < order[first] for u in users for w in _weights(u))
+    return sorted(users, key=order.get) if ready else []
 
 
 def _weight_grads_later(g) -> None:
