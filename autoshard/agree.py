@@ -90,9 +90,19 @@ def check(summary: dict, where: str, timeout=None) -> None:
                          f"{ADVICE[key].capitalize()}.")
 
 
+def layout_digest(plan) -> str:
+    """What of a plan makes the program: its layouts, shapes, mode and schedule options, not its
+    timings (two ranks that plan alike differ in the seconds the solver took) or priced costs (a
+    cluster each rank measured for itself)."""
+    nodes = [(c.name, c.kind, c.op, c.shapes, c.inputs, c.outputs) for c in plan.nodes.values()]
+    params = sorted((k, list(v)) for k, v in plan.params.items())
+    import json     # lists and tuples alike: a plan read back from JSON is the same plan
+    return digest(json.dumps([list(plan.mesh_shape), params, plan.training, plan.schedule, nodes], sort_keys=True))
+
+
 def check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout=None) -> None:
     """At ``parallelize``, before the mesh's groups are made: the plan, mesh, options and model."""
-    check({"plan": None if plan is None else digest(plan.to_json()), "mesh": tuple(mesh_shape),
+    check({"plan": None if plan is None else layout_digest(plan), "mesh": tuple(mesh_shape),
            "options": digest(repr(sorted(plan_kwargs.items()))), "overlap": overlap,
            "model": digest(repr([(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]))},
           "parallelize", timeout)
