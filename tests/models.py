@@ -73,3 +73,33 @@ MEGATRON_BLOCK = {"qkv.weight": ("S(0)",), "qkv.bias": ("S(0)",), "proj.weight":
 
 def megatron_pins(prefixes):
     return {f"{p}{k}": v for p in prefixes for k, v in MEGATRON_BLOCK.items()}
+
+
+class RopeAttention(nn.Module):
+    """Llama-style attention as Meta and torchtitan write it: rotary embeddings applied through
+    ``view_as_complex``, a complex multiply and ``view_as_real``; a residual and a loss-like mean."""
+
+    def __init__(self, d=32, heads=4, seq=16):
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads
+        self.norm = nn.LayerNorm(d)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
+        freqs = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def rope(self, z):
+        zc = torch.view_as_complex(z.float().reshape(*z.shape[:-1], -1, 2))
+        rotated = zc * self.freqs_cis.view(1, z.shape[1], 1, -1)
+        return torch.view_as_real(rotated).flatten(3).type_as(z)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm(x)
+        q, k, v = (w(h).view(b, t, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = self.rope(q), self.rope(k)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return x + self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+ROPE_HEADS = {"wq.weight": ("S(0)",), "wk.weight": ("S(0)",), "wv.weight": ("S(0)",), "wo.weight": ("S(1)",)}

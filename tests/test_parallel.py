@@ -11,7 +11,7 @@ import torch.distributed as dist
 import autoshard
 from autoshard.launch import LocalWorld
 from cases import emits, step_on_the_same_gradients
-from models import GPT, MLP, Block, megatron_pins
+from models import GPT, MLP, ROPE_HEADS, Block, RopeAttention, megatron_pins
 
 TOL = dict(rtol=1e-5, atol=2e-6)
 
@@ -38,6 +38,8 @@ def _make(name):
         return Block(), (torch.randn(4, 16, 32),)
     if name == "gpt":
         return GPT(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    if name == "rope":
+        return RopeAttention(), (torch.randn(4, 16, 32),)
     raise KeyError(name)
 
 
@@ -75,6 +77,8 @@ def train_case(name, pin=None, optimizer="adam"):
     result["program"] = pm.program
     result["collectives"] = sorted({(c.kind, c.phase) for c in pm.plan.collectives})
     result["tied"] = getattr(pm, "head", None) is not None and pm.head.weight is pm.emb.weight
+    result["split_ops"] = sorted({c.op for c in pm.plan.nodes.values()
+                                  if c.kind == "op" and any(q.startswith("S") for out in c.outputs for q in out)})
     return result
 
 
@@ -97,6 +101,8 @@ CASES = [
     ("gpt", None),
     ("gpt", megatron_pins(["blocks.0.", "blocks.1."])),
     ("gpt", {"idx": ("S(0)",), "targets": ("S(0)",), "emb.weight": ("B",)}),
+    ("rope", None),
+    ("rope", ROPE_HEADS),
 ]
 
 
@@ -437,3 +443,14 @@ def test_mean_loss_counts_ignored_targets_over_the_whole_batch(world4):
         assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
         assert "(0,), targets)" in line, line                 # counted on the whole targets
         assert counts == 0, counts                              # and the plan prices none
+
+
+def test_complex_rotary_embeddings_run_split(world4):
+    """Rotary embeddings through complex numbers (view_as_complex, a complex multiply,
+    view_as_real) run on each rank's heads, exact, and nothing of the model falls back."""
+    cov = autoshard.coverage(*_make("rope"), world=4)
+    assert not cov.compute_fallbacks and "no rule" not in str(cov), cov
+    for res in world4.run(train_case, "rope", ROPE_HEADS, "sgd"):
+        _assert_exact(res)
+        assert any("view_as_complex" in op for op in res["split_ops"]), res["split_ops"]
+        assert any("view_as_real" in op for op in res["split_ops"]), res["split_ops"]

@@ -135,6 +135,24 @@ def select(ctx: OpCtx):
     return dim_map_sigs([(d, d - (d > dim)) for d in range(nd) if d != dim])
 
 
+def view_as_complex(ctx: OpCtx):
+    """(..., 2) real -> (...) complex: the pair of a complex number's parts is never split."""
+    return dim_map_sigs([(d, d) for d in range(len(ctx.in_shapes[0]) - 1)])
+
+
+def view_as_real(ctx: OpCtx):
+    """(...) complex -> (..., 2) real: every dim keeps its split, the new pair dim is whole."""
+    return dim_map_sigs([(d, d) for d in range(len(ctx.in_shapes[0]))])
+
+
+def assert_metadata(ctx: OpCtx):
+    """A check of dtype or device, which hold for any share; a check of the size or strides holds
+    only for the whole tensor."""
+    if ctx.arg(1, "size") is not None or ctx.arg(2, "stride") is not None:
+        return []
+    return [Sig((Split(d),), ()) for d in range(len(ctx.in_shapes[0]))] + [Sig((P,), ())]
+
+
 UNBIND = {aten.unbind.int}
 RESHAPES = [aten.view.default, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
             aten.squeeze, aten.unsqueeze, aten.view_as]
@@ -148,3 +166,6 @@ register([aten.cat], cat)
 register([aten.stack], stack)
 register([aten.slice.Tensor], slice_)
 register([aten.select.int], select)
+register([aten.view_as_complex], view_as_complex)
+register([aten.view_as_real], view_as_real)
+register([aten._assert_tensor_metadata], assert_metadata)
