@@ -20,8 +20,8 @@ cluster also each launch, and a parameter's optimizer step over its share); conv
 conversion's forward plus its dual backward (cost.comm). Parameter collectives that the schedule
 pass overlaps are "hidden" parts: they cost only what their phase's compute does not cover. An
 edge whose producer or consumer has a single layout adds its cost straight onto the other side's
-x. Costs are integers in picoseconds. CP-SAT runs with one worker and a fixed seed, so the same
-graph gives the same plan on every machine.
+x. Costs are integers in picoseconds (nanoseconds where picoseconds overflow int64). CP-SAT runs
+with one worker and a fixed seed, so the same graph gives the same plan on every machine.
 
 The program's data (every tied node's strategy costs and bytes, every tied edge's layout groups
 and conversion costs) is priced once per strategies dict into a table (``_table``) that the LP
@@ -49,6 +49,9 @@ from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import bucket_bytes_for
 
 PICO = 1e12
+# CP-SAT counts in picoseconds, or in nanoseconds where picoseconds would let a sum of the
+# program's terms leave int64 (GPT-3 175B at world 1024: seconds per step over 96 layers)
+INTEGER_UNITS = (PICO, 1e9)
 GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.1% of the best: closing the last sliver can take minutes
 
 
@@ -82,6 +85,7 @@ class Costs:
         self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
         self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
         self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
+        self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
 
@@ -195,10 +199,6 @@ class Costs:
         return self._conv[key]
 
 
-def _ps(seconds: float) -> int:
-    return int(round(seconds * PICO))
-
-
 class _Sums:
     """One linear expression per cost part (``cost.step.PARTS``): coefficients on variables and a
     constant, in picoseconds."""
@@ -211,11 +211,11 @@ class _Sums:
     def add(self, var, vec: tuple, times: int = 1) -> None:
         """Add ``times`` copies of a cost (``_vec``: seconds per part) on ``var`` (None: the
         constant)."""
-        pico = self.unit == PICO
+        integer = self.unit in INTEGER_UNITS
         for part, x in zip(PARTS, vec):
             if not x:
                 continue
-            c = times * (_ps(x) if pico else x * self.unit)
+            c = times * (int(round(x * self.unit)) if integer else x * self.unit)
             if var is None:
                 self.const[part] += c
             else:
@@ -224,7 +224,7 @@ class _Sums:
 
     def terms(self, *parts, scale: float = 1.0) -> tuple:
         """(coefficient per variable, constant) of the parts' sum, each times ``scale``."""
-        r = (lambda c: int(round(c))) if self.unit == PICO else (lambda c: c)
+        r = (lambda c: int(round(c))) if self.unit in INTEGER_UNITS else (lambda c: c)
         out, const = {}, 0
         for part in parts:
             for v, c in self.coef[part].items():
@@ -342,8 +342,9 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
             model.at_least(terms, -const)
             objective = _plus(objective, ({exposed: 1}, 0), sums.terms(hidden, scale=DRAG))
         if memory_budget is not None:
-            scale = 1 if unit == PICO else 1e-9   # the LP counts gigabytes
-            limit = int(memory_budget) if unit == PICO else memory_budget * scale
+            integer = unit in INTEGER_UNITS
+            scale = 1 if integer else 1e-9   # the LP counts gigabytes
+            limit = int(memory_budget) if integer else memory_budget * scale
             terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale))
             model.at_most(terms, limit - const)
     return x, objective
@@ -360,18 +361,45 @@ class NoBetterPlan(Exception):
 
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
           memory_budget: Optional[float] = None, hint: Optional[dict] = None,
-          below: Optional[float] = None) -> Solution:
+          below: Optional[float] = None, effort: Optional[float] = None) -> Solution:
     """The cheapest strategy per node. ``hint`` (node name -> strategy index), a plan the solver
     starts from. ``below`` (seconds): only a plan cheaper than that will do (a mesh search's best
-    so far); raises ``NoBetterPlan`` when there is none."""
+    so far); raises ``NoBetterPlan`` when there is none. ``effort``: CP-SAT's deterministic
+    seconds for the whole program once the LP's support has not proven its plan (0: return that
+    plan as it is, with the LP's bound): what a mesh search spends on a mesh that only might win."""
     start = time.perf_counter()
-    model = _CpSat()
-    x, objective = _build(model, graph, strategies, costs, memory_budget)
-    model.minimize(*objective)
+    relaxed = 0.0
+    if hint is None:   # a whole solve (a descent's steps bring their own plan, and need no proof)
+        relaxed, weights = _relaxation(graph, strategies, costs, memory_budget)
+        if below is not None and relaxed >= below:
+            raise NoBetterPlan(True)
+        if weights is not None:
+            quick = _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
+            if quick is not None and quick.objective - relaxed <= GAP_LIMIT * quick.objective and \
+                    (below is None or quick.objective < below):
+                return Solution(quick.choice, quick.objective, min(relaxed, quick.objective), "OPTIMAL",
+                                time.perf_counter() - start)
+            if effort == 0:
+                if quick is None or (below is not None and quick.objective >= below):
+                    raise NoBetterPlan(False)
+                return Solution(quick.choice, quick.objective, min(relaxed, quick.objective), "FEASIBLE",
+                                time.perf_counter() - start)
+            hint = quick.choice if quick is not None else None
+    for unit in INTEGER_UNITS:
+        model = _CpSat()
+        try:
+            x, objective = _build(model, graph, strategies, costs, memory_budget, unit)
+            model.minimize(*objective)
+        except TypeError:   # a variable's domain past int64
+            if unit == INTEGER_UNITS[-1]:
+                raise
+            continue
+        if "overflow" not in model.model.validate():
+            break
     if below is not None:
         # as the objective's domain, not a constraint: a constraint's terms must keep their
         # largest sum within int64, and GPT-3's do not
-        limit = _ps(below) - objective[1]
+        limit = int(round(below * unit)) - objective[1]
         if limit < 0:
             raise NoBetterPlan(True)
         model.model.proto.objective.domain.extend([0, limit])
@@ -381,7 +409,8 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
             hinted.add(id(x[name]))
             for k, v in enumerate(x[name]):
                 model.model.add_hint(v, k == i)
-    solver, status = _run(model.model, time_limit, Progress(f"solving mesh {tuple(costs.mesh_shape)}"))
+    solver, status = _run(model.model, time_limit, Progress(f"solving mesh {tuple(costs.mesh_shape)}"), unit,
+                          relaxed if 0 < relaxed < math.inf else None, effort)
     name = solver.status_name(status)
     if below is not None and status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
         raise NoBetterPlan(status == cp_model.INFEASIBLE)
@@ -391,22 +420,31 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
         raise RuntimeError(f"the layout solver stopped without a plan ({name}) after {time_limit:.0f} s; "
                            "raise time_limit= or plan a smaller model")
     choice = _choice(graph, x, solver)
-    obj = solver.objective_value / PICO
-    bound = solver.best_objective_bound / PICO
+    obj = solver.objective_value / unit
+    bound = max(solver.best_objective_bound / unit, relaxed if relaxed < math.inf else 0.0)
+    if name == "FEASIBLE" and obj - bound <= GAP_LIMIT * obj:   # proven by the LP's bound
+        name = "OPTIMAL"
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
 
 
-class _Shown(cp_model.CpSolverSolutionCallback):
-    """Each better plan the solver finds, as a progress line once the solve has run a while."""
+class _Watch(cp_model.CpSolverSolutionCallback):
+    """Each better plan the solver finds: a progress line once the solve has run a while, and the
+    search stopped as soon as the plan is within ``GAP_LIMIT`` of the LP relaxation's bound
+    (``relaxed``, seconds), which CP-SAT's own bound may take minutes to reach. The same graph
+    gives the same sequence of plans, so where it stops is deterministic too."""
 
-    def __init__(self, progress):
+    def __init__(self, progress, unit, relaxed):
         super().__init__()
-        self.progress = progress
+        self.progress, self.unit, self.relaxed = progress, unit, relaxed
 
     def on_solution_callback(self):
-        obj, bound = self.objective_value / PICO, self.best_objective_bound / PICO
+        obj = self.objective_value / self.unit
+        bound = max(self.best_objective_bound / self.unit, self.relaxed or 0.0)
         gap = (obj - bound) / obj if obj > 0 else 0.0
-        self.progress.update(f"best {obj * 1e3:.3f} ms per step, {100 * gap:.2f}% from the bound")
+        if self.progress is not None:
+            self.progress.update(f"best {obj * 1e3:.3f} ms per step, {100 * gap:.2f}% from the bound")
+        if self.relaxed is not None and gap <= GAP_LIMIT:
+            self.stop_search()
 
 
 def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs) -> float:
@@ -421,19 +459,63 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs) -> f
     return total.step
 
 
+SUPPORT = 1e-6   # an LP weight above this puts the strategy in the relaxation's support
+
+
+def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights) -> Optional[Solution]:
+    """The best plan among the strategies the LP relaxation gives weight (fixing every node it
+    decides outright): a program a fraction of the size, solved in a blink. The relaxation is
+    nearly tight on these programs, so this plan is often within ``GAP_LIMIT`` of its bound,
+    which proves it (a Llama-3-style model on mesh (8, 8): 0.02 s, where the whole program takes
+    CP-SAT half a minute to close). None when the support holds no plan (the memory budget)."""
+    rep = tie_repeated(graph, strategies)
+    shared: dict = {}   # twins keep sharing their lists, so they stay tied
+    sub, index = {}, {}
+    for n in graph.nodes:
+        w = weights.get(rep[n.name])
+        idx = list(range(len(strategies[n.name]))) if w is None else [i for i, v in enumerate(w) if v > SUPPORT]
+        key = (id(strategies[n.name]), tuple(idx))
+        if key not in shared:
+            shared[key] = [strategies[n.name][i] for i in idx]
+        sub[n.name], index[n.name] = shared[key], idx
+    hint = {name: max(range(len(idx)), key=lambda k: weights[rep[name]][idx[k]]) for name, idx in index.items()
+            if rep[name] in weights}
+    try:
+        found = solve(graph, sub, costs, time_limit, memory_budget, hint=hint)
+    except (MemoryBudgetError, RuntimeError):
+        return None
+    return Solution({name: index[name][i] for name, i in found.choice.items()}, found.objective, None,
+                    found.status, found.seconds)
+
+
 def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None) -> float:
     """Seconds no plan of this graph on this mesh can beat: the LP relaxation of the integer
     program (GLOP). inf when even the relaxation breaks the memory budget."""
+    return _relaxation(graph, strategies, costs, memory_budget)[0]
+
+
+def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
+    """(bound, weights) of the LP relaxation, once per strategies dict and budget: the bound in
+    seconds, and each node's LP weight per strategy (None when GLOP gave no optimum)."""
+    hit = costs._relaxed.get(id(strategies))
+    if hit is not None and hit[0] is strategies and hit[1] == memory_budget:
+        return hit[2]
     lp = _LP()
-    _, objective = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
+    x, objective = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
     lp.minimize(*objective)
     with phase("solve"):
         status = lp.solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
-        return math.inf
-    if status != pywraplp.Solver.OPTIMAL:
-        return 0.0
-    return lp.solver.Objective().Value() / 1e6
+        out = (math.inf, None)
+    elif status != pywraplp.Solver.OPTIMAL:
+        out = (0.0, None)
+    else:
+        weights = {name: [v.solution_value() for v in vs] for name, vs in x.items() if vs is not None}
+        out = (lp.solver.Objective().Value() / 1e6, weights)
+    costs._relaxed[id(strategies)] = (strategies, memory_budget, out)
+    while len(costs._relaxed) > TABLES_KEPT:
+        costs._relaxed.pop(next(iter(costs._relaxed)))
+    return out
 
 
 class _CpSat:
@@ -511,7 +593,7 @@ class _LP:
         objective.SetMinimization()
 
 
-def _run(model, time_limit, progress=None):
+def _run(model, time_limit, progress=None, unit=PICO, relaxed=None, effort=None):
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -525,8 +607,11 @@ def _run(model, time_limit, progress=None):
     solver.parameters.cp_model_probing_level = 0
     solver.parameters.symmetry_level = 0
     solver.parameters.max_time_in_seconds = float(time_limit)
+    if effort is not None:   # deterministic: the same graph stops at the same plan on any machine
+        solver.parameters.max_deterministic_time = float(effort)
     with phase("solve"):
-        status = solver.solve(model, _Shown(progress) if progress is not None and progress.on else None)
+        shown = progress if progress is not None and progress.on else None
+        status = solver.solve(model, _Watch(shown, unit, relaxed) if shown or relaxed else None)
     if progress is not None:
         progress.done(f"{solver.status_name(status).lower()}")
     return solver, status
