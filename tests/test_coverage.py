@@ -163,21 +163,32 @@ def test_a_rule_without_an_even_split_falls_back(gpt):
     assert "scaled_dot_product_attention.default (no even split on the mesh, " in cov.verdict
 
 
-class Cast(nn.Module):
-    """``.to(dtype)`` on an activation: torch.export adds an ``_assert_tensor_metadata`` check."""
+@torch.library.custom_op("autoshard_test::check_finite", mutates_args=())
+def check_finite(x: torch.Tensor) -> None:
+    """A user's own check on an activation: an op with no outputs and no rule."""
+    if not torch.isfinite(x).all():
+        raise ValueError("not finite")
 
+
+@check_finite.register_fake
+def _(x):
+    return None
+
+
+class Checked(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
 
     def forward(self, x):
-        return self.fc2(self.fc1(x).to(torch.float32))
+        h = self.fc1(x)
+        check_finite(h)
+        return self.fc2(h)
 
 
 def test_an_op_without_outputs_carries_no_compute_but_forces_a_gather():
-    assert rule_for(aten._assert_tensor_metadata.default) is None, "the check has a rule now: drop this test"
-    cov = autoshard.coverage(Cast(), torch.randn(8, 16), world=4)
-    check = cov.op("_assert_tensor_metadata.default")
+    cov = autoshard.coverage(Checked(), torch.randn(8, 16), world=4)
+    check = cov.op("autoshard_test.check_finite.default")
     assert (check.why, check.compute) == ((NO_RULE,), False)
     assert cov.compute_fallbacks == [] and cov.fallbacks == [check]
     # fc1's output, (8, 16) float32: gathered forward, its gradient reduce-scattered backward
