@@ -43,6 +43,9 @@ TIE = 1e-3   # meshes whose estimated steps differ by less than this share are e
 # seconds on one core; GPT 96 layers at (512, 2), whose budget-bound program CP-SAT cannot
 # close in minutes, is dropped after it
 EFFORT = 5.0
+# refinements carried into the next round: descent is greedy, and the second best of a round may
+# refine into the best (a 7.3B GPT block at 256: (8, 16, 2) -> (8, 8, 2, 2), past (8, 2, 16)'s best)
+BEAM = 2
 
 
 def factorizations(world: int, max_axes: int) -> list:
@@ -163,27 +166,33 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
         entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
         report(f"bounded {mesh}")
     # best bound first, twice: first each mesh's plan among its LP's support (a blink; it proves
-    # most meshes within GAP_LIMIT), then the whole program of the meshes left unproven that
-    # might still win, for at most EFFORT deterministic seconds each
+    # most meshes within GAP_LIMIT), then the whole program of the meshes left unproven: the
+    # best of them as any solve, the others that might still win for at most EFFORT
+    # deterministic seconds each
     order = sorted((m for m in small if cands.entries[m]["status"] == "bounded"),
                    key=lambda m: (cands.entries[m]["bound"], len(m)))
     unproven = []
-    for effort in (0, EFFORT):
-        for mesh in order if effort == 0 else unproven:
+    for first in (True, False):
+        for mesh in order if first else unproven:
             entry = cands.entries[mesh]
-            below = _to_beat(results, mesh, cluster)
+            # the best plan so far, unproven, is solved whole as the mesh to refine; the others
+            # only for a plan that beats it, with a bounded effort
+            best = not first and (not results or min(results, key=lambda r: r[0].cost)[1] == mesh)
+            below = None if best else _to_beat(results, mesh, cluster)
+            effort = 0 if first else None if best else EFFORT
             if below is not None and entry["bound"] >= below * (1 - 1e-9):
                 entry["status"] = f"pruned: its lower bound is no better than the best plan's (within {100 * TIE:g}%)"
                 continue
             strategies, costs = entry["_work"]
             try:   # time_limit: per solve
-                solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort)
+                solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort,
+                                 support=first)
             except MemoryBudgetError as e:
                 entry["status"] = "does not fit in memory"
                 errors.append(e)
                 continue
             except NoBetterPlan as e:
-                if effort == 0:
+                if first:
                     unproven.append(mesh)
                     continue
                 if entry["cost"] is not None:   # its plan of the first round stands
@@ -194,7 +203,7 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
                 continue
             results[:] = [r for r in results if r[1] != mesh]   # its plan of the first round, bettered
             results.append(_record(graph, strategies, solution, costs, entry, mesh))
-            if effort == 0 and solution.gap is not None and solution.gap > GAP_LIMIT:
+            if first and solution.gap is not None and solution.gap > GAP_LIMIT:
                 unproven.append(mesh)
                 entry["status"] = f"solved ({100 * solution.gap:.2f}% from its bound)"
             elif effort:
@@ -220,20 +229,20 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
             if got is not None:
                 results.append(got)
             report(f"descended on {mesh}")
-    while frontier:
-        plan, mesh, strategies, choice = frontier.pop()
-        round_best = None
-        for fine, groups in splits(mesh):
-            if len(fine) > max_axes or fine not in cands.entries or cands.entries[fine]["cost"] is not None:
-                continue
-            lifted = (strategies, choice, groups)
-            got = _descend_from(cands, graph, fine, lifted, time_limit, budget, errors)
-            report(f"refined {fine}")
-            if got is not None:
-                results.append(got)
-                round_best = _better(round_best, got)
-        if round_best is not None and round_best[0].cost < plan.cost * (1 - TIE):
-            frontier.append(round_best)
+    while frontier:   # a beam: the BEAM best refinements of a round that improve on their parent
+        grown = []
+        for plan, mesh, strategies, choice in frontier:
+            for fine, groups in splits(mesh):
+                if len(fine) > max_axes or fine not in cands.entries or cands.entries[fine]["cost"] is not None:
+                    continue
+                lifted = (strategies, choice, groups)
+                got = _descend_from(cands, graph, fine, lifted, time_limit, budget, errors)
+                report(f"refined {fine}")
+                if got is not None:
+                    results.append(got)
+                    if got[0].cost < plan.cost * (1 - TIE):
+                        grown.append(got)
+        frontier = sorted(grown, key=lambda r: r[0].cost)[:BEAM]
 
     for w in cands.warned.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -361,19 +361,21 @@ class NoBetterPlan(Exception):
 
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
           memory_budget: Optional[float] = None, hint: Optional[dict] = None,
-          below: Optional[float] = None, effort: Optional[float] = None) -> Solution:
+          below: Optional[float] = None, effort: Optional[float] = None, support: bool = True) -> Solution:
     """The cheapest strategy per node. ``hint`` (node name -> strategy index), a plan the solver
     starts from. ``below`` (seconds): only a plan cheaper than that will do (a mesh search's best
     so far); raises ``NoBetterPlan`` when there is none. ``effort``: CP-SAT's deterministic
     seconds for the whole program once the LP's support has not proven its plan (0: return that
-    plan as it is, with the LP's bound): what a mesh search spends on a mesh that only might win."""
+    plan as it is, with the LP's bound): what a mesh search spends on a mesh that only might win.
+    ``support=False`` skips the LP support's plan: CP-SAT alone on the whole program, as a mesh
+    search does for a mesh whose support plan it already has."""
     start = time.perf_counter()
     relaxed = 0.0
     if hint is None:   # a whole solve (a descent's steps bring their own plan, and need no proof)
         relaxed, weights = _relaxation(graph, strategies, costs, memory_budget)
         if below is not None and relaxed >= below:
             raise NoBetterPlan(True)
-        if weights is not None:
+        if weights is not None and support:
             quick = _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
             if quick is not None and quick.objective - relaxed <= GAP_LIMIT * quick.objective and \
                     (below is None or quick.objective < below):
