@@ -264,8 +264,7 @@ class ParallelModule(nn.Module):
         dist.broadcast_object_list(seed, src=0)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
-        self.__dict__["_rank_mesh"] = runtime.RankMesh(self.device_mesh, gen)
-        self._rank_mesh._joint = joint   # the groups spanning several axes, shared like the mesh's
+        self.__dict__["_rank_mesh"] = runtime.RankMesh(self.device_mesh, gen, joint)
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -346,8 +345,7 @@ class ParallelModule(nn.Module):
 
     def _bound_collectives(self):
         if self.__dict__.get("_timeout") is not None:
-            m = self._rank_mesh
-            set_collective_timeout([*m.groups, *m._joint.values()], self._timeout)
+            set_collective_timeout(self._rank_mesh.all_groups(), self._timeout)
 
     def _agree_on_plan(self, graph: Graph) -> Plan:
         """Rank 0 plans and every rank takes its plan, so no two ranks can disagree."""

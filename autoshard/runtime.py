@@ -11,6 +11,7 @@ import contextlib
 import math
 import threading
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ class RankMesh:
     """This rank's view of the device mesh: a process group and a coordinate per axis, and the
     generator every rank shares for random ops."""
 
-    def __init__(self, device_mesh, generator: torch.Generator):
+    def __init__(self, device_mesh, generator: torch.Generator, joint: Optional[dict] = None):
         self.device_mesh = device_mesh
         self.shape = tuple(device_mesh.shape)
         self.groups = [device_mesh.get_group(a) for a in range(len(self.shape))]
@@ -38,7 +39,13 @@ class RankMesh:
         self.generator = generator
         self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
         self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
-        self._joint: dict = {}
+        # axes -> the group spanning them; ``joint`` shares them between modules on one mesh
+        self._joint: dict = {} if joint is None else joint
+
+    def all_groups(self) -> list:
+        """Every process group this rank's collectives may run on: one per axis, and those made
+        for several axes at once."""
+        return [*self.groups, *self._joint.values()]
 
     def group(self, axes):
         """The process group of this rank's devices along ``axes`` together (one axis: its own)."""
