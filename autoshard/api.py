@@ -22,6 +22,7 @@ from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_coll
 from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
                                  check_plan_options)
 from autoshard.cluster import DEFAULT_CLUSTER, Cluster
+from autoshard.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.rewrite import rewrite
@@ -115,7 +116,8 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
-         memory_budget: Optional[float] = None, reshard_after_forward: bool = False, verbose: bool = True) -> Plan:
+         memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
+         verbose: bool = True) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -131,13 +133,18 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     the price of the gathers run again in backward. By default the converted parameter is kept
     from forward to backward (faster, and counted in the activations). A mesh search or solve
     that runs more than a couple of seconds reports its progress on stderr; ``verbose=False``
-    keeps it quiet."""
+    keeps it quiet.
+
+    ``outputs="dtensor"`` hands each user output back as a DTensor in its planned layout (logits
+    split over the vocabulary, say, for ``loss_parallel``), and the plan prices no conversion for
+    it; by default (``"whole"``) every output is made whole on every rank, and that is priced."""
     check_module("model", model)
     normalize_inputs(example_inputs)
     check_plan_options(cluster=cluster, pin=pin, training=training, time_limit=time_limit, bucket_bytes=bucket_bytes,
                        memory_budget=memory_budget, reshard_after_forward=reshard_after_forward)
+    check_outputs(outputs)
     mesh_shape = resolve_mesh(world, mesh)
-    graph = capture(model, example_inputs)
+    graph = capture(model, example_inputs, outputs=outputs)
     args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward, verbose)
     if mesh is None and world > 1:
         return search_mesh(graph, world, *args)
@@ -195,6 +202,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
         timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
     check_plan_options(**plan_kwargs)
+    _check_outputs_of(plan, plan_kwargs)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
                            "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
@@ -218,6 +226,14 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if example_inputs is not None:
         pm.prepare(example_inputs)
     return pm
+
+
+def _check_outputs_of(plan: Optional[Plan], plan_kwargs: dict) -> None:
+    outputs = check_outputs(plan_kwargs.get("outputs", WHOLE))
+    planned = plan.schedule.get("outputs", WHOLE) if plan is not None else outputs
+    if "outputs" in plan_kwargs and planned != outputs:
+        raise ValueError(f"outputs={outputs!r} but the plan was made for outputs={planned!r}, which it priced; "
+                         f"plan again with outputs={outputs!r}, or leave outputs out to take the plan's")
 
 
 _MESHES: dict = {}   # (rank, device type, mesh shape) -> (default group, DeviceMesh, groups spanning axes)
@@ -329,7 +345,9 @@ class ParallelModule(nn.Module):
                 f"{[list(s) for s, _ in self._planned_shapes]}: autoshard plans for fixed shapes. Pad or "
                 "batch inputs to the planned shapes, or parallelize a fresh copy of the model for these.")
         agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self.__dict__.get("_timeout"))
-        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None)
+        outputs = self._plan.schedule.get("outputs", WHOLE) if self._plan is not None else \
+            self._plan_kwargs.get("outputs", WHOLE)
+        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None, outputs)
         plan = self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
@@ -356,6 +374,7 @@ class ParallelModule(nn.Module):
         if dist.get_rank() == 0:
             try:
                 kwargs = dict(self._plan_kwargs)
+                kwargs.pop("outputs", None)   # the graph carries it (capture)
                 kwargs.setdefault("training", training)
                 if self._distributed:  # a later plan (eval mode) keeps the parameters where they are
                     pins = dict(kwargs.get("pin") or {})

@@ -280,7 +280,7 @@ class _Pricer:
         meta = graph.meta(value)
         backward = (costs.training and meta.floating and consumer.kind != "output"
                     and graph.by_name[value[0]].requires_grad)
-        steps, prefetched = costs.conversion(value, src, dst)
+        steps, prefetched = costs.conversion(value, src, dst, consumer)
         if not steps:
             return {}
         fwd, bwd = self.steps_times(steps, meta, src)

@@ -172,7 +172,7 @@ def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
     mesh, links = costs.mesh_shape, costs.links
     producer = graph.by_name[value[0]]
     meta = graph.meta(value)
-    steps, hidden = costs.conversion(value, src, dst)
+    steps, hidden = costs.conversion(value, src, dst, consumer)
     phases = [("forward", steps, hidden)]
     if costs.training and meta.floating and consumer.kind != "output" and producer.requires_grad:
         phases.append(("backward", comm.dual_steps(steps, mesh), hidden))
@@ -231,7 +231,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
     plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
                 input_shapes, memory, asdict(total),
-                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard},
+                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f})
     plan._priced = (graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
     return plan

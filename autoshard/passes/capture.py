@@ -87,6 +87,9 @@ class Graph:
     # what the planning passes work out once per graph and reuse for every mesh (annotate's rule
     # signatures, repeat's blocks), by the pass's own keys
     cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # how the caller takes the user outputs: "whole" on every rank, or "dtensor" in their planned
+    # layouts (autoshard.outputs), which the cost of converting them to the output depends on
+    outputs: str = "whole"
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.nodes}
@@ -245,16 +248,19 @@ def tensor_args(fx_node: fx.Node) -> list:
     return found
 
 
-def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None) -> Graph:
+def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: str = "whole") -> Graph:
     """Capture on the meta device: the weights are never touched, so this works for a model of
-    any size, and for one whose parameters are already DTensor shares."""
+    any size, and for one whose parameters are already DTensor shares. ``outputs``: how the
+    caller takes the user outputs (``Graph.outputs``)."""
     args, kwargs = normalize_inputs(example_inputs)
     if extra_kwargs:
         kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
     with phase("capture"), meta_view(model):
         ep = export(model, _to_meta(args), _to_meta(kwargs))
         inline_regions(ep.graph_module)
-        return from_exported(ep, model)
+        graph = from_exported(ep, model)
+    graph.outputs = outputs
+    return graph
 
 
 def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:

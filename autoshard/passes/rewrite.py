@@ -3,7 +3,7 @@
 Every tensor is held in its planned placement; between producer and consumer the conversion
 steps of ``cost.comm.transition`` appear as explicit calls (``all_gather``, ``reduce_scatter``, ...)
 whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share;
-outputs leave whole. Each op runs on local tensors; the few whose local form differs (sizes in
+outputs leave whole, or as DTensors in their planned layouts (``autoshard.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
 their arguments, means over a split dim, random draws, a mean loss over a split batch) are
 lowered by a small function from ``LOWERINGS``.
 """
@@ -17,6 +17,7 @@ import torch.fx as fx
 from autoshard import placement as pl
 from autoshard import runtime
 from autoshard.cost import comm
+from autoshard.outputs import WHOLE, kept_split, to_dtensor
 from autoshard.passes.capture import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
@@ -256,6 +257,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
     mesh = tuple(plan.mesh_shape)
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
     regather = plan.training and plan.schedule.get("reshard_after_forward", False)
+    kept = kept_split(graph, plan.schedule.get("outputs", WHOLE))
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
     converted: dict = {}    # (Value, placement) -> fx node
@@ -304,6 +306,8 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
                 return None
             i = slot[0]
             slot[0] += 1
+            if node.kind == "output" and v in kept:   # outputs="dtensor": handed back as planned
+                return g.call_function(to_dtensor, (local[v], pl.to_strings(out_pl[v]), graph.meta(v).shape))
             if node.kind == "output":
                 return g.call_function(runtime.to_whole, (local[v], pl.to_strings(out_pl[v])))
             return fetch(v, ins[i])

@@ -43,6 +43,7 @@ from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
 from autoshard.cost.step import DRAG, PARTS, Cost
+from autoshard.outputs import kept_split
 from autoshard.passes.capture import Graph, Node
 from autoshard.passes.progress import Progress, phase
 from autoshard.passes.repeat import tie_repeated
@@ -81,6 +82,7 @@ class Costs:
         self.bucket_bytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_for(cluster, self.mesh_shape)
         self.reshard = reshard   # a parameter converted for an op is converted again for its backward
         self.links = cluster.axis_links(self.mesh_shape)
+        self.split_outputs = kept_split(graph, graph.outputs)   # user outputs handed back as planned
         self._conv: dict = {}
         self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
         self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
@@ -171,14 +173,22 @@ class Costs:
         synced = self.training and producer.requires_grad
         return not (synced and any(isinstance(p, pl.Broadcast) and n > 1 for p, n in zip(src, self.mesh_shape)))
 
-    def conversion(self, value, src, dst):
+    def handed_over(self, value, src, dst, consumer: Optional[Node]):
+        """The layout ``consumer`` takes ``value`` in: ``dst``, but a user output kept in its
+        planned layout (``outputs="dtensor"``) is handed back as it is, converted for nothing."""
+        kept = consumer is not None and consumer.kind == "output" and value in self.split_outputs
+        return src if kept else dst
+
+    def conversion(self, value, src, dst, consumer: Optional[Node] = None):
         """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""
+        dst = self.handed_over(value, src, dst, consumer)
         meta = self.graph.meta(value)
         steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape,
                                 self.links, meta.itemsize)
         return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
 
     def convert(self, value, src, dst, consumer: Node) -> Cost:
+        dst = self.handed_over(value, src, dst, consumer)
         meta = self.graph.meta(value)
         backward = (self.training and meta.floating and consumer.kind != "output"
                     and self.graph.by_name[value[0]].requires_grad)
