@@ -15,14 +15,15 @@ import torch
 import torch.fx as fx
 
 from autoshard import placement as pl
-from autoshard import runtime
+from autoshard import experts, runtime
 from autoshard.cost import comm
 from autoshard.outputs import WHOLE, kept_split, to_dtensor
 from autoshard.passes.capture import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
-from autoshard.rules.registry import norm_dim
+from autoshard.rules.moe import TRANSFORMERS_GROUPED_MM
+from autoshard.rules.registry import norm_dim, qualified_name
 
 aten = torch.ops.aten
 
@@ -195,6 +196,23 @@ def lower_batch_norm(low: Lowering):
         *tensors, low.arg(6, "momentum"), low.arg(7, "eps"), pl.to_strings(low.in_pl[0])))
 
 
+def lower_grouped_mm(low: Lowering):
+    """An expert matmul with its rows or its experts split (rules.moe): ``experts.grouped_mm``
+    takes this rank's rows and experts, and exchanges rows where one axis splits both."""
+    def axes(i):
+        return tuple(a for a, q in enumerate(low.in_pl[i])
+                     if isinstance(q, pl.Split) and q.dim == 0 and low.mesh_shape[a] > 1)
+    rows, owned = axes(0), axes(1)
+    if not rows and not owned:
+        return low.call()
+    return low.g.call_function(experts.grouped_mm, (low.args[0], low.args[1], low.arg(2, "offs"), rows, owned),
+                               {"out_dtype": low.kwargs.get("out_dtype")})
+
+
+def lower_histc(low: Lowering):
+    return low.call(experts.histc)
+
+
 def default(low: Lowering):
     return low.call()
 
@@ -222,7 +240,18 @@ LOWERINGS = {
     aten.cross_entropy_loss.default: lower_cross_entropy,
     aten.batch_norm.default: lower_batch_norm,
     **{op: lower_conv for op in CONV_ARGS},
+    aten._grouped_mm.default: lower_grouped_mm,
+    aten.histc.default: lower_histc,
 }
+# ops registered by a library once imported, by qualified name (rules.registry.RULES_BY_NAME)
+LOWERINGS_BY_NAME = {TRANSFORMERS_GROUPED_MM: lower_grouped_mm}
+
+
+def lowering_for(target):
+    found = LOWERINGS.get(target)
+    if found is None:
+        found = LOWERINGS_BY_NAME.get(qualified_name(target), default)
+    return found
 
 
 def _emit_conversion(g, x, steps):
@@ -321,7 +350,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             continue
         low = Lowering(g, node, args, kwargs, ins, outs, [graph.meta(v).shape for v in node.inputs],
                        [m.shape for m in node.outputs], mesh, graph)
-        out = LOWERINGS.get(node.target, default)(low)
+        out = lowering_for(node.target)(low)
         if len(node.outputs) > 1 or isinstance(node.fx_node.meta.get("val"), (tuple, list)):
             for i in range(len(node.outputs)):
                 local[(node.name, i)] = g.call_function(operator.getitem, (out, i))

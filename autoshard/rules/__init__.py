@@ -5,4 +5,4 @@ all-broadcast signature is implicit and always offered. ``autoshard.passes.annot
 one-axis signatures to every mesh axis. Importing this package registers every rule.
 """
 from autoshard.rules.registry import RULES, OpCtx, Sig, rule_for  # noqa: F401
-from autoshard.rules import factor, pointwise, views, nn, conv, indexing  # noqa: F401  (register)
+from autoshard.rules import factor, pointwise, views, nn, conv, indexing, moe  # noqa: F401  (register)

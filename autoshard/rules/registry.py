@@ -47,6 +47,9 @@ class OpCtx:
 
 Rule = Callable[[OpCtx], Iterable[Sig]]
 RULES: dict = {}
+# rules for ops a library registers only once it is imported (transformers' custom ops), by the
+# op's qualified name ``namespace::name``: found when a captured graph holds one
+RULES_BY_NAME: dict = {}
 
 
 def register(ops: Iterable, rule: Rule) -> None:
@@ -65,8 +68,21 @@ def rule(*ops):
     return deco
 
 
+def register_by_name(names: Iterable[str], rule: Rule) -> None:
+    for name in names:
+        RULES_BY_NAME[name] = rule
+
+
+def qualified_name(target) -> Optional[str]:
+    name = getattr(target, "name", None)
+    return name() if isinstance(target, torch._ops.OpOverload) and callable(name) else None
+
+
 def rule_for(target) -> Optional[Rule]:
-    return RULES.get(target)
+    found = RULES.get(target)
+    if found is None and RULES_BY_NAME:
+        found = RULES_BY_NAME.get(qualified_name(target))
+    return found
 
 
 def norm_dim(d: int, ndim: int) -> int:

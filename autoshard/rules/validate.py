@@ -29,7 +29,9 @@ the multi-process tests instead): ``dropout`` (every signature: it draws random 
 So is ``batch_norm`` in training with its statistics dims whole, but not over a split batch (or
 other non-channel dim: ``runtime.batch_norm_train`` gathers the statistics) nor over split
 channels while it keeps running statistics (it gathers their update); in eval mode every
-signature is checked.
+signature is checked. The grouped expert matmul on a rank's rows or experts
+(``experts.grouped_mm``: it reads the rank's coordinate, and exchanges rows by all-to-all) is
+checked by tests/test_moe.py in a real group.
 
 Command line: ``python -m autoshard.rules.validate [-p 2 4] [-v]`` checks the built-in cases
 (``default_cases()``), prints the report per ``p`` and exits 1 on any failure.
@@ -213,6 +215,10 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
         return "dropout draws from the generator all ranks share (runtime.dropout)"
     if count_axes(target, fx_args, fx_kwargs, [(q,) for q in sig.inputs]):
         return "mean cross_entropy over a split batch all-reduces its count (runtime.cross_entropy_mean)"
+    from autoshard.passes.rewrite import lower_grouped_mm, lowering_for  # late, as in check_signature
+    if lowering_for(target) is lower_grouped_mm and any(
+            isinstance(q, Split) and q.dim == 0 for q in sig.inputs[:2]):
+        return "an expert matmul on a rank's rows or experts reads its coordinate (experts.grouped_mm)"
     if sig.inputs and any(batch_norm_axes(target, fx_args, fx_kwargs, (sig.inputs[0],))):
         return ("batch norm in training gathers the statistics of a split batch, or the running-statistics "
                 "update of split channels (runtime.batch_norm_train)")
@@ -277,7 +283,7 @@ def check_signature(target, args, kwargs, sig: Sig, p: int, seed: int = 0,
     out_pl = [(q,) for q in sig.outputs]
     in_shapes = [tuple(t.shape) for t in ins]
     out_shapes = [tuple(t.shape) for t in outs]
-    lower = rewrite.LOWERINGS.get(target, rewrite.default)
+    lower = rewrite.lowering_for(target)
     locals_: list = []  # per rank, list of output tensors
     for r in range(p):
         local_ins = [_local_input(t, q, p, pc, r) for t, q, pc in zip(ins, sig.inputs, pieces)]
@@ -674,6 +680,24 @@ def default_cases(seed: int = 0) -> list:
     add(aten.index.Tensor, r(4, 8, 12), [ints(4, 6), None, ints(12, 6)])           # not adjacent
     add(aten.index.Tensor, r(8, 12), [mask(8)])                                     # a mask: no split
     add(aten.__and__.Tensor, mask(4, 8, 8), mask(1, 8, 8))
+
+    # -- routing and expert matmuls (moe.py)
+    add(aten.topk.default, r(8, 12), 3)
+    add(aten.topk.default, r(8, 12), 2, 0, False)
+    add(aten.sort.default, r(8, 12))
+    add(aten.argsort.default, r(8, 12), 0, True)
+    add(aten.sort.stable, ints(4, 8, 12), stable=True, dim=1)
+    add(aten.histc.default, r(8, 16), 10, -2, 2)
+    add(aten.gather.default, r(8, 12), 1, ints(12, 8, 5))
+    add(aten.scatter.src, r(8, 12), 1, r(8, 12).argsort(1)[:, :5], r(8, 5))    # distinct per row
+    add(aten.scatter_add.default, r(8, 12), 0, ints(8, 4, 12), r(4, 12))
+    add(aten.index_put.default, r(8, 12), [ints(8, 6)], r(6, 12), True)         # accumulate
+    add(aten.index_put.default, r(8, 12, 4), [None, r(12).argsort()[:5]], r(5, 4))
+    # torch's CPU grouped matmul takes bfloat16 in rows of 16 bytes; values of an eighth keep the
+    # rounding of partial sums (bfloat16's 8 bits) within its tolerance's absolute part
+    bf16 = torch.bfloat16
+    add(aten._grouped_mm.default, (r(16, 32) / 8).to(bf16), (r(4, 32, 32) / 8).to(bf16),
+        offs=torch.tensor([3, 8, 8, 16], dtype=torch.int32))
 
     # -- factories: only all-B
     add(aten.arange.default, 8, dtype=torch.int64)
