@@ -142,3 +142,118 @@ def checkpoint_blocked_splits() -> None:
     DTensor.__create_chunk_list__ = create_chunk_list
     DTensor.__get_tensor_shard__ = get_tensor_shard
     DTensor._autoshard_blocked = True
+
+
+def autocast_casts(target, args, kwargs, device_type: str, dtype) -> list:
+    """The casts ``torch.autocast(device_type, dtype)`` makes of the tensor arguments of the op
+    ``target`` called with ``args`` and ``kwargs`` (meta tensors): ``[(argument, dtype)]``.
+
+    torch.export traces above autocast, so its program shows none of them, and autocast's op
+    lists are not public: the op is run once on fake tensors of the same shapes under autocast,
+    and the casts it makes are read off the dispatcher (FakeTensorMode and TorchDispatchMode are
+    private). Meta tensors have no autocast key; a fake CPU tensor has, so a device type other
+    than the CPU's is read off CPU autocast's lists with the same dtype (their matmuls,
+    convolutions and attention agree)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made: dict = {}   # id(fake) -> the meta argument it stands for
+
+    class _Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.casts = []
+
+        def __torch_dispatch__(self, func, types, a=(), k=None):
+            k = k or {}
+            if func is torch.ops.aten._to_copy.default and a and id(a[0]) in made and "dtype" in k:
+                self.casts.append((made[id(a[0])], k["dtype"]))
+            return func(*a, **k)
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        def fake(x):
+            if isinstance(x, torch.Tensor):
+                f = torch.empty(x.shape, dtype=x.dtype)
+                made[id(f)] = x
+                return f
+            return x
+        fargs, fkwargs = tree_map(fake, (args, kwargs))
+        log = _Log()
+        with torch.autocast("cpu", dtype=dtype), log:
+            target(*fargs, **fkwargs)
+    return log.casts
+
+
+def tag_checkpoint_regions():
+    """A context under which every ``torch.utils.checkpoint.checkpoint`` call marks the nodes
+    torch.export traces inside it with ``meta["custom"]["autoshard_region"]``, a number per call
+    (an inner call within an outer one keeps the outer's: recomputing the outer recomputes it).
+
+    Non-strict export runs the checkpointed function as plain Python, so its program keeps no
+    trace of the region; checkpoint's two implementations (``_checkpoint_without_reentrant_generator``
+    and ``CheckpointFunction``) are module globals it looks up at each call, wrapped here for the
+    capture's duration, and the nodes tagged through fx's node-meta annotation."""
+    import contextlib
+
+    import torch.fx.traceback as fxt
+    import torch.utils.checkpoint as ckpt
+
+    @contextlib.contextmanager
+    def tagging():
+        count = [0]
+        depth = [0]
+
+        @contextlib.contextmanager
+        def region():
+            if depth[0]:
+                depth[0] += 1
+                try:
+                    yield
+                finally:
+                    depth[0] -= 1
+                return
+            count[0] += 1
+            depth[0] += 1
+            try:
+                with fxt.preserve_node_meta(), fxt.annotate({"autoshard_region": count[0]}):
+                    yield
+            finally:
+                depth[0] -= 1
+
+        plain, reentrant = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+
+        def without_reentrant(fn, *args, **kwargs):   # traced, not run: nothing to save or recompute
+            with region():
+                yield
+
+        class Reentrant:
+            @staticmethod
+            def apply(function, preserve, *args):
+                with region():
+                    return function(*args)
+
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = without_reentrant, Reentrant
+        try:
+            yield
+        finally:
+            ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = plain, reentrant
+
+    return tagging()
+
+
+def cpu_memory_peak(fn) -> int:
+    """The most bytes the CPU allocator held at once while ``fn()`` ran, above what it held when
+    it began: from the profiler's allocation and free events, in time order (the profiler's
+    memory timeline is built for CUDA; its raw events are the only public-ish record on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak

@@ -32,6 +32,7 @@ from autoshard.passes.descend import lifted_starts, solve_mesh
 from autoshard.passes.progress import shown
 from autoshard.passes.solve import Costs
 from autoshard.plan import Plan, make_plan
+from autoshard.precision import ambient_autocast, check_policy, policy_from_record, reduce_dtype
 
 
 
@@ -111,13 +112,15 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
         solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
     plan = make_plan(graph, strategies, solution, costs)
     plan.memory["budget"] = budget
+    plan.schedule["precision"] = graph.precision
     return plan
 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
-         verbose: bool = True) -> Plan:
+         verbose: bool = True,
+         mp_policy=None) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -135,6 +138,12 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     that runs more than a couple of seconds reports its progress on stderr; ``verbose=False``
     keeps it quiet.
 
+    ``mp_policy`` (``torch.distributed.fsdp.MixedPrecisionPolicy``): parameters kept in their own
+    dtype (fp32 masters, stepped by the optimizer), computed in ``param_dtype``, gradients reduced
+    in ``reduce_dtype``, outputs cast to ``output_dtype``, as FSDP2 does; a caller's enabled
+    ``torch.autocast`` around the call is planned too. Both are priced at the dtypes that run
+    (``autoshard.precision``).
+
     ``outputs="dtensor"`` hands each user output back as a DTensor in its planned layout (logits
     split over the vocabulary, say, for ``loss_parallel``), and the plan prices no conversion for
     it; by default (``"whole"``) every output is made whole on every rank, and that is priced."""
@@ -144,7 +153,9 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
                        memory_budget=memory_budget, reshard_after_forward=reshard_after_forward)
     check_outputs(outputs)
     mesh_shape = resolve_mesh(world, mesh)
-    graph = capture(model, example_inputs, outputs=outputs)
+    check_policy(mp_policy)
+    graph = capture(model, example_inputs, outputs=outputs, mp_policy=mp_policy,
+                    autocast=ambient_autocast(_device_type(model)))
     args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward, verbose)
     if mesh is None and world > 1:
         return search_mesh(graph, world, *args)
@@ -175,7 +186,12 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
         plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
                       reshard=reshard_after_forward)
     plan.memory["budget"] = budget
+    plan.schedule["precision"] = graph.precision
     return plan
+
+
+def _device_type(model: nn.Module) -> str:
+    return next((p.device.type for p in model.parameters()), "cpu")
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -202,6 +218,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
         timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
     check_plan_options(**plan_kwargs)
+    check_policy(plan_kwargs.get("mp_policy"))
     _check_outputs_of(plan, plan_kwargs)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
@@ -331,7 +348,8 @@ class ParallelModule(nn.Module):
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
         # non-tensor arguments (flags, sizes) are constants of the captured graph
         consts = tuple(repr(x) for x in leaves if not isinstance(x, torch.Tensor))
-        key = (self._model.training, shapes, consts)
+        autocast = ambient_autocast(self._device.type)
+        key = (self._model.training, shapes, consts, autocast)
         if key in self._programs:
             return self._programs[key]
         if self._planned_consts is not None and consts != self._planned_consts:
@@ -347,7 +365,8 @@ class ParallelModule(nn.Module):
         agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self.__dict__.get("_timeout"))
         outputs = self._plan.schedule.get("outputs", WHOLE) if self._plan is not None else \
             self._plan_kwargs.get("outputs", WHOLE)
-        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None, outputs)
+        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None, outputs,
+                        mp_policy=self._policy(), autocast=autocast)
         plan = self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
@@ -355,11 +374,18 @@ class ParallelModule(nn.Module):
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
+        self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))
         self._bound_collectives()
         self.__dict__["_planned_shapes"] = shapes
         self.__dict__["_planned_consts"] = consts
         self._programs[key] = (program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
+
+    def _policy(self):
+        """The mixed-precision policy: the one given, else the one the given plan was made with."""
+        if "mp_policy" in self._plan_kwargs or self._plan is None:
+            return self._plan_kwargs.get("mp_policy")
+        return policy_from_record((self._plan.schedule.get("precision") or {}).get("policy"))
 
     def _bound_collectives(self):
         if self.__dict__.get("_timeout") is not None:
@@ -375,6 +401,7 @@ class ParallelModule(nn.Module):
             try:
                 kwargs = dict(self._plan_kwargs)
                 kwargs.pop("outputs", None)   # the graph carries it (capture)
+                kwargs.pop("mp_policy", None)   # the graph carries it (capture)
                 kwargs.setdefault("training", training)
                 if self._distributed:  # a later plan (eval mode) keeps the parameters where they are
                     pins = dict(kwargs.get("pin") or {})

@@ -39,6 +39,7 @@ class RankMesh:
         self.generator = generator
         self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
         self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
+        self.reduce_dtype = None  # a mixed-precision policy's: parameter gradients all-reduced in it
         # axes -> the group spanning them; ``joint`` shares them between modules on one mesh
         self._joint: dict = {} if joint is None else joint
 
@@ -461,11 +462,13 @@ def _with_unsynced(kept: dict, g, inplace: bool = False):
 class _GradSync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, kept):
-        ctx.group, ctx.kept, ctx.sync = group, kept, _mesh().sync_grads
+        ctx.group, ctx.kept, ctx.sync, ctx.reduce = group, kept, _mesh().sync_grads, _mesh().reduce_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.reduce is not None:   # reduced in the policy's dtype; autograd casts it back to the master's
+            g = g.to(ctx.reduce)
         if not ctx.sync:
             _unsynced(ctx.kept, g)
             return None, None, None
@@ -584,12 +587,15 @@ class _GradBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, group, *xs):
-        ctx.h, ctx.group, ctx.sync = h, group, _mesh().sync_grads
+        ctx.h, ctx.group, ctx.sync, ctx.reduce = h, group, _mesh().sync_grads, _mesh().reduce_dtype
         ctx.metas = [(x.shape, x.dtype, x.device) for x in xs]
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *gs):
+        if ctx.reduce is not None:   # all-reduced in the policy's dtype; autograd casts it back to the masters'
+            gs = tuple(None if g is None else g.to(ctx.reduce) for g in gs)
+            ctx.metas = [(s, ctx.reduce, dev) for s, _, dev in ctx.metas]
         if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
             _unsynced(ctx.h.kept, torch.cat([(g if g is not None else torch.zeros(s, dtype=d, device=dev)).reshape(-1)
                                              for g, (s, d, dev) in zip(gs, ctx.metas)]))

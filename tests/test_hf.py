@@ -17,7 +17,7 @@ import autoshard
 from autoshard.api import plan_graph
 from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
-from autoshard.passes.capture import capture
+from autoshard.passes.capture import TensorMeta, capture
 from autoshard.rules.validate import signatures
 from cases import run_each, step_on_the_same_gradients
 from models_hf import MODELS, megatron_pins
@@ -251,9 +251,13 @@ class Autocast(torch.nn.Module):
             return x @ x
 
 
-def test_autocast_region_is_refused():
-    with pytest.raises(autoshard.CaptureError, match="torch.autocast"):
-        capture(Autocast(), (torch.randn(4, 4),))
+def test_autocast_region_is_planned_with_its_casts():
+    """The model's own autocast region: the casts autocast makes written into the graph, its
+    matmul in bf16 (numerics: tests/test_precision.py)."""
+    graph = capture(Autocast(), (torch.randn(4, 4),))
+    ops = {n.op_name: n.outputs for n in graph.nodes if n.kind == "op"}
+    assert ops["_to_copy.default"] == [TensorMeta((4, 4), torch.bfloat16)]
+    assert ops["matmul.default"] == [TensorMeta((4, 4), torch.bfloat16)]
 
 
 def test_unflattenable_output_says_what_to_do():

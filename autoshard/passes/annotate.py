@@ -71,6 +71,7 @@ def one_axis_sigs(node: Node, graph: Graph) -> list:
 # Only the ops on the path get the blocked signatures: the split into equal blocks, the views
 # that keep the dim whole, the matmul that makes it, and the matmul's parameters' storage.
 
+CAST = aten._to_copy.default
 BLOCK_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default}
 
@@ -196,7 +197,16 @@ def _rules(graph: Graph) -> dict:
             continue
         for s in out[node.name][0]:
             for value, p in zip(node.inputs, s.inputs):
-                if graph.by_name[value[0]].kind == "param" and isinstance(p, Split) and p.groups > 1:
+                if not (isinstance(p, Split) and p.groups > 1):
+                    continue
+                cast = graph.by_name[value[0]]
+                if cast.kind == "op" and cast.target is CAST and graph.by_name[cast.inputs[0][0]].kind == "param":
+                    # a parameter cast to the compute dtype (autoshard.precision) first: the cast cut in blocks too
+                    sigs, known = out[cast.name]
+                    more = [b for b in blocked_sigs(cast, sigs, p.dim, p.groups) if b not in sigs]
+                    out[cast.name] = (sigs + more, known)
+                    value = cast.inputs[0]
+                if graph.by_name[value[0]].kind == "param":
                     stored.setdefault(value[0], set()).add(p)
     graph.cache["rules"] = (out, stored)
     return graph.cache["rules"]

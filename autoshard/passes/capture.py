@@ -17,7 +17,9 @@ import torch.nn as nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from autoshard._compat import tag_checkpoint_regions
 from autoshard.passes.progress import phase
+from autoshard.precision import AUTOCAST, make_explicit, policy_record
 
 
 class CaptureError(RuntimeError):
@@ -64,6 +66,7 @@ class Node:
     outputs: list = field(default_factory=list)   # TensorMeta, one per tensor output
     requires_grad: bool = False
     fqn: Optional[str] = None      # parameters and buffers: their name in the module
+    region: Optional[int] = None   # ops: the user's torch.utils.checkpoint call it ran in, numbered
 
     @property
     def target(self):
@@ -84,6 +87,9 @@ class Graph:
     param_aliases: dict             # every parameter fqn -> the fqn the graph uses for it
     user_inputs: list               # names of the user-input placeholders, in call order
     value_of: dict = field(default_factory=dict)   # fx node of the export -> Value (list if several)
+    # the mixed precision written into it (autoshard.precision): the policy's record and the
+    # caller's autocast dtype, or None
+    precision: Optional[dict] = None
     # what the planning passes work out once per graph and reuse for every mesh (annotate's rule
     # signatures, repeat's blocks), by the pass's own keys
     cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -123,7 +129,8 @@ def normalize_inputs(example_inputs) -> tuple:
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with tag_checkpoint_regions():   # the user's checkpoint calls, which the program keeps no trace of
+            return torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - any failure inside export is the user's model
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "not a known type" in first:  # torch's pytree cannot flatten something the model returns
@@ -154,9 +161,10 @@ def inline_regions(gm: fx.GraphModule) -> None:
 
     A region run with gradients off becomes its ops followed by a ``detach`` of each output it
     computed: the same values, and no gradient through them, as in the model. A region that switches gradients
-    on inside one that switched them off would need more than a detach and is refused, as is an
-    autocast region that casts: its ops were traced at their own dtypes, and inlined they would
-    run without the casts. A disabled autocast region changes nothing and is inlined as is."""
+    on inside one that switched them off would need more than a detach and is refused. An
+    autocast region's ops were traced at their own dtypes: inlined, each is marked with the
+    region's autocast dtype (None where it switches autocast off), and ``precision.make_explicit``
+    writes in the casts autocast makes."""
     while True:
         node = next((n for n in gm.graph.nodes if n.op == "call_function"
                      and n.target in (_GRAD_REGION, _AUTOCAST_REGION)), None)
@@ -166,13 +174,15 @@ def inline_regions(gm: fx.GraphModule) -> None:
             grad_enabled, body, operands = node.args[0], node.args[1], node.args[2:]
         else:
             device_type, dtype, enabled, _, body, *operands = node.args
-            if enabled:
-                raise CaptureError(
-                    f"the model runs a region under torch.autocast({device_type!r}, dtype={dtype}): autoshard "
-                    "does not yet plan mixed-precision regions. Cast the model to one dtype and take the "
-                    "autocast region out of its forward.")
             grad_enabled = True
         sub = getattr(gm, body.target)
+        if node.target is _AUTOCAST_REGION:
+            mark = (dtype or torch.get_autocast_dtype(device_type)) if enabled else None
+            for n in sub.graph.nodes:
+                n.meta[AUTOCAST] = mark
+        elif AUTOCAST in node.meta:   # a grad region within an autocast region runs under it too
+            for n in sub.graph.nodes:
+                n.meta.setdefault(AUTOCAST, node.meta[AUTOCAST])
         if not grad_enabled and any(n.op == "call_function" and n.target is _GRAD_REGION and n.args[0]
                                     for n in sub.graph.nodes):
             raise CaptureError("the model switches gradients on (torch.enable_grad) inside a region that "
@@ -248,18 +258,23 @@ def tensor_args(fx_node: fx.Node) -> list:
     return found
 
 
-def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: str = "whole") -> Graph:
+def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: str = "whole",
+            mp_policy=None, autocast=None) -> Graph:
     """Capture on the meta device: the weights are never touched, so this works for a model of
     any size, and for one whose parameters are already DTensor shares. ``outputs``: how the
-    caller takes the user outputs (``Graph.outputs``)."""
+    caller takes the user outputs (``Graph.outputs``). ``mp_policy`` (a MixedPrecisionPolicy)
+    and ``autocast`` (the caller's autocast dtype) are written in as casts (``autoshard.precision``)."""
     args, kwargs = normalize_inputs(example_inputs)
     if extra_kwargs:
         kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
     with phase("capture"), meta_view(model):
         ep = export(model, _to_meta(args), _to_meta(kwargs))
         inline_regions(ep.graph_module)
+        precise = make_explicit(ep.graph_module, ep.graph_signature, mp_policy, autocast)
         graph = from_exported(ep, model)
     graph.outputs = outputs
+    if precise:
+        graph.precision = {"policy": policy_record(mp_policy), "autocast": autocast and str(autocast).replace("torch.", "")}
     return graph
 
 
@@ -336,7 +351,8 @@ def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
                 if v is not None and not isinstance(v, list):
                     ins.append(v)
             metas = _tensor_metas(fxn.meta.get("val"))
-            n = Node(fxn.name, "op", fxn, inputs=ins, outputs=metas)
+            n = Node(fxn.name, "op", fxn, inputs=ins, outputs=metas,
+                     region=(fxn.meta.get("custom") or {}).get("autoshard_region"))
             n.requires_grad = any(built[v[0]].requires_grad for v in ins) and any(m.floating for m in metas)
             nodes.append(n)
             built[n.name] = n

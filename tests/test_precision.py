@@ -1,0 +1,196 @@
+"""Mixed precision and the user's own recomputation, on real gloo groups against one device:
+FSDP2's ``MixedPrecisionPolicy`` (fp32 masters, bf16 compute), the caller's ``torch.autocast``
+around the call and inside the model, and ``torch.utils.checkpoint`` regions (exact in fp32,
+their activations freed after forward and made again in backward on every rank)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.checkpoint import checkpoint
+
+import autoshard
+from autoshard import schemes
+from autoshard.launch import LocalWorld
+from models import GPT, MLP
+
+BF16 = torch.bfloat16
+POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+# bf16 keeps 8 bits of mantissa (3.9e-3); a split matmul's partial sums are added in another
+# order than one device's, and a norm's bias gradient sums a whole batch of bf16 terms (3.2e-2
+# measured at worst, blocks.0.ln1.bias under Megatron at world 4)
+BF16_TOL = 5e-2
+
+
+@pytest.fixture(scope="module")
+def world4():
+    w = LocalWorld(4)
+    yield w
+    w.close()
+
+
+def _gpt():
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, heads=4, layers=2, seq=16)
+    idx = torch.randint(0, 64, (8, 16))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def _err(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _grads(pm, ref) -> dict:
+    refp = dict(ref.named_parameters())
+    return {n: _err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters()}
+
+
+def _pins(kind, model, batch, mesh):
+    return getattr(schemes, kind)(model, batch, mesh)   # the default plan of so small a model splits nothing
+
+
+def policy_case(kind, mesh):
+    """MixedPrecisionPolicy(bf16, reduce fp32) on a plan that splits the work, against one
+    device computing in bf16 from its fp32 parameters: the policy's own semantics (bf16 copies of
+    the parameters, fp32 gradients), and the model under torch.autocast."""
+    model, batch = _gpt()
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, batch, mesh=mesh, pin=_pins(kind, model, batch, mesh), mp_policy=POLICY)
+    loss = pm(*batch)
+    loss.backward()
+    # one device, the policy's semantics: the forward on bf16 copies, gradients into the fp32 masters
+    copies = {n: p.to(BF16) for n, p in ref.named_parameters()}
+    ref_loss = torch.func.functional_call(ref, copies, batch, tie_weights=True)
+    ref_loss.backward()
+    policy = {"loss": _err(loss, ref_loss), "grads": _grads(pm, ref)}
+    auto = copy.deepcopy(ref)
+    auto.zero_grad()
+    with torch.autocast("cpu", dtype=BF16):
+        auto_loss = auto(*batch)
+    auto_loss.backward()
+    return {"policy": policy, "autocast": {"loss": _err(loss, auto_loss), "grads": _grads(pm, auto)},
+            "dtypes": {str(p.dtype) for p in pm.parameters()} | {str(p.grad.dtype) for p in pm.parameters()},
+            "loss_dtype": str(loss.dtype), "precision": pm.plan.schedule.get("precision"),
+            "split": _split(pm), "program": pm.program}
+
+
+def _split(pm) -> bool:
+    return any(q.is_shard() for p in pm.parameters() for q in p.placements)
+
+
+@pytest.mark.parametrize("kind,mesh", [("megatron", (2, 2)), ("fsdp", (4,))])
+def test_policy_bf16_against_one_device(world4, kind, mesh):
+    for res in world4.run(policy_case, kind, mesh):
+        assert res["split"], "a plan that splits no parameter proves nothing"
+        # parameters and their gradients stay fp32 masters; the loss comes out as computed, in bf16
+        assert res["dtypes"] == {"torch.float32"}, res["dtypes"]
+        assert res["loss_dtype"] == "torch.bfloat16"
+        assert res["precision"]["policy"]["param_dtype"] == "bfloat16"
+        assert "torch.bfloat16" in res["program"]
+        for ref in ("policy", "autocast"):
+            assert res[ref]["loss"] <= BF16_TOL, (ref, res[ref]["loss"])
+            bad = {n: e for n, e in res[ref]["grads"].items() if e > BF16_TOL}
+            assert not bad, (ref, bad)
+
+
+def test_policy_priced_at_bf16():
+    """The plan of a policy: matmuls at the cluster's 16-bit peak, activations' collectives at 2
+    bytes, memory holding fp32 masters, fp32 gradients, Adam's state and bf16 copies."""
+    model, batch = _gpt()
+    pins = schemes.megatron(model, batch, (4,))
+    fp32 = autoshard.plan(model, batch, mesh=(4,), pin=pins, verbose=False)
+    bf16 = autoshard.plan(model, batch, mesh=(4,), pin=pins, mp_policy=POLICY, verbose=False)
+    assert bf16.schedule["precision"]["policy"]["reduce_dtype"] == "float32"
+    assert fp32.schedule["precision"] is None
+    assert bf16.breakdown["compute_fwd"] < fp32.breakdown["compute_fwd"]
+    acts = lambda plan: sorted(c.bytes for c in plan.collectives if c.kind == "all_reduce" and c.phase == "forward")  # noqa: E731
+    assert acts(fp32) and [2 * b for b in acts(bf16)] == acts(fp32)
+    n_params = sum(p.numel() for p in model.parameters())
+    for part in ("parameters", "gradients"):   # fp32 masters and their gradients, split the same way
+        assert bf16.memory[part] == fp32.memory[part]
+    assert bf16.memory["parameters"] < 4 * n_params
+
+
+def test_bad_policy_says_what_to_pass():
+    model, batch = _gpt()
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+        autoshard.plan(model, batch, mesh=(2,), mp_policy="bf16")
+    with pytest.raises(ValueError, match="param_dtype"):
+        autoshard.plan(model, batch, mesh=(2,), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+
+
+def autocast_case(kind, mesh):
+    """The caller's autocast around parallelize and the step: captured under it, so the plan
+    knows its casts; gradients as one device's under the same autocast."""
+    model, batch = _gpt()
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=BF16):
+        pm = autoshard.parallelize(model, batch, mesh=mesh, pin=_pins(kind, model, batch, mesh))
+        loss = pm(*batch)
+        ref_loss = ref(*batch)
+    loss.backward()
+    ref_loss.backward()
+    return {"loss": _err(loss, ref_loss), "grads": _grads(pm, ref), "program": pm.program,
+            "precision": pm.plan.schedule.get("precision"), "split": _split(pm)}
+
+
+@pytest.mark.parametrize("kind,mesh", [("megatron", (4,)), ("fsdp", (2, 2))])
+def test_autocast_around_the_call(world4, kind, mesh):
+    for res in world4.run(autocast_case, kind, mesh):
+        assert res["split"]
+        assert res["precision"] == {"policy": None, "autocast": "bfloat16"}
+        assert "torch.ops.aten._to_copy.default" in res["program"]   # autocast's casts, planned
+        assert res["loss"] <= BF16_TOL, res["loss"]
+        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+        assert not bad, bad
+
+
+def test_autocast_priced():
+    """Under autocast the plan prices bf16 matmuls and halves the bytes of the tensors they make."""
+    model, batch = _gpt()
+    pins = schemes.megatron(model, batch, (4,))
+    fp32 = autoshard.plan(model, batch, mesh=(4,), pin=pins, verbose=False)
+    with torch.autocast("cpu", dtype=BF16):
+        bf16 = autoshard.plan(model, batch, mesh=(4,), pin=pins, verbose=False)
+    assert bf16.schedule["precision"]["autocast"] == "bfloat16"
+    assert bf16.breakdown["compute_fwd"] < fp32.breakdown["compute_fwd"]
+    acts = lambda plan: sorted(c.bytes for c in plan.collectives if c.kind == "all_reduce" and c.phase == "forward")  # noqa: E731
+    assert [2 * b for b in acts(bf16)] == acts(fp32)
+
+
+class AutocastInside(nn.Module):
+    """An MLP whose middle runs under the model's own autocast region, and whose end leaves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(d=32, hidden=64, depth=2)
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=BF16):
+            h = self.mlp(x)
+        return self.head(h.float())
+
+
+def autocast_inside_case():
+    torch.manual_seed(0)
+    model, x = AutocastInside(), torch.randn(16, 32)
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, (x,), mesh=(2, 2), pin=schemes.fsdp(model, (x,), (2, 2)))
+    out, ref_out = pm(x), ref(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * w).sum().backward()
+    (ref_out * w).sum().backward()
+    return {"out": _err(out, ref_out), "dtype": str(out.dtype), "grads": _grads(pm, ref),
+            "split": _split(pm)}
+
+
+def test_autocast_region_inside_the_model(world4):
+    for res in world4.run(autocast_inside_case):
+        assert res["split"]
+        assert res["dtype"] == "torch.float32"
+        assert res["out"] <= BF16_TOL, res["out"]
+        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+        assert not bad, bad
