@@ -218,3 +218,11 @@ def _evaluate(node: fx.Node, vals: dict):
         return old
     with torch.device("meta"):
         return _meta(node.target(*args, **kwargs))
+
+
+def grad_itemsize(graph, meta) -> int:
+    """Bytes per element of a parameter's gradient where its all-reduce runs: the policy's
+    reduce dtype (``runtime.grad_sync``), else the parameter's own."""
+    policy = (graph.precision or {}).get("policy")
+    name = policy and (policy["reduce_dtype"] or policy["param_dtype"])
+    return getattr(torch, name).itemsize if name else meta.itemsize

@@ -113,6 +113,19 @@ def test_policy_priced_at_bf16():
     assert bf16.memory["parameters"] < 4 * n_params
 
 
+def test_gradient_reduction_priced_in_reduce_dtype():
+    """A parameter stored broadcast has its gradient all-reduced in reduce_dtype: fp32 masters'
+    bytes where it is fp32, param_dtype's where it is left unset (torch's rule)."""
+    model, batch = _gpt()
+    pins = schemes.data_parallel(model, batch, (4,))
+    grads = {}
+    for name, policy in (("fp32", None), ("reduce fp32", POLICY), ("reduce unset", MixedPrecisionPolicy(param_dtype=BF16))):
+        plan = autoshard.plan(model, batch, mesh=(4,), pin=pins, mp_policy=policy, verbose=False)
+        grads[name] = {c.node: c.bytes for c in plan.collectives if c.phase == "backward" and c.node.startswith("p_")}
+    assert grads["fp32"] and grads["reduce fp32"] == grads["fp32"]
+    assert grads["reduce unset"] == {n: b // 2 for n, b in grads["fp32"].items()}
+
+
 def test_bad_policy_says_what_to_pass():
     model, batch = _gpt()
     with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
@@ -194,3 +207,93 @@ def test_autocast_region_inside_the_model(world4):
         assert res["out"] <= BF16_TOL, res["out"]
         bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
         assert not bad, bad
+
+
+# ---- the user's own checkpoint regions ---------------------------------------------------------
+
+class CheckpointedGPT(GPT):
+    """The GPT with each block under the user's own torch.utils.checkpoint."""
+
+    def forward(self, idx, targets=None):
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _checkpointed(on: bool):
+    torch.manual_seed(0)
+    cls = CheckpointedGPT if on else GPT
+    model = cls(vocab=64, d=64, heads=4, layers=4, seq=32)
+    idx = torch.randint(0, 64, (16, 32))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+class _Live:
+    """Bytes of tensor storage alive while ops run (a dispatch mode sees every op's result; a
+    storage's finalizer, when its last user lets go), the peak, and the forward ops that run in
+    backward (what a checkpoint region makes again)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode   # test-only: no public way to see every op
+        import weakref
+        live = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if live.backward and func in live.forward_ops:
+                    live.again += 1
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                        st = t.untyped_storage()
+                        key = st.data_ptr()
+                        if key and key not in live.held:
+                            live.held[key] = st.nbytes()
+                            live.now += st.nbytes()
+                            live.peak = max(live.peak, live.now)
+                            weakref.finalize(st, live.free, key)
+                return out
+
+        self.mode, self.held, self.now, self.peak, self.again, self.backward = Mode(), {}, 0, 0, 0, False
+        aten = torch.ops.aten
+        self.forward_ops = {aten.native_layer_norm.default, aten.gelu.default}
+
+    def free(self, key):
+        self.now -= self.held.pop(key, 0)
+
+
+def checkpoint_case(on: bool, mesh):
+    """The checkpointed GPT (or the same model without) on Megatron: its gradients against one
+    device, and on this rank the bytes held from forward to backward, the peak, and how many
+    forward ops backward ran again."""
+    model, batch = _checkpointed(on)
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, batch, mesh=mesh, pin=schemes.megatron(model, batch, mesh))
+    pm(*batch).backward()   # the first call plans and builds; measure the second
+    for p in pm.parameters():
+        p.grad = None
+    live = _Live()
+    with live.mode:
+        base = live.now
+        loss = pm(*batch)
+        held = live.now - base
+        live.backward = True
+        loss.backward()
+    ref(*batch).backward()
+    return {"grads": _grads(pm, ref), "held": held, "peak": live.peak - base, "again": live.again,
+            "program": pm.program, "split": _split(pm)}
+
+
+def test_user_checkpoint_regions_priced():
+    """A region's forward priced again in backward, its own activations not kept."""
+    plans = []
+    for on in (False, True):
+        model, batch = _checkpointed(on)
+        plans.append(autoshard.plan(model, batch, mesh=(4,), pin=schemes.megatron(model, batch, (4,)), verbose=False))
+    plain, ckpt = plans
+    assert ckpt.breakdown["compute_fwd"] == pytest.approx(plain.breakdown["compute_fwd"])
+    assert ckpt.breakdown["compute_bwd"] > plain.breakdown["compute_bwd"]
+    assert ckpt.breakdown["comm"] > plain.breakdown["comm"]   # Megatron's forward all-reduces, again
+    assert ckpt.memory["activations"] < 0.5 * plain.memory["activations"]

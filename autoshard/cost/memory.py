@@ -8,7 +8,10 @@
                  another tensor take no memory of their own. And every input an op takes in
                  another layout than its producer's: the conversion makes a new tensor, which
                  the op keeps for backward (a weight gathered for a matmul stays gathered
-                 until the matmul's backward, as the runtime runs it)
+                 until the matmul's backward, as the runtime runs it). Not what a user's
+                 torch.utils.checkpoint region makes for itself alone: its outputs that only
+                 the region reads, and the conversions of activations for its ops, are made
+                 again in its backward (the peak of one region's worth back then is not counted)
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def node_bytes(node, strat, mesh_shape, training: bool) -> dict:
         if training and node.requires_grad:
             out["gradients"] = numel * meta.itemsize
             out["optimizer"] = numel * ADAM_STATE_BYTES
-    elif node.kind == "op" and training and node.requires_grad and not _is_view(node.target):
+    elif node.kind == "op" and training and node.requires_grad and not _is_view(node.target) and not node.recomputed:
         out["activations"] = sum(math.prod(pl.local_shape(meta.shape, p, mesh_shape)) * meta.itemsize
                                  for meta, p in zip(node.outputs, strat.outputs))
     return out
@@ -43,6 +46,13 @@ def conversion_bytes(consumer, meta, src, dst, mesh_shape, training: bool, regat
     if src == dst or regathered or not training or consumer.kind != "op" or not consumer.requires_grad:
         return 0
     return math.prod(pl.local_shape(meta.shape, dst, mesh_shape)) * meta.itemsize
+
+
+def in_region(graph, value, consumer) -> bool:
+    """Whether ``consumer`` takes ``value`` converted inside a user's checkpoint region: an
+    activation's conversion is made again in backward, not kept; a parameter's is made before
+    the region and kept (passes.checkpoint)."""
+    return consumer.region is not None and graph.by_name[value[0]].kind != "param"
 
 
 def _is_view(target) -> bool:
@@ -61,7 +71,7 @@ def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: 
             total[k] += v
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            regathered = reshard and graph.by_name[value[0]].kind == "param"
+            regathered = reshard and graph.by_name[value[0]].kind == "param" or in_region(graph, value, n)
             total["activations"] += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape,
                                                      training, regathered)
     total["total"] = sum(total[k] for k in PARTS)

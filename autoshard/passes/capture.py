@@ -67,6 +67,7 @@ class Node:
     requires_grad: bool = False
     fqn: Optional[str] = None      # parameters and buffers: their name in the module
     region: Optional[int] = None   # ops: the user's torch.utils.checkpoint call it ran in, numbered
+    recomputed: bool = False       # in a region, and read only there: made again in backward, not kept
 
     @property
     def target(self):
@@ -372,6 +373,12 @@ def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
             raise CaptureError(f"unsupported node {fxn.format_node()} in the exported graph")
     graph = Graph(nodes, ep, aliases, user_inputs)
     graph.value_of = values
+    readers: dict = {}
+    for n in nodes:
+        for v in n.inputs:
+            readers.setdefault(v[0], []).append(n.region)
+    for n in nodes:
+        n.recomputed = n.region is not None and bool(readers.get(n.name)) and set(readers[n.name]) == {n.region}
     return graph
 
 

@@ -48,6 +48,7 @@ from autoshard.passes.capture import Graph, Node
 from autoshard.passes.progress import Progress, phase
 from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import bucket_bytes_for
+from autoshard.precision import grad_itemsize
 
 PICO = 1e12
 # CP-SAT counts in picoseconds, or in nanoseconds where picoseconds would let a sum of the
@@ -102,7 +103,7 @@ class Costs:
         if not axes:
             return []
         meta = node.outputs[0]
-        nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * meta.itemsize
+        nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * grad_itemsize(self.graph, meta)
         share = min(1.0, nbytes / self.bucket_bytes)
         return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share))]
 
@@ -148,7 +149,8 @@ class Costs:
             bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster)
         blocking = sum(comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
                        for c in comm.op_collectives(node, strat, self.graph, mesh))
-        return Cost(compute_fwd=t, compute_bwd=bwd, comm=blocking)
+        again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
+        return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)
 
     def memory(self, node: Node, strat) -> int:
         """Bytes per rank this choice keeps (cost.memory)."""
@@ -161,7 +163,7 @@ class Costs:
     def kept(self, value, src, dst, consumer: Node) -> int:
         """Bytes per rank the conversion's result keeps while ``consumer`` waits for backward."""
         return memory.conversion_bytes(consumer, self.graph.meta(value), src, dst, self.mesh_shape, self.training,
-                                       self.regathered(value))
+                                       self.regathered(value) or memory.in_region(self.graph, value, consumer))
 
     def overlapped(self, value, src) -> bool:
         """Whether the first gather of this value runs as a scheduled start/wait pair: a
@@ -192,14 +194,15 @@ class Costs:
         meta = self.graph.meta(value)
         backward = (self.training and meta.floating and consumer.kind != "output"
                     and self.graph.by_name[value[0]].requires_grad)
-        key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward)
+        rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
+        key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward, rerun)
         if key not in self._conv:
             mesh, links = self.mesh_shape, self.links
             steps, prefetched = self.conversion(value, src, dst)
             fwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in steps]
             bwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in comm.dual_steps(steps, mesh)] if backward else []
             # converted again when backward needs it, where it waits
-            again = sum(fwd) if backward and self.regathered(value) else 0.0
+            again = sum(fwd) if backward and self.regathered(value) or rerun else 0.0
             if prefetched:
                 # the first gather is prefetched; its dual, the last backward step, waits late
                 hb = bwd[-1] if bwd else 0.0
