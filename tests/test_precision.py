@@ -134,24 +134,30 @@ def test_bad_policy_says_what_to_pass():
         autoshard.plan(model, batch, mesh=(2,), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
 
 
-def autocast_case(kind, mesh):
+def autocast_case(kind, mesh, late=False):
     """The caller's autocast around parallelize and the step: captured under it, so the plan
-    knows its casts; gradients as one device's under the same autocast."""
+    knows its casts; gradients as one device's under the same autocast. ``late``: parallelized
+    outside autocast, called inside: the call under another autocast state plans again, the
+    parameters kept where they are."""
     model, batch = _gpt()
     ref = copy.deepcopy(model)
-    with torch.autocast("cpu", dtype=BF16):
+    if late:
         pm = autoshard.parallelize(model, batch, mesh=mesh, pin=_pins(kind, model, batch, mesh))
+    with torch.autocast("cpu", dtype=BF16):
+        if not late:
+            pm = autoshard.parallelize(model, batch, mesh=mesh, pin=_pins(kind, model, batch, mesh))
         loss = pm(*batch)
         ref_loss = ref(*batch)
     loss.backward()
     ref_loss.backward()
+    precision = next(reversed(pm._programs.values()))[2].schedule.get("precision")   # the call's plan
     return {"loss": _err(loss, ref_loss), "grads": _grads(pm, ref), "program": pm.program,
-            "precision": pm.plan.schedule.get("precision"), "split": _split(pm)}
+            "precision": precision, "split": _split(pm)}
 
 
-@pytest.mark.parametrize("kind,mesh", [("megatron", (4,)), ("fsdp", (2, 2))])
-def test_autocast_around_the_call(world4, kind, mesh):
-    for res in world4.run(autocast_case, kind, mesh):
+@pytest.mark.parametrize("kind,mesh,late", [("megatron", (4,), False), ("fsdp", (2, 2), False), ("megatron", (2, 2), True)])
+def test_autocast_around_the_call(world4, kind, mesh, late):
+    for res in world4.run(autocast_case, kind, mesh, late):
         assert res["split"]
         assert res["precision"] == {"policy": None, "autocast": "bfloat16"}
         assert "torch.ops.aten._to_copy.default" in res["program"]   # autocast's casts, planned
