@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from autoshard._compat import autocast_casts, tree_flatten
+from autoshard._compat import autocast_casts, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 AUTOCAST = "autoshard_autocast"   # node meta: the autocast dtype of the region it was traced in, None when off
@@ -199,11 +199,10 @@ def _cast(g: fx.Graph, src: fx.Node, dtype, vals: dict, like: fx.Node,
 
 
 def _meta(v):
-    if isinstance(v, torch.Tensor):
-        return torch.empty(v.shape, dtype=v.dtype, device="meta")
-    if isinstance(v, (tuple, list)):
-        return type(v)(_meta(x) for x in v)
-    return v
+    """``v`` with every tensor in it as a meta tensor of its shape and dtype."""
+    leaves, spec = tree_flatten(v)
+    return tree_unflatten([torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                           for x in leaves], spec)
 
 
 def _evaluate(node: fx.Node, vals: dict):

@@ -25,7 +25,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -67,22 +66,10 @@ def run(a):
     vs_torch.quiet_warnings()
     base, batch, _, what = vs_torch.build(a, "gpt")
     built = {n: make(n, base, batch, a) for n in CONTENDERS}
-    times = {n: [] for n in CONTENDERS}
-    first = {}
-    for r in range(a.warmup + a.rounds):
-        for i in range(len(CONTENDERS)):
-            n = CONTENDERS[(i + r) % len(CONTENDERS)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = built[n].step()
-            times[n].append(time.perf_counter() - t0)
-            first.setdefault(n, loss.float())
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)
-    times = {n: [max(t[n][s] for t in gathered) for s in range(a.warmup, a.warmup + a.rounds)] for n in CONTENDERS}
+    times, first, _ = vs_torch.interleaved(built, a.warmup, a.rounds)
     losses = {}
     for n in CONTENDERS:
-        x = first[n].clone()
+        x = first[n].float()
         if built[n].sharded_batch:   # an FSDP2 rank's loss is its share's mean
             dist.all_reduce(x)
             x /= dist.get_world_size()

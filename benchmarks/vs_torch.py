@@ -310,6 +310,27 @@ def plan_summary(plan) -> str:
             + ", ".join(f"{p} x{c}" for p, c in sorted(mm.items())))
 
 
+def interleaved(built: dict, warmup: int, rounds: int) -> tuple:
+    """Round r runs one step of each contender of ``built``, in an order rotated by r, each from a
+    barrier: (the slowest rank's seconds per step after ``warmup`` rounds, per contender; its
+    first and its last loss on this rank)."""
+    names = list(built)
+    times = {n: [] for n in names}
+    first, last = {}, {}
+    for r in range(warmup + rounds):
+        for i in range(len(names)):
+            n = names[(i + r) % len(names)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = built[n].step()
+            times[n].append(time.perf_counter() - t0)
+            first.setdefault(n, loss)
+            last[n] = loss
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return {n: [max(t[n][s] for t in gathered) for s in range(warmup, warmup + rounds)] for n in names}, first, last
+
+
 def run_world(a, kind):
     """On every rank: build the contenders, run the interleaved rounds; rank 0 returns the results."""
     torch.set_num_threads(a.threads)
@@ -335,27 +356,13 @@ def run_world(a, kind):
             programs[name] = (pm.program, plan_summary(pm.plan), pm.plan.cost)
     phases["set-up"] = sum(setup.values())
     names = list(built)
-    times = {n: [] for n in names}
     t1 = time.perf_counter()
-    first, last = {}, {}
-    for r in range(a.warmup + a.rounds):
-        for i in range(len(names)):
-            n = names[(i + r) % len(names)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = built[n].step()
-            times[n].append(time.perf_counter() - t0)
-            if r == 0:
-                first[n] = loss
-            last[n] = loss
+    times, first, last = interleaved(built, a.warmup, a.rounds)
     phases["rounds"] = time.perf_counter() - t1
     t1 = time.perf_counter()
     collectives = {n: collectives_per_step(built[n]) for n in names}
     phases["counting"] = time.perf_counter() - t1
-    # the slowest rank's time, and the whole batch's loss (a DDP or FSDP2 rank has its share's mean)
-    gathered = [None] * w
-    dist.all_gather_object(gathered, times)
-    times = {n: [max(t[n][s] for t in gathered) for s in range(a.warmup, a.warmup + a.rounds)] for n in names}
+    # the whole batch's loss (a DDP or FSDP2 rank has its share's mean)
     losses = {}
     for n in names:
         pair = torch.stack([first[n], last[n]]).float()
