@@ -223,24 +223,26 @@ class _Pricer:
         tree = share * 2 * Q(sympy.ceiling(sympy.log(p.e, 2)), steps) * alpha + 2 * nbytes / beta
         return share * self.overhead + smaller(ring, tree)
 
-    def step_time(self, step, nbytes: Q) -> Q:
+    def step_time(self, step, nbytes: Q, share: float = 1.0) -> Q:
         if not step.is_collective:
             return q(0)
         if step.kind == "all_reduce":
-            return self.all_reduce(nbytes, step.axes)
+            return self.all_reduce(nbytes, step.axes, share)
         p = self.size(step.axes)
         alpha, beta = self.link(step.axes)
-        return self.overhead + (p - 1) * alpha + comm.ring_bytes(step.kind, nbytes, p) / beta
+        return q(share) * (self.overhead + (p - 1) * alpha) + comm.ring_bytes(step.kind, nbytes, p) / beta
 
-    def steps_times(self, steps, meta, src) -> tuple:
-        """Times of a conversion's steps and of their duals, from the symbolic local shape."""
+    def steps_times(self, steps, meta, src, share: float = 1.0) -> tuple:
+        """Times of a conversion's steps and of their duals, from the symbolic local shape;
+        ``share``: the first step's and the last dual's part of their bucket's latency."""
         shapes = [self.local(meta, src)]
         for st in steps:
             shapes.append(list(comm._apply_shape(shapes[-1], st, self.size(st.axes))))
         nbytes = [math.prod(s, start=q(1)) * meta.itemsize for s in shapes]
-        fwd = [self.step_time(st, nbytes[i]) for i, st in enumerate(steps)]
+        fwd = [self.step_time(st, nbytes[i], share if i == 0 else 1.0) for i, st in enumerate(steps)]
         duals = comm.dual_steps(steps, self.mesh_values)
-        bwd = [self.step_time(st, nbytes[len(steps) - i]) for i, st in enumerate(duals)]
+        bwd = [self.step_time(st, nbytes[len(steps) - i], share if i == len(duals) - 1 else 1.0)
+               for i, st in enumerate(duals)]
         return fwd, bwd
 
     # the parts of one node and of one conversion (passes.solve.Costs)
@@ -283,7 +285,7 @@ class _Pricer:
         steps, prefetched = costs.conversion(value, src, dst, consumer)
         if not steps:
             return {}
-        fwd, bwd = self.steps_times(steps, meta, src)
+        fwd, bwd = self.steps_times(steps, meta, src, costs.gather_share(value) if prefetched else 1.0)
         bwd = bwd if backward else []
         again = sum(fwd, q(0)) if backward and costs.regathered(value) else q(0)
         if prefetched:

@@ -173,17 +173,20 @@ def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
     producer = graph.by_name[value[0]]
     meta = graph.meta(value)
     steps, hidden = costs.conversion(value, src, dst, consumer)
-    phases = [("forward", steps, hidden)]
+    # a prefetched gather, its dual and its regather travel in a bucket: their part of its latency
+    share = costs.gather_share(value) if hidden else 1.0
+    phases = [("forward", steps, 0, hidden)]
     if costs.training and meta.floating and consumer.kind != "output" and producer.requires_grad:
-        phases.append(("backward", comm.dual_steps(steps, mesh), hidden))
+        duals = comm.dual_steps(steps, mesh)
+        phases.append(("backward", duals, len(duals) - 1, hidden))
         if costs.regathered(value):   # converted again for the backward, which waits for it
-            phases.append(("backward", steps, False))
+            phases.append(("backward", steps, 0, False))
     out = []
-    for phase, sts, hid in phases:
+    for phase, sts, bucketed, hid in phases:
         for i, st in enumerate(sts):
             if st.is_collective:
-                t = comm.step_time(st, meta.itemsize, mesh, links)
-                over = hid and i == (0 if sts is steps else len(sts) - 1)
+                t = comm.step_time(st, meta.itemsize, mesh, links, share if i == bucketed else 1.0)
+                over = hid and i == bucketed
                 out.append(Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize), consumer.name, t, over))
     return out
 

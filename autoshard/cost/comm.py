@@ -235,23 +235,24 @@ def ring_bytes(kind: str, nbytes: float, p: int) -> float:
     return (p - 1) / p * nbytes                    # reduce_scatter (T = input), all_to_all
 
 
-def step_time(step: Step, itemsize: int, mesh_shape, links) -> float:
+def step_time(step: Step, itemsize: int, mesh_shape, links, share: float = 1.0) -> float:
     """alpha-beta time of one step on its axis (or group of axes), plus the launch overhead of a
     collective; local steps are free of communication. ``links``: ``Cluster.axis_links``. A
     link measured on groups of this shape (``Cluster.measure``) prices the step by its kind's
-    fitted latency and bandwidth; otherwise a ring takes p-1 latency steps."""
+    fitted latency and bandwidth; otherwise a ring takes p-1 latency steps. ``share`` < 1 when
+    the tensor travels in a bucket with others: it pays that part of the launch and latency."""
     if not step.is_collective:
         return 0.0
     p = step.size(mesh_shape)
     link = links[step.axis]   # cluster.Links: a tuple of axes gets its group's
     n = step_bytes(step, itemsize)
     if step.kind == "all_reduce":
-        return all_reduce_time(n, p, link)
+        return all_reduce_time(n, p, link, share)
     alpha, beta, overhead = link
     fit = _fit(link, step.kind)
     if fit is not None:
-        return overhead + fit[0] + ring_bytes(step.kind, n, p) / fit[1]
-    return overhead + (p - 1) * alpha + ring_bytes(step.kind, n, p) / beta
+        return share * (overhead + fit[0]) + ring_bytes(step.kind, n, p) / fit[1]
+    return share * (overhead + (p - 1) * alpha) + ring_bytes(step.kind, n, p) / beta
 
 
 def _fit(link, kind: str):

@@ -91,6 +91,11 @@ class Costs:
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
+        self._gather_shares = gather_shares(graph, self.bucket_bytes)
+
+    def gather_share(self, value) -> float:
+        """The part of its gather bucket's launch and latency a prefetched parameter pays."""
+        return self._gather_shares.get(value[0], 1.0)
 
     def grad_syncs(self, node: Node, strat) -> list:
         """(axes, bytes, seconds) of the gradient all-reduce of a parameter stored broadcast, over
@@ -189,6 +194,19 @@ class Costs:
                                 self.links, meta.itemsize)
         return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
 
+    def step_times(self, value, src, dst, backward: bool) -> tuple:
+        """Seconds of each step of the conversion, of each of its duals (when ``backward``), and
+        whether the first is prefetched: then it and its dual, the last, travel in a bucket of
+        parameters, and pay their part of its launch and latency."""
+        meta, mesh, links = self.graph.meta(value), self.mesh_shape, self.links
+        steps, prefetched = self.conversion(value, src, dst)
+        duals = comm.dual_steps(steps, mesh) if backward else []
+        share = self.gather_share(value) if prefetched else 1.0
+        fwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == 0 else 1.0) for i, st in enumerate(steps)]
+        bwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == len(duals) - 1 else 1.0)
+               for i, st in enumerate(duals)]
+        return fwd, bwd, prefetched
+
     def convert(self, value, src, dst, consumer: Node) -> Cost:
         dst = self.handed_over(value, src, dst, consumer)
         meta = self.graph.meta(value)
@@ -197,10 +215,7 @@ class Costs:
         rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
         key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward, rerun)
         if key not in self._conv:
-            mesh, links = self.mesh_shape, self.links
-            steps, prefetched = self.conversion(value, src, dst)
-            fwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in steps]
-            bwd = [comm.step_time(st, meta.itemsize, mesh, links) for st in comm.dual_steps(steps, mesh)] if backward else []
+            fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
             # converted again when backward needs it, where it waits
             again = sum(fwd) if backward and self.regathered(value) or rerun else 0.0
             if prefetched:
@@ -210,6 +225,31 @@ class Costs:
             else:
                 self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
         return self._conv[key]
+
+
+def gather_shares(graph: Graph, cap: int) -> dict:
+    """Each parameter's part of the launch and latency of the gather bucket it travels in when
+    its neighbours are gathered too (``passes.schedule``: parameters in use order, one dtype, up
+    to ``cap`` gathered bytes, one collective per bucket). Half is shared by count and half by
+    bytes: a whole bucket pays one launch and latency, and a few small tensors of it, gathered
+    alone, still pay their count's part rather than almost nothing."""
+    first: dict = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.inputs:
+            first.setdefault(v[0], i)
+    params = sorted((n for n in graph.nodes if n.kind == "param" and n.name in first), key=lambda n: first[n.name])
+    buckets: list = []
+    for n in params:
+        meta = n.outputs[0]
+        size = meta.numel * meta.itemsize
+        b = buckets[-1] if buckets else None
+        if b is None or b["dtype"] != meta.dtype or b["bytes"] + size > cap:
+            b = {"dtype": meta.dtype, "members": [], "bytes": 0}
+            buckets.append(b)
+        b["members"].append((n.name, size))
+        b["bytes"] += size
+    return {name: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1)
+            for b in buckets for name, size in b["members"]}
 
 
 class _Sums:
