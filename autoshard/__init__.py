@@ -7,8 +7,9 @@ from autoshard.cluster import Cluster, PRESETS
 from autoshard.coverage import Coverage, coverage
 from autoshard.passes.capture import CaptureError
 from autoshard.plan import Collective, Plan
+from autoshard.rules.moe import expert_loads
 from autoshard import schemes  # noqa: F401 - hand-designed plans as pins (DESIGN.md section 6)
 
 __all__ = ["plan", "parallelize", "coverage", "Plan", "Collective", "Cluster", "PRESETS", "ParallelModule",
-           "Coverage", "CaptureError"]
+           "Coverage", "CaptureError", "expert_loads"]
 __version__ = "0.1.0"

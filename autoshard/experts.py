@@ -1,5 +1,7 @@
 """What the emitted program calls for expert layers (``rules.moe``): the grouped matmul on this
-rank's rows and experts, with expert parallelism's all-to-all, and a histogram of integers.
+rank's rows and experts, with expert parallelism's all-to-all; the rows of a split tensor taken
+by a whole index (the tokens sent to their experts' order and back), by all-to-all; and a
+histogram of integers.
 
 The grouped matmul multiplies the rows of each expert, ``x[start(e):end(e)]``, by its weight
 ``w[e]``, where end(e) = offs[e] and start(e) = offs[e-1] (0 for the first): the rows come
@@ -20,32 +22,11 @@ Rows past offs[-1] (tokens routed to no expert) come out zero.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from autoshard import runtime
-
-
-def _chunk(coords, shape, axes) -> int:
-    """The chunk a rank holds of a dim split over ``axes``: its coordinates flattened in axis order."""
-    c = 0
-    for a in axes:
-        c = c * shape[a] + coords[a]
-    return c
-
-
-def _members(coords, shape, axes) -> list:
-    """The coordinates of every rank of the group over ``axes`` that holds this rank, in the
-    group's order (flattened in axis order, as ``runtime.RankMesh.group`` enumerates them)."""
-    out = []
-    for j in range(math.prod(shape[a] for a in axes)):
-        c = list(coords)
-        for a in reversed(axes):
-            c[a], j = j % shape[a], j // shape[a]
-        out.append(c)
-    return out
+from autoshard.rules.moe import chunk_of, group_members
 
 
 def _overlap(a, b) -> tuple:
@@ -59,18 +40,18 @@ def exchange_plan(ends, coords, shape, row_axes, expert_axes, n_rows, n_experts)
     both = tuple(a for a in row_axes if a in expert_axes)
 
     def rows_of(c):
-        lo = _chunk(c, shape, row_axes) * n_rows
+        lo = chunk_of(c, shape, row_axes) * n_rows
         return lo, lo + n_rows
 
     def experts_of(c):
-        lo = _chunk(c, shape, expert_axes) * n_experts
+        lo = chunk_of(c, shape, expert_axes) * n_experts
         return lo, lo + n_experts
 
     def expert_rows(c):
         e0, e1 = experts_of(c)
         return (ends[e0 - 1] if e0 else 0), ends[e1 - 1]
 
-    members = _members(coords, shape, both)
+    members = group_members(coords, shape, both)
     sent = [_overlap(rows_of(coords), expert_rows(c)) for c in members]
     received = [_overlap(rows_of(c), expert_rows(coords)) for c in members]
     return rows_of(coords), experts_of(coords), sent, received
@@ -123,15 +104,16 @@ class _Exchange(torch.autograd.Function):
         return _Exchange.apply(g.contiguous(), received, sent, group), None, None, None
 
 
-def grouped_mm(x, w, offs, row_axes: tuple, expert_axes: tuple, out_dtype=None):
+def grouped_mm(x, w, offs, row_axes: tuple, expert_axes: tuple, axis: tuple = (), out_dtype=None):
     """This rank's part of the grouped matmul of x (rows, k) by w (experts, k, n) at offsets
-    offs (experts,): see the module docstring."""
+    offs (experts,): see the module docstring. ``axis``: the axes that split both the rows and
+    the experts, over which rows are exchanged."""
     m = runtime._mesh()
     ends = [int(e) for e in offs.tolist()]
     n_experts = w.shape[0]
     mine, experts, sent, received = exchange_plan(ends, m.coords, m.shape, row_axes, expert_axes,
                                                   x.shape[0], n_experts)
-    both = tuple(a for a in row_axes if a in expert_axes)
+    both = tuple(axis)
     out_dtype = out_dtype or x.dtype
     x = x.to(w.dtype)
     if not both:
@@ -150,6 +132,28 @@ def grouped_mm(x, w, offs, row_axes: tuple, expert_axes: tuple, out_dtype=None):
     back = _Exchange.apply(products, recv_sizes, send_sizes, group)
     pieces = [(lo, t) for (lo, _), t in zip(sent, back.split(send_sizes))]
     return _placed(pieces, x.shape[0], mine[0], back[:0]).to(out_dtype)
+
+
+def gather_rows(x, index, axis: tuple):
+    """``x[index]`` for x split on dim 0 over ``axis`` and index (1-d) whole: this rank's chunk of
+    the index's positions, each row sent by the rank that holds it (all-to-all with per-rank
+    split sizes, which every rank reads off the whole index)."""
+    m = runtime._mesh()
+    group, p, me = m.group(axis), m.size(axis), m.coord(axis)
+    n = x.shape[0]
+    index = index.remainder(n * p)
+    owner = torch.div(index, n, rounding_mode="floor")
+    chunks = index.chunk(p)
+    owners = owner.chunk(p)
+    mine = owners[me]
+    # to each member, the rows of its positions that this rank holds, in their order
+    sent = [chunks[q][owners[q] == me] - me * n for q in range(p)]
+    sent_sizes = [len(t) for t in sent]
+    received_sizes = torch.bincount(mine, minlength=p).tolist()
+    incoming = _Exchange.apply(x[torch.cat(sent)], sent_sizes, received_sizes, group)
+    # received grouped by sender: put each row back at its position
+    order = torch.argsort(mine, stable=True)
+    return incoming[torch.argsort(order)]
 
 
 def histc(x, bins: int = 100, min=0, max=0):

@@ -199,8 +199,8 @@ def own_collectives(graph, costs, n, strat) -> list:
            for axes, nbytes, t in costs.grad_syncs(n, strat)]
     if n.kind == "op":
         for c in comm.op_collectives(n, strat, graph, mesh):
-            t = comm.all_reduce_time(c.nbytes, mesh[c.axis], links[c.axis])
-            out.append(Collective(c.kind, "forward", (c.axis,), c.nbytes, n.name, t))
+            t = comm.op_collective_time(c, mesh, links)
+            out.append(Collective(c.kind, c.phase, (c.axis,), c.nbytes, n.name, t))
     return out
 
 

@@ -175,11 +175,17 @@ def test_experts_split(results, case):
 
 
 def test_solver_splits_the_experts(results):
-    """Unpinned on (4,), the solver keeps each rank's experts only, Mixtral's and the hand-written
-    layer's."""
+    """Unpinned, the solver keeps each rank's experts only, Mixtral's and the hand-written
+    layer's; Mixtral's tokens go to their experts' ranks and come back by all-to-all (the rows
+    taken in expert order, ``experts.gather_rows``, and put back), over both axes of (2, 2)."""
     for name in MODELS:
         res = results[(name, (4,), "default")][0]
         assert all(res["placements"][w] == ("S(0)",) for w in EXPERTS[name]), (name, res["placements"])
+    for mesh in MESHES:
+        res = results[("mixtral", mesh, "default")][0]
+        assert res["program"].count("autoshard_experts_gather_rows(") == 2, mesh
+        assert ("all_to_all", "forward", (0,)) in res["collectives"]
+        assert ("all_to_all", "backward", (0,)) in res["collectives"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -188,3 +194,56 @@ def test_coverage_finds_no_compute_fallback(name):
     cov = autoshard.coverage(model, inputs, world=4)
     assert cov.compute_fallbacks == [], str(cov)
     assert cov.without_rules == [], cov.without_rules
+
+
+def test_expert_work_follows_the_loads():
+    """Rows multiplied and sent by the busiest rank (rules.moe.expert_work), 64 rows over 4
+    experts: expert parallel on one axis moves nothing when routing is uniform (rows sorted by
+    expert lie on their experts' ranks already); a hot expert makes its rank the busiest and
+    the others send it their rows; rows split on one axis and experts on the other leave half
+    the ranks idle."""
+    from autoshard.rules.moe import expert_work
+    assert expert_work(64, (1, 1, 1, 1), (4,), (0,), (0,)) == (16.0, 0.0)
+    assert expert_work(64, (1, 1, 1, 1), (4,), (), (0,)) == (16.0, 0.0)
+    assert expert_work(64, (7, 1, 1, 1), (4,), (0,), (0,)) == (44.8, 16.0)
+    assert expert_work(64, (1, 1, 1, 1), (2, 2), (0,), (1,)) == (32.0, 0.0)
+
+
+def _plan(mesh, loads=None):
+    model, inputs = mixtral()
+    if loads is None:
+        return autoshard.plan(model, inputs, mesh=mesh, cluster=SLOW, verbose=False)
+    with autoshard.expert_loads(model, {w: loads for w in EXPERTS["mixtral"]}):
+        return autoshard.plan(model, inputs, mesh=mesh, cluster=SLOW, verbose=False)
+
+
+def test_solver_weighs_expert_parallelism_by_the_loads():
+    """Under uniform routing the solver keeps a quarter of Mixtral's experts per rank on (4,)
+    and (2, 2) (expert-parallel degree 4): the tokens' all-to-all carries each rank's rows
+    (32 rows of 32 floats), the grouped matmuls exchange nothing. With one expert taking 97% of
+    the rows (measured loads), that expert's rank would do nearly all the work: on (4,) it
+    splits every expert's columns over the ranks instead (tensor parallel within experts)."""
+    up, down = EXPERTS["mixtral"]
+    for mesh in MESHES:
+        plan = _plan(mesh)
+        assert plan.placement(up) == plan.placement(down) == ("S(0)",) * len(mesh)
+        moved = {(c.node, c.phase): c.bytes for c in plan.collectives if c.kind == "all_to_all"}
+        assert moved[("index_4", "forward")] == moved[("index_4", "backward")] == 32 * 32 * 4
+        assert moved[("grouped_mm_fallback", "forward")] == 0
+    skewed = _plan((4,), (97, 1, 1, 1))
+    assert all(q != "S(0)" for w in (up, down) for q in skewed.placement(w)), skewed.placement(up)
+    assert skewed.placement(up) == ("S(2)",)
+
+
+def test_expert_loads_are_checked():
+    model, _ = mixtral()
+    up = EXPERTS["mixtral"][0]
+    with pytest.raises(ValueError, match="not a parameter.*Did you mean"):
+        with autoshard.expert_loads(model, {up[:-1]: (1, 1, 1, 1)}):
+            pass
+    with pytest.raises(ValueError, match="holds 4 experts on its dim 0; give 4"):
+        with autoshard.expert_loads(model, {up: (1, 1)}):
+            pass
+    with pytest.raises(TypeError, match="dict"):
+        with autoshard.expert_loads(model, [1, 1, 1, 1]):
+            pass

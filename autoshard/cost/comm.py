@@ -290,16 +290,26 @@ def group_all_reduce_time(nbytes: int, axes: Sequence[int], mesh_shape, cluster,
 class OpCollective:
     kind: str
     axis: int
-    nbytes: int
+    nbytes: int          # the collective's input on each rank
+    phase: str = "forward"
+
+
+def op_collective_time(c: OpCollective, mesh_shape, links) -> float:
+    """Seconds of one collective an op's lowering issues, by its kind."""
+    if c.kind == "all_reduce":
+        return all_reduce_time(c.nbytes, mesh_shape[c.axis], links[c.axis])
+    return step_time(Step(c.kind, c.axis, in_shape=(c.nbytes,)), 1, mesh_shape, links)
 
 
 def op_collectives(node, strat, graph, mesh_shape) -> list:
     """Collectives an op's own lowering issues (beyond layout conversions)."""
     from autoshard.rules.conv import norm_collectives
+    from autoshard.rules.moe import expert_collectives
     from autoshard.rules.nn import count_axes, whole_targets
     fx_node = node.fx_node
     axes = count_axes(node.target, fx_node.args, fx_node.kwargs, strat.inputs) if node.kind == "op" else []
     if axes and whole_targets(graph, node) is not None:   # counted on the whole targets, every rank alike
         axes = []
     return ([OpCollective("all_reduce", a, 8) for a in axes if mesh_shape[a] > 1]
-            + [OpCollective(*c) for c in norm_collectives(node, strat, graph, mesh_shape)])
+            + [OpCollective(*c) for c in norm_collectives(node, strat, graph, mesh_shape)]
+            + [OpCollective(*c) for c in expert_collectives(node, strat, graph, mesh_shape)])

@@ -20,6 +20,7 @@ import math
 import torch
 
 from autoshard.cluster import Cluster
+from autoshard.rules.registry import qualified_name
 
 aten = torch.ops.aten
 
@@ -51,7 +52,13 @@ def _conv_transpose_flops(ins, out):
     return 2 * math.prod(ins[0]) * math.prod(ins[1][1:])
 
 
+def _grouped_mm_flops(ins, out):
+    # each row by its own expert's (k, n) weight: rows as priced (rules.moe.computed_shapes)
+    return 2 * ins[0][0] * ins[0][-1] * out[-1]
+
+
 FLOPS = {
+    aten._grouped_mm.default: _grouped_mm_flops,
     aten.linear.default: _matmul_flops,
     aten.mm.default: _matmul_flops,
     aten.bmm.default: _matmul_flops,
@@ -92,10 +99,14 @@ def is_view(target) -> bool:
     return bool(getattr(target, "is_view", False)) and target not in MAY_COPY
 
 
+# ops a library registers once imported, by qualified name (rules.registry.RULES_BY_NAME)
+FLOPS_BY_NAME = {"transformers::grouped_mm_fallback": _grouped_mm_flops}
+
+
 def work(target, in_shapes, out_shapes, itemsize: int) -> tuple:
     """(FLOPs, or None for an op without a FLOP count; bytes its tensors hold) on one rank."""
     moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
-    fn = FLOPS.get(target)
+    fn = FLOPS.get(target) or FLOPS_BY_NAME.get(qualified_name(target))
     return (fn(in_shapes, out_shapes[0] if out_shapes else ()) if fn else None), moved
 
 

@@ -205,8 +205,18 @@ def lower_grouped_mm(low: Lowering):
     rows, owned = axes(0), axes(1)
     if not rows and not owned:
         return low.call()
+    both = tuple(a for a in rows if a in owned)   # named axis=: a group over several is made ahead
     return low.g.call_function(experts.grouped_mm, (low.args[0], low.args[1], low.arg(2, "offs"), rows, owned),
-                               {"out_dtype": low.kwargs.get("out_dtype")})
+                               {"axis": both, "out_dtype": low.kwargs.get("out_dtype")})
+
+
+def lower_index(low: Lowering):
+    """Rows of x split on dim 0 taken by one whole index (rules.indexing): ``experts.gather_rows``."""
+    axes = tuple(a for a, q in enumerate(low.in_pl[0])
+                 if isinstance(q, pl.Split) and q.dim == 0 and low.mesh_shape[a] > 1)
+    if not axes or low.args[1][0] is None:   # dim 0 not indexed: the op on local tensors
+        return low.call()
+    return low.g.call_function(experts.gather_rows, (low.args[0], low.args[1][0]), {"axis": axes})
 
 
 def lower_histc(low: Lowering):
@@ -242,6 +252,7 @@ LOWERINGS = {
     **{op: lower_conv for op in CONV_ARGS},
     aten._grouped_mm.default: lower_grouped_mm,
     aten.histc.default: lower_histc,
+    aten.index.Tensor: lower_index,
 }
 # ops registered by a library once imported, by qualified name (rules.registry.RULES_BY_NAME)
 LOWERINGS_BY_NAME = {TRANSFORMERS_GROUPED_MM: lower_grouped_mm}

@@ -48,6 +48,7 @@ from autoshard.passes.capture import Graph, Node
 from autoshard.passes.progress import Progress, phase
 from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import bucket_bytes_for
+from autoshard.rules.moe import computed_shapes
 from autoshard.precision import grad_itemsize
 
 PICO = 1e12
@@ -148,11 +149,12 @@ class Costs:
         ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
+        ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
         t = compute.op_time(node.target, ins, outs, itemsize, cluster)
         bwd = 0.0
         if self.training and node.requires_grad:
             bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster)
-        blocking = sum(comm.all_reduce_time(c.nbytes, mesh[c.axis], self.links[c.axis])
+        blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh))
         again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
         return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)

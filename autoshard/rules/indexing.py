@@ -88,7 +88,11 @@ def index(ctx: OpCtx):
     Split one of x's dims that no index touches (indices B); or split a dim of the broadcast
     index shape on every index that has it at full size, x B: each rank gathers its own
     positions from the whole x. Linear in x. A mask index gives a shape that depends on the
-    data, so it has no split."""
+    data, so it has no split.
+
+    One whole 1-d index on dim 0 of a split x (a mixture of experts' tokens taken in the order
+    of their experts, and put back): each rank takes its chunk of the index's positions, the
+    rows fetched from the ranks that hold them by all-to-all (``experts.gather_rows``)."""
     x = ctx.in_shapes[0]
     indices = list(ctx.arg(1, "indices"))
     at = [i for i, t in enumerate(indices) if t is not None]
@@ -115,5 +119,7 @@ def index(ctx: OpCtx):
             di = j - (nb - len(s))
             places.append(Split(di) if di >= 0 and s[di] == bshape[j] else B)
         sigs.append(Sig((B,) + tuple(places), (Split(first + j),)))
+    if at == [0] and len(idx_shapes[0]) == 1 and x[0] > 1 and idx_shapes[0][0] > 1:
+        sigs.append(Sig((Split(0), B), (Split(0),)))
     sigs.append(Sig((P,) + (B,) * n_idx, (P,)))
     return sigs

@@ -23,9 +23,15 @@ sends and receives need no exchange. The last three run through ``autoshard.expe
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import difflib
+import itertools
+import math
+
 import torch
 
-from autoshard.placement import B, P, Split
+from autoshard.placement import B, P, Split, local_shape
 from autoshard.rules.pointwise import numerator
 from autoshard.rules.registry import OpCtx, Sig, norm_dim, register, register_by_name, rule
 
@@ -152,3 +158,172 @@ def grouped_mm(ctx: OpCtx):
 
 
 register_by_name([TRANSFORMERS_GROUPED_MM], grouped_mm_sigs)
+
+
+# ---- pricing -----------------------------------------------------------------------------------
+#
+# Where each expert's rows lie depends on the routing, which planning cannot see: it assumes each
+# expert gets an equal share of the rows (uniform routing), or the shares a user measured
+# (``with autoshard.expert_loads(model, {weight name: shares})``). From the shares, the rows
+# sorted by expert lie in contiguous ranges, and every rank's work and traffic follow exactly:
+#
+#     rows computed   its experts' rows among the rows it holds (or, where an axis splits both,
+#                     among the rows every member of its group holds: they are sent to it)
+#     rows sent       the rows it holds of the other members' experts; their products come back
+#
+# both taken at the busiest rank, as the step waits for it. The rows of a split tensor taken at a
+# whole index (``experts.gather_rows``) come from every rank alike: (p-1)/p of them travel.
+
+_MEASURED: contextvars.ContextVar = contextvars.ContextVar("expert_loads", default={})
+
+
+@contextlib.contextmanager
+def expert_loads(model, loads: dict):
+    """Plan for measured expert loads: within the block, ``autoshard.plan`` and ``parallelize``
+    price the expert layers whose weight is named in ``loads`` by the share of rows each expert
+    gets, ``{"layers.0.mlp.experts.gate_up_proj": [0.4, 0.3, 0.2, 0.1], ...}`` (any positive
+    numbers, one per expert, in expert order; they are normalized), instead of equal shares."""
+    if not isinstance(loads, dict):
+        raise TypeError("loads is a dict {expert weight name: [share of rows per expert, ...]}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    checked = {}
+    for name, shares in loads.items():
+        if name not in params:
+            close = difflib.get_close_matches(str(name), list(params), n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"expert_loads: {name!r} is not a parameter of the model.{hint}")
+        shares = tuple(float(v) for v in shares)
+        n = params[name].shape[0] if params[name].dim() else 0
+        if len(shares) != n or any(not v >= 0 for v in shares) or not sum(shares) > 0:
+            raise ValueError(f"expert_loads: {name!r} holds {n} experts on its dim 0; give {n} non-negative "
+                             f"shares of the rows, not all zero, got {list(shares)}")
+        checked[name] = shares
+    token = _MEASURED.set({**_MEASURED.get(), **checked})
+    try:
+        yield
+    finally:
+        _MEASURED.reset(token)
+
+
+def is_grouped_mm(target) -> bool:
+    from autoshard.rules.registry import qualified_name
+    return target == aten._grouped_mm.default or qualified_name(target) == TRANSFORMERS_GROUPED_MM
+
+
+def _split_axes(placements, mesh_shape) -> tuple:
+    return tuple(a for a, q in enumerate(placements)
+                 if isinstance(q, Split) and q.dim == 0 and mesh_shape[a] > 1)
+
+
+def chunk_of(coords, mesh_shape, axes) -> int:
+    """The chunk a rank holds of a dim split over ``axes``: its coordinates flattened in axis order."""
+    c = 0
+    for a in axes:
+        c = c * mesh_shape[a] + coords[a]
+    return c
+
+
+def group_members(coords, mesh_shape, axes) -> list:
+    """The coordinates of every rank of the group over ``axes`` that holds ``coords``, in the
+    group's order (flattened in axis order, as ``runtime.RankMesh.group`` enumerates them)."""
+    members = []
+    for picked in itertools.product(*(range(mesh_shape[a]) for a in axes)):
+        c = list(coords)
+        for a, v in zip(axes, picked):
+            c[a] = v
+        members.append(c)
+    return members
+
+
+def _overlap(a, b) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def expert_work(rows: int, loads: tuple, mesh_shape, row_axes: tuple, expert_axes: tuple) -> tuple:
+    """(rows the busiest rank multiplies, rows the busiest rank sends away) of a grouped matmul
+    of ``rows`` rows over experts with row shares ``loads``, rows split over ``row_axes`` and
+    experts over ``expert_axes``."""
+    import itertools
+    bounds = [0.0]
+    total = sum(loads)
+    for share in loads:
+        bounds.append(bounds[-1] + rows * share / total)
+    pr = math.prod(mesh_shape[a] for a in row_axes)
+    pe = math.prod(mesh_shape[a] for a in expert_axes)
+    per = len(loads) // pe
+    both = [a for a in row_axes if a in expert_axes]
+    axes = sorted(set(row_axes) | set(expert_axes))
+    computed = sent = 0.0
+    for picked in itertools.product(*(range(mesh_shape[a]) for a in axes)):
+        coords = [0] * len(mesh_shape)
+        for a, c in zip(axes, picked):
+            coords[a] = c
+
+        def held(c):
+            r = chunk_of(c, mesh_shape, row_axes)
+            return rows * r / pr, rows * (r + 1) / pr
+
+        def owned(c):
+            e = chunk_of(c, mesh_shape, expert_axes)
+            return bounds[e * per], bounds[(e + 1) * per]
+
+        members = group_members(coords, mesh_shape, both)
+        computed = max(computed, sum(_overlap(held(c), owned(coords)) for c in members))
+        sent = max(sent, sum(_overlap(held(coords), owned(c)) for c in members if c != coords))
+    return computed, sent
+
+
+def _loads(graph, node, n_experts: int) -> tuple:
+    """The measured shares of the expert weight's parameter (found through views: a transpose),
+    or equal shares."""
+    measured = _MEASURED.get()
+    if measured:
+        producer = graph.by_name[node.inputs[1][0]]
+        while producer.kind == "op" and producer.inputs and getattr(producer.target, "is_view", False):
+            producer = graph.by_name[producer.inputs[0][0]]
+        names = [f for f, used in graph.param_aliases.items() if used == producer.fqn] + [producer.fqn]
+        for name in names:
+            if name in measured:
+                return measured[name]
+    return (1.0,) * n_experts
+
+
+def computed_shapes(node, strat, graph, mesh_shape, ins, outs):
+    """The local shapes an op's compute is priced at: a grouped matmul's x and output hold the
+    rows the busiest rank multiplies (``expert_work``), as many as it was handed or fewer."""
+    if node.kind != "op" or not is_grouped_mm(node.target) or len(ins) < 3 or len(ins[0]) != 2:
+        return ins, outs
+    rows, n_experts = graph.meta(node.inputs[0]).shape[0], graph.meta(node.inputs[1]).shape[0]
+    busiest, _ = expert_work(rows, _loads(graph, node, n_experts), mesh_shape,
+                             _split_axes(strat.inputs[0], mesh_shape), _split_axes(strat.inputs[1], mesh_shape))
+    n = max(1, math.ceil(busiest))
+    return [(n, ins[0][1])] + list(ins[1:]), [(n, outs[0][1])] + list(outs[1:])
+
+
+def expert_collectives(node, strat, graph, mesh_shape) -> list:
+    """(kind, axis, bytes as the collective's input, phase) of the all-to-alls an expert layer's
+    lowering issues: a grouped matmul's exchange of rows and of their products, and the rows of
+    a split tensor taken at a whole index; each again reversed in backward where gradients flow.
+    An exchange over several axes is priced as one all-to-all per axis."""
+    if node.kind != "op":
+        return []
+    phases = ("forward", "backward") if node.requires_grad else ("forward",)
+    if is_grouped_mm(node.target) and len(node.inputs) >= 3:
+        x, w = graph.meta(node.inputs[0]), graph.meta(node.inputs[1])
+        rows_axes, expert_axes = _split_axes(strat.inputs[0], mesh_shape), _split_axes(strat.inputs[1], mesh_shape)
+        both = [a for a in rows_axes if a in expert_axes]
+        if not both or len(x.shape) != 2:
+            return []
+        _, sent = expert_work(x.shape[0], _loads(graph, node, w.shape[0]), mesh_shape, rows_axes, expert_axes)
+        k = local_shape(x.shape, strat.inputs[0], mesh_shape)[1]
+        n = local_shape(node.outputs[0].shape, strat.outputs[0], mesh_shape)[1]
+        p = math.prod(mesh_shape[a] for a in both)
+        nbytes = int(math.ceil(sent * (k + n) * x.itemsize * p / (p - 1)))   # (p-1)/p of it travels
+        return [("all_to_all", a, nbytes, ph) for a in both for ph in phases]
+    if node.target == aten.index.Tensor and node.fx_node.args[1][0] is not None:
+        axes = _split_axes(strat.inputs[0], mesh_shape)
+        if axes:
+            meta = node.outputs[0]
+            nbytes = math.prod(local_shape(meta.shape, strat.outputs[0], mesh_shape)) * meta.itemsize
+            return [("all_to_all", a, nbytes, ph) for a in axes for ph in phases]
+    return []

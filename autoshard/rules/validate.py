@@ -30,7 +30,8 @@ So is ``batch_norm`` in training with its statistics dims whole, but not over a 
 other non-channel dim: ``runtime.batch_norm_train`` gathers the statistics) nor over split
 channels while it keeps running statistics (it gathers their update); in eval mode every
 signature is checked. The grouped expert matmul on a rank's rows or experts
-(``experts.grouped_mm``: it reads the rank's coordinate, and exchanges rows by all-to-all) is
+(``experts.grouped_mm``: it reads the rank's coordinate, and exchanges rows by all-to-all) and
+the rows of a split tensor taken at a whole index (``experts.gather_rows``, by all-to-all) are
 checked by tests/test_moe.py in a real group.
 
 Command line: ``python -m autoshard.rules.validate [-p 2 4] [-v]`` checks the built-in cases
@@ -219,6 +220,8 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
     if lowering_for(target) is lower_grouped_mm and any(
             isinstance(q, Split) and q.dim == 0 for q in sig.inputs[:2]):
         return "an expert matmul on a rank's rows or experts reads its coordinate (experts.grouped_mm)"
+    if target == aten.index.Tensor and sig.inputs[0] == Split(0) and fx_args[1][0] is not None:
+        return "rows of a split tensor at a whole index come by all-to-all (experts.gather_rows)"
     if sig.inputs and any(batch_norm_axes(target, fx_args, fx_kwargs, (sig.inputs[0],))):
         return ("batch norm in training gathers the statistics of a split batch, or the running-statistics "
                 "update of split channels (runtime.batch_norm_train)")
@@ -479,6 +482,11 @@ def default_cases(seed: int = 0) -> list:
     add(aten.masked_fill.Scalar, r(4, 8, 8), mask(8, 8), -1e9)
     add(aten.masked_fill.Tensor, r(4, 8, 8), mask(4, 1, 8), torch.tensor(-2.0, dtype=f64))
     add(aten.zeros_like.default, r(8, 12))
+    add(aten.copy.default, r(4, 8, 12), r(8, 12))                    # copy_ functionalized: src broadcast
+    add(aten.copy.default, r(8, 12, dtype=torch.float32), r(8, 12))  # and cast to self's dtype
+    add(aten.fill.Scalar, r(8, 12), 0.5)
+    add(aten.fill.Tensor, r(4, 8), torch.tensor(2.0, dtype=f64))
+    add(aten.zero.default, r(8, 12))
     add(aten.clone.default, r(8, 12))
     add(aten.contiguous.default, r(8, 12))
     add(aten.detach.default, r(8, 12))
@@ -679,6 +687,7 @@ def default_cases(seed: int = 0) -> list:
     add(aten.index.Tensor, r(8, 12, 4), [None, ints(12, 8)])                        # a whole dim first
     add(aten.index.Tensor, r(4, 8, 12), [ints(4, 6), None, ints(12, 6)])           # not adjacent
     add(aten.index.Tensor, r(8, 12), [mask(8)])                                     # a mask: no split
+    add(aten.index.Tensor, r(8, 6), [ints(8, 16)])                                  # tokens in experts' order
     add(aten.__and__.Tensor, mask(4, 8, 8), mask(1, 8, 8))
 
     # -- routing and expert matmuls (moe.py)
