@@ -1,4 +1,5 @@
 """Mesh search and the memory budget, planned on the meta device with no process group."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -205,3 +206,26 @@ def test_a_plan_whose_picoseconds_leave_int64_is_still_solved():
     plan = autoshard.plan(model, (x, x), mesh=(8,), cluster=slow)
     assert plan.solver["status"] == "OPTIMAL"
     assert abs(plan.solver["objective"] - plan.cost) <= 1e-6 * plan.cost
+
+
+def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(monkeypatch):
+    from autoshard.passes import search as search_mod
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    from autoshard.passes.solve import Costs, lower_bound
+    calls = []
+    real = search_mod.lower_bound
+    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None: calls.append(c.mesh_shape) or real(g, s, c, b))
+    model, inputs = _gpt()
+    plan = autoshard.plan(model, inputs, world=8, cluster="a100-80gb-nvlink-ib")   # 8 GPUs per node
+    assert (4, 2) not in calls and (2, 4) in calls
+    bounds = {tuple(c["mesh"]): c["bound"] for c in plan.mesh_candidates}
+    # the bound it takes is the one its own program gives
+    graph = capture(model, inputs)
+    own = lower_bound(graph, annotate(graph, (4, 2), {}), Costs(graph, (4, 2), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True))
+    assert bounds[(4, 2)] == pytest.approx(own, rel=1e-6) and bounds[(4, 2)] == bounds[(2, 4)]
+    # across nodes the axes' links differ: each mesh is bounded on its own
+    calls.clear()
+    two_per_node = dataclasses.replace(autoshard.Cluster.preset("a100-80gb-nvlink-ib"), gpus_per_node=2)
+    autoshard.plan(model, inputs, world=8, cluster=two_per_node)
+    assert (4, 2) in calls and (2, 4) in calls

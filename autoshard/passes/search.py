@@ -89,6 +89,16 @@ class _Candidates:
                             "of the meshes chosen so far"} for m in factorizations(world, max_axes)}
         self.pin_errors, self.warned = [], {}
 
+    def twin(self, mesh):
+        """A mesh bounded already whose program is this one's with its axes in another order,
+        or None. Inside one node, on links not measured per group shape, every group of the
+        same size talks over the same links, so (2, 4) and (4, 2) price every layout alike; pins
+        name axes, so a mesh with pins has no twin."""
+        if self.cluster.collectives or math.prod(mesh) > self.cluster.gpus_per_node or self.pins_for(mesh):
+            return None
+        return next((m for m, e in self.entries.items() if m != mesh and sorted(m) == sorted(mesh)
+                     and e["bound"] is not None), None)
+
     def work(self, mesh):
         """(strategies, costs) of the mesh, or None when the pins do not fit it."""
         entry = self.entries[mesh]
@@ -162,9 +172,10 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
         if work is None:
             continue
         entry = cands.entries[mesh]
-        entry["bound"] = lower_bound(graph, *work, budget)
+        twin = cands.twin(mesh)
+        entry["bound"] = cands.entries[twin]["bound"] if twin else lower_bound(graph, *work, budget)
         entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
-        report(f"bounded {mesh}")
+        report(f"bounded {mesh}" + (f" (as {twin}, its axes reordered)" if twin else ""))
     # best bound first, twice: first each mesh's plan among its LP's support (a blink; it proves
     # most meshes within GAP_LIMIT), then the whole program of the meshes left unproven: the
     # best of them as any solve, the others that might still win for at most EFFORT
