@@ -25,11 +25,13 @@ from autoshard.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
+from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, schedule
 from autoshard.passes.search import search
 from autoshard.passes.descend import lifted_starts, solve_mesh
 from autoshard.passes.progress import shown
+from autoshard.passes.recompute import AUTO
 from autoshard.passes.solve import Costs
 from autoshard.plan import Plan, make_plan
 from autoshard.precision import ambient_autocast, check_policy, policy_from_record, reduce_dtype
@@ -101,12 +103,14 @@ def resolve_budget(memory_budget, cluster: Cluster) -> float:
 
 
 def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
-               bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True) -> Plan:
+               bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True,
+               recompute=AUTO) -> Plan:
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes, reshard_after_forward)
+    costs.recompute = recompute
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
     with shown(verbose):   # a long solve's progress on stderr
         solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
@@ -119,7 +123,7 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
-         verbose: bool = True,
+         verbose: bool = True, recompute: str = AUTO,
          mp_policy=None) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
@@ -146,11 +150,17 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
 
     ``outputs="dtensor"`` hands each user output back as a DTensor in its planned layout (logits
     split over the vocabulary, say, for ``loss_parallel``), and the plan prices no conversion for
-    it; by default (``"whole"``) every output is made whole on every rank, and that is priced."""
+    it; by default (``"whole"``) every output is made whole on every rank, and that is priced.
+
+    ``recompute``: whether repeated blocks (``blocks.0``, ``blocks.1``, ...) keep their
+    activations for backward or only their inputs, running their forward again in backward
+    (``torch.utils.checkpoint``): ``"auto"`` lets the solver choose per block, against the memory
+    budget, ``"blocks"`` recomputes every one, ``"none"`` none (``plan.recompute`` and
+    ``str(plan)`` say which blocks and what it costs)."""
     check_module("model", model)
     normalize_inputs(example_inputs)
     check_plan_options(cluster=cluster, pin=pin, training=training, time_limit=time_limit, bucket_bytes=bucket_bytes,
-                       memory_budget=memory_budget, reshard_after_forward=reshard_after_forward)
+                       memory_budget=memory_budget, reshard_after_forward=reshard_after_forward, recompute=recompute)
     check_outputs(outputs)
     mesh_shape = resolve_mesh(world, mesh)
     check_policy(mp_policy)
@@ -158,8 +168,8 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
                     autocast=ambient_autocast(_device_type(model)))
     args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward, verbose)
     if mesh is None and world > 1:
-        return search_mesh(graph, world, *args)
-    return plan_graph(graph, mesh_shape, *args)
+        return search_mesh(graph, world, *args, recompute=recompute)
+    return plan_graph(graph, mesh_shape, *args, recompute=recompute)
 
 
 # what parallelize passes on to the planner: plan's keyword options
@@ -167,7 +177,8 @@ PLAN_OPTIONS = [n for n, p in inspect.signature(plan).parameters.items() if p.ki
 
 
 def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
-                bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True) -> Plan:
+                bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True,
+                recompute=AUTO) -> Plan:
     """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
@@ -184,7 +195,7 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
 
     with shown(verbose):   # the search's progress on stderr
         plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-                      reshard=reshard_after_forward)
+                      reshard=reshard_after_forward, recompute=recompute)
     plan.memory["budget"] = budget
     plan.schedule["precision"] = graph.precision
     return plan
@@ -370,7 +381,7 @@ class ParallelModule(nn.Module):
         plan = self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
-        program = rewrite(graph, plan, device=self._device)
+        program = checkpoint_blocks(rewrite(graph, plan, device=self._device), graph, plan)
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])

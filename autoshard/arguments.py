@@ -81,7 +81,7 @@ def check_mesh(mesh, max_axes: int = MAX_AXES) -> tuple:
 
 
 def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0, bucket_bytes=None,
-                       memory_budget=None, reshard_after_forward=False, **others) -> None:
+                       memory_budget=None, reshard_after_forward=False, recompute="auto", **others) -> None:
     """The planning options of ``plan`` and ``parallelize``, each of the right kind and range
     (the pins' names and placements are checked against the graph when it is planned)."""
     from autoshard.cluster import Cluster
@@ -99,6 +99,12 @@ def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0
         check_budget(memory_budget)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
+    from autoshard.passes.recompute import MODES
+    if not isinstance(recompute, str):
+        raise TypeError(f"recompute is one of {', '.join(map(repr, MODES))}, got {type(recompute).__name__}")
+    if recompute not in MODES:
+        raise ValueError(f"recompute is one of {', '.join(map(repr, MODES))} (the solver chooses, none, every "
+                         f"repeated block), got {recompute!r}")
 
 
 def check_budget(memory_budget) -> float:

@@ -16,6 +16,7 @@ from autoshard.cost import comm
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.step import Cost
 from autoshard import explain, summary
+from autoshard.passes import recompute
 from autoshard.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
 
 
@@ -69,6 +70,7 @@ class Plan:
     schedule: dict = field(default_factory=dict)   # bucket_bytes, reshard_after_forward
     mesh_candidates: list = field(default_factory=list)  # the mesh search's ranking: mesh, bound, cost, status
     aliases: dict = field(default_factory=dict)   # a tied parameter's other names -> the name the graph uses
+    recompute: dict = field(default_factory=dict)   # blocks that run their forward again in backward (passes.recompute)
     _alternatives: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
@@ -138,6 +140,7 @@ class Plan:
             "schedule": self.schedule,
             "mesh_candidates": self.mesh_candidates,
             "aliases": self.aliases,
+            "recompute": self.recompute,
             "alternatives": self.alternatives,
             "params": {k: list(v) for k, v in self.params.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
@@ -163,6 +166,7 @@ class Plan:
             solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])],
             memory=d.get("memory", {}), breakdown=d.get("breakdown", {}), schedule=d.get("schedule", {}),
             mesh_candidates=d.get("mesh_candidates", []), aliases=d.get("aliases", {}),
+            recompute=d.get("recompute", {}),
             _alternatives=d.get("alternatives", {}))
 
 
@@ -224,6 +228,9 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
             inputs=[pl.to_strings(p) for p in strat.inputs], outputs=[pl.to_strings(p) for p in strat.outputs],
             compute=cost.compute, comm=cost.communication, fqn=n.fqn, module=_module(n))
+    # recomputed blocks: their forward again in backward, their activations freed but one block's
+    extra, freed, peak, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
+    total = total + extra
     param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
     for alias, fqn in graph.param_aliases.items():
         if fqn in param_node:
@@ -232,10 +239,12 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
               "gap": solution.gap, "seconds": solution.seconds}
     input_shapes = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
+    memory["activations"] += peak - freed
+    memory["total"] += peak - freed
     plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
                 input_shapes, memory, asdict(total),
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs},
-                aliases={a: f for a, f in graph.param_aliases.items() if a != f})
+                aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
     plan._priced = (graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
     return plan
 

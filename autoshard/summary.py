@@ -109,6 +109,22 @@ def memory_line(plan) -> list:
     return [head + ": " + ", ".join(f"{k} {fmt_bytes(m[k])}" for k in ("parameters", "gradients", "optimizer", "activations"))]
 
 
+def recompute_lines(plan) -> list:
+    """Which blocks run their forward again in backward, and what it costs and saves."""
+    r = plan.recompute
+    if not r or not r.get("blocks"):
+        return []
+    units: dict = {}
+    for b in r["blocks"]:
+        unit, i, _ = _unit(b)
+        units.setdefault(unit, []).append(i)
+    where = ", ".join(f"{u}.{_indices(sorted(idx))}" for u, idx in units.items())
+    return [f"recompute: {len(r['blocks'])} of {r['of']} blocks ({where}) keep only their inputs and run their "
+            f"forward again in backward: + compute {fmt_s(r['compute'])}, + communication {fmt_s(r['communication'])} "
+            f"per step; activations {fmt_bytes(r['freed'])} not kept, {fmt_bytes(r['peak'])} back while one block's "
+            f"backward runs"]
+
+
 def solver_lines(plan) -> list:
     lines = []
     s = plan.solver
@@ -265,7 +281,7 @@ def collective_lines(plan, label: dict) -> list:
 
 def summary(plan) -> str:
     rows, label = folded(plan)
-    lines = (mesh_lines(plan) + step_lines(plan) + memory_line(plan) + solver_lines(plan)
+    lines = (mesh_lines(plan) + step_lines(plan) + memory_line(plan) + recompute_lines(plan) + solver_lines(plan)
              + [""] + columns(rows) + [""] + collective_lines(plan, label)
              + ["", "plan.table(): every node; plan.explain(name): why a tensor is laid out as it is"])
     return "\n".join(lines)

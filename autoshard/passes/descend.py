@@ -27,6 +27,7 @@ import time
 from typing import Optional
 
 from autoshard.cost import memory
+from autoshard.passes import recompute
 from autoshard.passes.progress import phase
 from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
 
@@ -92,15 +93,27 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
             budget: Optional[float] = None, max_rounds: int = 4) -> Solution:
     """Block coordinate descent from ``choice`` (node name -> strategy index), one mesh axis per
     step, until a round over every axis improves nothing."""
-    with phase("descend"):
-        return _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds)
+    # recompute="auto": the steps keep the start's answer, no block or every block recomputed
+    # (their programs are linear in the layouts, as quick as without recomputation), and the
+    # end plan recomputes the fewest blocks that fit (passes.recompute.best_counts)
+    auto = recompute.mode_of(costs) == recompute.AUTO
+    fixed = "blocks" if auto and recompute.best_counts(graph, strategies, choice, costs, budget) else "none"
+    with phase("descend"), recompute.mode(costs, fixed if auto else recompute.mode_of(costs)):
+        sol = _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds)
+    if auto:
+        again = recompute.best_counts(graph, strategies, sol.choice, costs, budget)
+        extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
+        sol.objective, sol.recompute = choice_cost(graph, strategies, sol.choice, costs, extra), again
+    return sol
 
 
 def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds) -> Solution:
     start = time.perf_counter()
     naxes = len(costs.mesh_shape)
-    best = choice_cost(graph, strategies, choice, costs)
-    needs = _memory(graph, strategies, choice, costs) if budget is not None else 0
+    again = recompute.best_counts(graph, strategies, choice, costs, budget)
+    extra, freed, peak, _ = recompute.chosen(graph, strategies, choice, costs, again)
+    best = choice_cost(graph, strategies, choice, costs, extra)
+    needs = _memory(graph, strategies, choice, costs) - freed + peak if budget is not None else 0
     if budget is not None and needs > budget:
         raise MemoryBudgetError(f"the starting plan needs {needs / 1e9:.2f} GB per rank, over the budget of "
                                 f"{budget / 1e9:.2f} GB")
@@ -121,11 +134,11 @@ def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds) -
             steps += 1
             if sol.objective < best * (1 - 1e-9):
                 choice = {name: keep[name][i] for name, i in sol.choice.items()}
-                best, improved = sol.objective, True
+                best, improved, again = sol.objective, True, sol.recompute
         if not improved:
             break
     return Solution(choice, best, None, f"LOCAL_OPTIMUM ({steps} one-axis solves)",
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, again)
 
 
 def lift(graph, coarse_strategies, coarse_choice: dict, groups, strategies) -> Optional[dict]:
@@ -191,6 +204,7 @@ def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Op
             continue
         cs = annotate(graph, coarse)
         cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
+        cc.recompute = getattr(costs, "recompute", "none")
         try:
             sol = solve(graph, cs, cc, time_limit, budget)
         except MemoryBudgetError:

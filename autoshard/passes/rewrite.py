@@ -324,6 +324,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             local[(node.name, 0)] = x
             continue
         ins = choice.in_placements()
+        mark = next(reversed(g.nodes), None)   # what this node's lowering adds comes after it
 
         def fetch(value, dst):
             key = (value, dst)
@@ -367,6 +368,10 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
                 local[(node.name, i)] = g.call_function(operator.getitem, (out, i))
         elif node.outputs:
             local[(node.name, 0)] = out
+        for made in reversed(g.nodes):   # the captured node each program node serves (passes.checkpoint)
+            if made is mark:
+                break
+            made.meta["source"] = node.name
     g.lint()
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="RankProgram")
     gm.meta["passes"] = ["rewrite"]

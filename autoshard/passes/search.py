@@ -81,9 +81,10 @@ def splits(mesh: tuple) -> list:
 class _Candidates:
     """Every candidate mesh's entry (mesh, bound, cost, status) and its annotated work."""
 
-    def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard=False):
+    def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard=False,
+                 recompute="none"):
         self.graph, self.cluster, self.training, self.bucket_bytes = graph, cluster, training, bucket_bytes
-        self.reshard = reshard
+        self.reshard, self.recompute = reshard, recompute
         self.pins_for = pins_for
         self.entries = {m: {"mesh": list(m), "bound": None, "cost": None, "status": "not tried: refines none "
                             "of the meshes chosen so far"} for m in factorizations(world, max_axes)}
@@ -118,8 +119,9 @@ class _Candidates:
             entry["status"] = f"pins cannot hold: {str(e).split(':')[0]}"
             self.pin_errors.append(e)
             return None
-        entry["_work"] = (strategies, Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes,
-                                            self.reshard))
+        costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard)
+        costs.recompute = self.recompute   # passes.recompute
+        entry["_work"] = (strategies, costs)
         return entry["_work"]
 
 
@@ -150,11 +152,11 @@ def _simplest(results: list, cluster):
 
 
 def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False):
+           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False, recompute: str = "none"):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh)."""
     start = time.perf_counter()
-    cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard)
+    cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard, recompute)
     progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
     errors: list = []
     results: list = []   # (plan, mesh, strategies, choice) of every mesh solved or refined
@@ -234,8 +236,8 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
         for e in cands.entries.values():
             if len(e["mesh"]) > EXACT_AXES and e["status"].startswith("not tried"):
                 e["status"] = f"not tried: no two-axis mesh beat the one-axis plan by more than {100 * TIE:g}%"
-    if best is None:   # the pins name more axes than phase 1 solves: descend from the pins
-        for mesh in [m for m in cands.entries if len(m) > EXACT_AXES]:
+    if best is None:
+        for mesh in _untried_starts(cands, small):
             got = _descend_from(cands, graph, mesh, None, time_limit, budget, errors)
             if got is not None:
                 results.append(got)
@@ -279,6 +281,21 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
     plan.solver["mesh_choice"] = why or f"{best[1]}: the shortest estimated step"
     progress.done(f"chose {best[1]}")
     return plan
+
+
+def _untried_starts(cands, small) -> list:
+    """The meshes of more axes to descend on when phase 1 found no plan: every one when the
+    pins name more axes than phase 1 solves (descending from the pins' layout); when nothing of
+    one or two axes fits the budget, only the refinements of the ``BEAM`` two-axis meshes whose
+    relaxation fits it (a few seconds, not one descent per mesh: GPT-3 175B without
+    recomputation took 856 s over 130 meshes to say that nothing fits)."""
+    more = [m for m in cands.entries if len(m) > EXACT_AXES]
+    if all(cands.entries[m]["status"] == "pins name another number of axes" for m in small):
+        return more
+    bounded = sorted((m for m in small if cands.entries[m]["bound"] is not None
+                      and not math.isinf(cands.entries[m]["bound"]) and len(m) == EXACT_AXES),
+                     key=lambda m: cands.entries[m]["bound"])[:BEAM]
+    return [fine for m in bounded for fine, _ in splits(m) if fine in cands.entries]
 
 
 def _to_beat(results, mesh, cluster):

@@ -11,6 +11,8 @@ The integer program (built by ``_build``, solved by ``solve``):
     C_k = sum x[n, s] * node_cost_k(n, s) + sum y[e, a, b] * convert_k(a -> b)   per part k  (_Sums)
     e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                     (_build)
     sum x[n, s] * bytes(n, s) + sum y[e, a, b] * kept(a -> b) <= memory budget   (_memory_terms)
+        less what recomputed blocks free, plus one block's while it runs again, and their
+        forward again added to the cost                                (passes.recompute.add_terms)
     minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
               + DRAG * (hidden_fwd + hidden_bwd) + optimizer                                (cost.step)
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ortools.linear_solver import pywraplp
@@ -46,6 +48,7 @@ from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.outputs import kept_split
 from autoshard.passes.capture import Graph, Node
 from autoshard.passes.progress import Progress, phase
+from autoshard.passes import recompute
 from autoshard.passes.repeat import tie_repeated
 from autoshard.passes.schedule import bucket_bytes_for
 from autoshard.rules.moe import computed_shapes
@@ -65,6 +68,7 @@ class Solution:
     bound: Optional[float]   # seconds, proven lower bound; None when nothing is proven (passes.descend)
     status: str
     seconds: float      # wall time of the solve
+    recompute: dict = field(default_factory=dict)   # block group -> how many of its blocks recompute (passes.recompute)
 
     @property
     def gap(self) -> Optional[float]:
@@ -384,7 +388,12 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
         sums = _Sums(unit)
         x = _node_vars(model, table, sums)
         kept: dict = {}
-        _edge_vars(model, table, x, sums, kept)
+        placed: list = []
+        _edge_vars(model, table, x, sums, kept, placed)
+        integer = unit in INTEGER_UNITS
+        scale = 1 if integer else 1e-9   # the LP counts gigabytes
+        again, handles = recompute.add_terms(model, table, x, placed, costs, sums, unit, integer, scale,
+                                             memory_budget is not None)
         objective = sums.terms("compute_fwd", "compute_bwd", "comm", "optimizer")
         for ph in ("fwd", "bwd"):
             # exposed = max(0, hidden - compute) of the phase (cost.step)
@@ -397,12 +406,10 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
             model.at_least(terms, -const)
             objective = _plus(objective, ({exposed: 1}, 0), sums.terms(hidden, scale=DRAG))
         if memory_budget is not None:
-            integer = unit in INTEGER_UNITS
-            scale = 1 if integer else 1e-9   # the LP counts gigabytes
             limit = int(memory_budget) if integer else memory_budget * scale
-            terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale))
+            terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale), again)
             model.at_most(terms, limit - const)
-    return x, objective
+    return x, objective, handles
 
 
 class NoBetterPlan(Exception):
@@ -425,6 +432,8 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     ``support=False`` skips the LP support's plan: CP-SAT alone on the whole program, as a mesh
     search does for a mesh whose support plan it already has."""
     start = time.perf_counter()
+    if hint is None and recompute.chooses(graph, strategies, costs, memory_budget):
+        return _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support)
     relaxed = 0.0
     if hint is None:   # a whole solve (a descent's steps bring their own plan, and need no proof)
         relaxed, weights = _relaxation(graph, strategies, costs, memory_budget)
@@ -435,17 +444,17 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
             if quick is not None and quick.objective - relaxed <= GAP_LIMIT * quick.objective and \
                     (below is None or quick.objective < below):
                 return Solution(quick.choice, quick.objective, min(relaxed, quick.objective), "OPTIMAL",
-                                time.perf_counter() - start)
+                                time.perf_counter() - start, quick.recompute)
             if effort == 0:
                 if quick is None or (below is not None and quick.objective >= below):
                     raise NoBetterPlan(False)
                 return Solution(quick.choice, quick.objective, min(relaxed, quick.objective), "FEASIBLE",
-                                time.perf_counter() - start)
+                                time.perf_counter() - start, quick.recompute)
             hint = quick.choice if quick is not None else None
     for unit in INTEGER_UNITS:
         model = _CpSat()
         try:
-            x, objective = _build(model, graph, strategies, costs, memory_budget, unit)
+            x, objective, handles = _build(model, graph, strategies, costs, memory_budget, unit)
             model.minimize(*objective)
         except TypeError:   # a variable's domain past int64
             if unit == INTEGER_UNITS[-1]:
@@ -477,11 +486,65 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
         raise RuntimeError(f"the layout solver stopped without a plan ({name}) after {time_limit:.0f} s; "
                            "raise time_limit= or plan a smaller model")
     choice = _choice(graph, x, solver)
+    again = handles.counts(solver.boolean_value)
     obj = solver.objective_value / unit
     bound = max(solver.best_objective_bound / unit, relaxed if relaxed < math.inf else 0.0)
     if name == "FEASIBLE" and obj - bound <= GAP_LIMIT * obj:   # proven by the LP's bound
         name = "OPTIMAL"
-    return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start)
+    return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start, again)
+
+
+def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support) -> Solution:
+    """``recompute="auto"`` under a budget: the programs with no block and with every block
+    recomputed first (linear in the layouts: solved and proven as any), then the whole choice
+    (passes.recompute's products of layouts and counts, whose relaxation is weak) from the
+    better of them, for at most ``recompute.EFFORT`` deterministic seconds."""
+    start = time.perf_counter()
+    if below is not None and _relaxation(graph, strategies, costs, memory_budget)[0] >= below:
+        raise NoBetterPlan(True)
+    found, beaten = [], False
+    for mode in ("none", "blocks"):
+        with recompute.mode(costs, mode):
+            if mode == "none" and math.isinf(_relaxation(graph, strategies, costs, memory_budget)[0]):
+                continue   # nothing fits without recomputation
+            try:
+                found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=below, effort=effort,
+                                   support=support))
+            except NoBetterPlan:
+                beaten = True
+            except (RuntimeError, MemoryBudgetError):
+                continue
+            if mode == "none" and found[-1].status == "OPTIMAL":
+                # within GAP_LIMIT of the bound without any budget: the budget binds nothing, and
+                # recomputation, which only frees memory, cannot help
+                free = _relaxation(graph, strategies, costs, None)[0]
+                if found[-1].objective - free <= GAP_LIMIT * found[-1].objective:
+                    return found[-1]
+    if not found:
+        if beaten:
+            raise NoBetterPlan(False)
+        with recompute.mode(costs, "blocks"):   # every block recomputed is the least memory there is
+            solve(graph, strategies, costs, time_limit, memory_budget)
+        raise RuntimeError("the layout solver found no plan with or without recomputation in time; raise time_limit=")
+    for sol in list(found):   # each layout with the fewest blocks recomputed that fit it
+        again = recompute.best_counts(graph, strategies, sol.choice, costs, memory_budget)
+        if again != sol.recompute:
+            extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
+            found.append(Solution(sol.choice, choice_cost(graph, strategies, sol.choice, costs, extra), None,
+                                  "FEASIBLE", 0.0, again))
+    best = min(found, key=lambda sol: sol.objective)
+    if effort != 0:   # 0: a mesh search's first look, the better of the two as it is
+        try:
+            chosen = solve(graph, strategies, costs, time_limit, memory_budget, hint=best.choice,
+                           below=best.objective, effort=min(effort or recompute.EFFORT, recompute.EFFORT))
+            best = chosen if chosen.objective < best.objective else best
+        except NoBetterPlan:
+            pass
+    if below is not None and best.objective >= below:
+        raise NoBetterPlan(False)
+    bound = min(_relaxation(graph, strategies, costs, memory_budget)[0], best.objective)
+    status = "OPTIMAL" if best.objective - bound <= GAP_LIMIT * best.objective else "FEASIBLE"
+    return Solution(best.choice, best.objective, bound, status, time.perf_counter() - start, best.recompute)
 
 
 class _Watch(cp_model.CpSolverSolutionCallback):
@@ -504,9 +567,10 @@ class _Watch(cp_model.CpSolverSolutionCallback):
             self.stop_search()
 
 
-def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs) -> float:
-    """Estimated seconds per step of a whole plan (node name -> strategy index)."""
-    total = Cost()
+def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extra: Cost = Cost()) -> float:
+    """Estimated seconds per step of a whole plan (node name -> strategy index), with ``extra``
+    (recomputed blocks' forward again: passes.recompute) on top."""
+    total = extra
     for n in graph.nodes:
         strat = strategies[n.name][choice[n.name]]
         total = total + costs.node(n, strat)
@@ -542,7 +606,7 @@ def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
     except (MemoryBudgetError, RuntimeError):
         return None
     return Solution({name: index[name][i] for name, i in found.choice.items()}, found.objective, None,
-                    found.status, found.seconds)
+                    found.status, found.seconds, found.recompute)
 
 
 def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None) -> float:
@@ -554,11 +618,12 @@ def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Opt
 def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     """(bound, weights) of the LP relaxation, once per strategies dict and budget: the bound in
     seconds, and each node's LP weight per strategy (None when GLOP gave no optimum)."""
-    hit = costs._relaxed.get(id(strategies))
-    if hit is not None and hit[0] is strategies and hit[1] == memory_budget:
-        return hit[2]
+    key = (id(strategies), memory_budget, recompute.mode_of(costs))   # passes.recompute asks for several
+    hit = costs._relaxed.get(key)
+    if hit is not None and hit[0] is strategies:
+        return hit[1]
     lp = _LP()
-    x, objective = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
+    x, objective, _ = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
     lp.minimize(*objective)
     with phase("solve"):
         status = lp.solver.Solve()
@@ -569,8 +634,8 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     else:
         weights = {name: [v.solution_value() for v in vs] for name, vs in x.items() if vs is not None}
         out = (lp.solver.Objective().Value() / 1e6, weights)
-    costs._relaxed[id(strategies)] = (strategies, memory_budget, out)
-    while len(costs._relaxed) > TABLES_KEPT:
+    costs._relaxed[key] = (strategies, out)
+    while len(costs._relaxed) > 3 * TABLES_KEPT:
         costs._relaxed.pop(next(iter(costs._relaxed)))
     return out
 
@@ -603,6 +668,9 @@ class _CpSat:
 
     def minimize(self, terms: dict, const):
         self.model.minimize(_weighted(terms) + const)
+
+    def hint(self, var, value):
+        self.model.add_hint(var, value)
 
 
 def _weighted(terms: dict):
@@ -641,6 +709,9 @@ class _LP:
 
     def at_most(self, terms: dict, bound):
         self._row(-self.solver.infinity(), float(bound), terms.items())
+
+    def hint(self, var, value):
+        pass   # a starting point means nothing to the simplex
 
     def minimize(self, terms: dict, const):
         objective = self.solver.Objective()
@@ -706,13 +777,19 @@ def _memory_message(graph, strategies, costs, budget, time_limit) -> str:
     table = _table(graph, strategies, costs)
     x = _node_vars(model, table, _Sums())
     kept: dict = {}
-    _edge_vars(model, table, x, _Sums(), kept)
-    model.minimize(*_plus(_memory_terms(table, x), _kept_terms(kept)))
+    placed: list = []
+    sums = _Sums()
+    _edge_vars(model, table, x, sums, kept, placed)
+    again, handles = recompute.add_terms(model, table, x, placed, costs, sums, PICO, True, 1, True)
+    model.minimize(*_plus(_memory_terms(table, x), _kept_terms(kept), again))
     solver, status = _run(model.model, time_limit)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return f"no layout fits in a memory budget of {_gb(budget)} per rank"
     choice = _choice(graph, x, solver)
     parts = memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)
+    _, freed, peak, _ = recompute.chosen(graph, strategies, choice, costs, handles.counts(solver.boolean_value))
+    parts["activations"] += peak - freed
+    parts["total"] += peak - freed
     sizes = []
     for n in graph.nodes:
         s = strategies[n.name][choice[n.name]]
@@ -780,16 +857,22 @@ def _groups(strats, pick):
     return out
 
 
-def _edge_vars(model, table: _Table, x, sums: _Sums, kept: Optional[dict] = None) -> None:
+def _edge_vars(model, table: _Table, x, sums: _Sums, kept: Optional[dict] = None,
+               placed: Optional[list] = None) -> None:
     """The conversions' costs onto ``sums``, and the bytes their results keep onto ``kept``
-    (variable, or None for the constant -> bytes)."""
+    (variable, or None for the constant -> bytes); onto ``placed``, each edge with the variables
+    each of its layout pairs landed on, [(var, (a, b))] (passes.recompute reads them)."""
     kept = {} if kept is None else kept
 
     def keep(var, b):
         if b:
             kept[var] = kept.get(var, 0) + b
 
-    for u, value, v, slot, times, src, dst, pairs in table.edges:
+    for edge in table.edges:
+        u, value, v, slot, times, src, dst, pairs = edge
+        spots: list = []
+        if placed is not None:
+            placed.append((edge, spots))
         if len(src) == 1 or len(dst) == 1:
             # one side fixed: the conversion's cost rides on the other side's choice
             for (a, b), (c, b_kept) in pairs.items():
@@ -800,16 +883,19 @@ def _edge_vars(model, table: _Table, x, sums: _Sums, kept: Optional[dict] = None
                 if (len(src) == 1 and len(dst) == 1) or x[side.name] is None:
                     sums.add(None, c, times)
                     keep(None, b_kept)
+                    spots.append((None, (a, b)))
                     continue
                 for i in idx:
                     sums.add(x[side.name][i], c, times)
                     keep(x[side.name][i], b_kept)
+                    spots.append((x[side.name][i], (a, b)))
             continue
         y = {}
         for (a, b), (c, b_kept) in pairs.items():
             y[a, b] = model.bool_var()
             sums.add(y[a, b], c, times)
             keep(y[a, b], b_kept * times)
+            spots.append((y[a, b], (a, b)))
         for a, idx in src.items():
             model.equal([y[a, b] for b in dst], [x[u.name][i] for i in idx])
         for b, idx in dst.items():

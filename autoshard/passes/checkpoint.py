@@ -1,0 +1,113 @@
+"""Checkpoint: the per-rank program with each block the plan recomputes (``plan.recompute``,
+passes.recompute) run under ``torch.utils.checkpoint``: the block's program nodes move into a
+submodule that keeps only its inputs for backward and runs its forward again there, its
+collectives included.
+
+The rewriter tags each program node with the captured node it serves (``meta["source"]``); a
+block's region runs from its first such node to its last. What inside that span depends on
+placeholders alone (a parameter's gradient sync, its gather before use) is hoisted before the
+region, so the schedule pass still buckets and prefetches it and the gathered parameter is the
+checkpoint's input, kept rather than gathered again; with ``reshard_after_forward`` it stays in
+the region, gathered again with the forward it feeds, as the plan prices it. Every rank runs the
+same regions in the same order, so the collectives run again in backward pair up across ranks.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from autoshard import runtime
+from autoshard.passes.recompute import _stack_blocks
+
+
+class Recompute(torch.nn.Module):
+    """One block of the program: its forward kept only as far as its inputs, run again in
+    backward with the rank's mesh active and the generator all ranks share for random ops
+    (dropout) as it was, so it draws the same masks."""
+
+    def __init__(self, block: fx.GraphModule, name: str):
+        super().__init__()
+        self.block, self.name = block, name
+
+    def forward(self, *xs):
+        mesh = runtime._mesh()
+        state = mesh.generator.get_state()
+        runs = [0]
+
+        def run(*args):
+            runs[0] += 1
+            if runs[0] == 1:
+                return self.block(*args)
+            now = mesh.generator.get_state()
+            mesh.generator.set_state(state)
+            try:
+                with runtime.active(mesh):
+                    return self.block(*args)
+            finally:
+                mesh.generator.set_state(now)
+
+        return checkpoint(run, *xs, use_reentrant=False)
+
+
+def checkpoint_blocks(program: fx.GraphModule, graph, plan) -> fx.GraphModule:
+    """A new program with every block ``plan.recompute`` names run under checkpoint;
+    ``program`` is not changed."""
+    chosen = (plan.recompute or {}).get("blocks") or []
+    if not chosen or not plan.training:
+        return program
+    blocks = _stack_blocks(graph)
+    g = fx.Graph()
+    g.output(g.graph_copy(program.graph, {}))
+    root = torch.nn.Module()
+    regather = plan.schedule.get("reshard_after_forward", False)
+    for name in chosen:
+        _region(g, root, name, set(blocks[name]), regather)
+    g.lint()
+    gm = fx.GraphModule(root, g, class_name="RankProgram")
+    gm.meta.update(program.meta)
+    gm.meta["passes"] = list(program.meta.get("passes", [])) + ["checkpoint"]
+    return gm
+
+
+def _region(g: fx.Graph, root, name: str, sources: set, regather: bool) -> None:
+    nodes = list(g.nodes)
+    at = [i for i, n in enumerate(nodes) if n.meta.get("source") in sources]
+    if not at:
+        return
+    span = nodes[at[0]:at[-1] + 1]
+    inside: set = set()
+    hoisted = []
+    for n in span:
+        uses = n.all_input_nodes
+        if n.op == "call_function" and not regather and not any(u in inside for u in uses) and \
+                all(u.op == "placeholder" or u in hoisted for u in uses):
+            hoisted.append(n)   # made from placeholders alone: before the region, kept
+        else:
+            inside.add(n)
+    members = [n for n in span if n in inside]
+    first = members[0]
+    for n in hoisted:
+        first.prepend(n)
+    ext = []
+    for n in members:
+        for u in n.all_input_nodes:
+            if u not in inside and u not in ext:
+                ext.append(u)
+    outs = [n for n in members if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env = {u: sub.placeholder(f"in_{i}") for i, u in enumerate(ext)}
+    for n in members:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outs))
+    attr = "recompute_" + name.replace(".", "_")
+    root.add_module(attr, Recompute(fx.GraphModule(torch.nn.Module(), sub, class_name="Block"), name))
+    with g.inserting_before(first):
+        call = g.call_module(attr, tuple(ext))
+        got = {n: g.call_function(operator.getitem, (call, i)) for i, n in enumerate(outs)}
+    for n, new in got.items():
+        n.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
+    for n in reversed(members):
+        g.erase_node(n)

@@ -1,0 +1,369 @@
+"""Recomputation: which repeated blocks keep only their input and run their forward again in
+backward, chosen by the integer program against the memory budget (DESIGN.md section 10).
+
+A block (``blocks.7``: the first numbered module an op lives in, passes.repeat) that recomputes
+keeps what its checkpoint holds: its inputs, the parameters it was given, and the outputs the
+rest of the model reads. It frees every other activation it would keep (op outputs that only
+the block reads, and the conversions of activations made for its ops), and pays in backward its
+forward again: the ops' compute and their forward collectives. While one block's backward runs,
+its activations are back: the peak holds one block's worth on top of what is kept.
+
+Tied blocks (passes.repeat: every even layer shares block 0's layout, every odd layer block
+1's) form one class of K identical blocks. How many of them recompute is an integer m in 0..K,
+written in binary-weighted booleans r_j (weights 1, 2, 4, ..., the rest: every m reachable). For
+one class, with F(x) the block's forward again (compute, collectives) and D(x) the bytes it
+frees, both linear in the layout variables:
+
+    saved_j <= D(x),  saved_j <= maxD * r_j                    memory -= w_j * saved_j
+    peak >= D(x) - maxD * (1 - r_j)                             memory += peak   (one block back)
+    E_j >= F(x) - maxF * (1 - r_j),  E_j >= 0                   cost   += w_j * E_j
+
+exact at integer points: the budget pushes saved_j up to r_j * D(x), the objective pushes E_j
+down to r_j * F(x). ``recompute="blocks"`` fixes every r_j to 1 (each term then linear in x);
+``"none"`` adds nothing. A block whose ops change state when run (batch norm's running
+statistics, in-place updates) never recomputes.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from autoshard.cost import comm
+from autoshard.cost.step import PARTS, Cost
+from autoshard.passes.repeat import _block_of
+
+AUTO = "auto"
+MODES = (AUTO, "none", "blocks")
+# CP-SAT's deterministic seconds for choosing how many blocks recompute, from the better of no
+# block and every block recomputed (passes.solve._solve_choosing)
+EFFORT = 5.0
+
+
+def mode_of(costs) -> str:
+    """The recompute mode a program is priced in (``Costs.recompute``; none when unset)."""
+    return getattr(costs, "recompute", "none")
+
+
+@contextlib.contextmanager
+def mode(costs, value: str):
+    """Price ``costs``' programs in another recompute mode for a while."""
+    before = mode_of(costs)
+    costs.recompute = value
+    try:
+        yield
+    finally:
+        costs.recompute = before
+
+
+def chooses(graph, strategies, costs, budget) -> bool:
+    """Whether the program chooses how many blocks recompute: ``"auto"``, training, under a
+    budget, with repeated blocks to choose from."""
+    if mode_of(costs) != AUTO or budget is None or not costs.training:
+        return False
+    from autoshard.passes.repeat import tie_repeated
+    return bool(groups(graph, tie_repeated(graph, strategies)))
+_FWD, _COMM = PARTS.index("compute_fwd"), PARTS.index("comm")
+
+
+@dataclass
+class Group:
+    """A class of tied blocks: their names in order, the first block's op nodes (whose variables
+    the others share), and of those the ones no node outside the block reads (``inner``)."""
+    blocks: list
+    ops: list
+    inner: set
+
+    @property
+    def name(self) -> str:
+        return self.blocks[0]
+
+
+def _stack_blocks(graph) -> dict:
+    """block name -> its op node names, for every block of a stack of two or more that may run
+    its forward twice; once per graph."""
+    if "recompute_blocks" in graph.cache:
+        return graph.cache["recompute_blocks"]
+    found: dict = {}
+    for n in graph.nodes:
+        if n.kind != "op":
+            continue
+        b = _block_of(n)
+        if b is not None:
+            found.setdefault(b[0], {}).setdefault(b[1], []).append(n.name)
+    out = {}
+    for container, by_index in found.items():
+        if len(by_index) < 2:
+            continue
+        for k in sorted(by_index):
+            names = by_index[k]
+            if all(_repeatable(graph.by_name[m]) for m in names):
+                out[f"{container}.{k}"] = names
+    graph.cache["recompute_blocks"] = out
+    return out
+
+
+def _repeatable(node) -> bool:
+    """Whether running the op again changes nothing (no mutation, no running statistics), and
+    the user's own checkpoint does not already run it again (``Node.region``)."""
+    if getattr(node, "region", None) is not None:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False
+    return "batch_norm" not in node.op_name
+
+
+def groups(graph, rep: dict) -> list:
+    """The classes of tied blocks for this tying (``passes.repeat.tie_repeated``)."""
+    blocks = _stack_blocks(graph)
+    if not blocks:
+        return []
+    by_key: dict = {}
+    for name, ops in blocks.items():
+        by_key.setdefault(tuple(rep[o] for o in ops), []).append(name)
+    readers: dict = {}
+    for n in graph.nodes:
+        for v in n.inputs:
+            readers.setdefault(v[0], []).append(n.name)
+    out = []
+    for key, names in by_key.items():
+        ops = list(key)
+        own = set(ops)
+        inner = {o for o in ops if readers.get(o) and all(r in own for r in readers[o])}
+        out.append(Group(names, ops, inner))
+    return out
+
+
+def forward_again(costs, value, src, dst) -> float:
+    """Seconds of a conversion's forward steps alone: what recomputing it costs again."""
+    key = ("recompute", costs.graph.meta(value), src, dst)
+    hit = costs._conv.get(key)
+    if hit is None:
+        meta = costs.graph.meta(value)
+        steps, _ = costs.conversion(value, src, dst)
+        hit = costs._conv[key] = sum(comm.step_time(st, meta.itemsize, costs.mesh_shape, costs.links) for st in steps)
+    return hit
+
+
+def _in_region(producer) -> bool:
+    """Whether converting ``producer``'s output for an op of a recomputed block is run again and
+    its result freed: an activation's is. A parameter's is made once before the block and kept
+    as its checkpoint's input; where it is regathered for backward anyway
+    (``reshard_after_forward``) it keeps nothing and its gather again is priced already."""
+    return producer.kind != "param"
+
+
+# ---- the integer program ------------------------------------------------------------------------
+
+class _Linear:
+    """A linear form over the program's variables, and the most it can reach."""
+
+    def __init__(self):
+        self.terms, self.const, self.most, self.least = {}, 0, 0, 0
+
+    def add(self, var, c):
+        if not c:
+            return
+        if var is None:
+            self.const += c
+        else:
+            self.terms[var] = self.terms.get(var, 0) + c
+
+
+def _forms(table, x, placed, costs, unit, integer, scale) -> dict:
+    """group name -> (compute F, collectives F, freed bytes D) of one block, as ``_Linear``."""
+    rep = table.rep
+    gs = groups(costs.graph, rep)
+    if not gs:
+        return {}
+    owner = {o: g for g in gs for o in g.ops}
+    forms = {g.name: (_Linear(), _Linear(), _Linear()) for g in gs}
+    r = (lambda s: int(round(s * unit))) if integer else (lambda s: s * unit)
+    for n, _, vecs, nbytes in table.nodes:
+        g = owner.get(n.name)
+        if g is None:
+            continue
+        fc, fm, d = forms[g.name]
+        vs = x[n.name] or [None]
+        inner = n.name in g.inner
+        for var, vec, b in zip(vs, vecs, nbytes):
+            fc.add(var, r(vec[_FWD]))
+            fm.add(var, r(vec[_COMM]))
+            if inner:
+                d.add(var, b * scale)
+        fc.most += max(r(vec[_FWD]) for vec in vecs)
+        fm.most += max(r(vec[_COMM]) for vec in vecs)
+        fc.least += min(r(vec[_FWD]) for vec in vecs)
+        fm.least += min(r(vec[_COMM]) for vec in vecs)
+        d.most += max(nbytes) * scale if inner else 0
+    for (u, value, v, slot, times, src, dst, pairs), spots in placed:
+        g = owner.get(v.name)
+        if g is None or not _in_region(u):
+            continue
+        fc, fm, d = forms[g.name]
+        most_t = most_b = 0
+        for var, (a, b) in spots:
+            t = r(forward_again(costs, value, a, b))
+            kept = pairs[a, b][1] * scale
+            fm.add(var, t)
+            d.add(var, kept)
+            most_t, most_b = max(most_t, t), max(most_b, kept)
+        fm.most += most_t
+        d.most += most_b
+    return {g.name: (g, forms[g.name]) for g in gs}
+
+
+def _weights(k: int) -> list:
+    """Binary weights summing to ``k``: any count 0..k is a subset's sum."""
+    out, w = [], 1
+    while k > 0:
+        out.append(min(w, k))
+        k -= out[-1]
+        w *= 2
+    return out
+
+
+@dataclass
+class Handles:
+    """The recompute variables of one program: per group, its (weight, boolean) pairs."""
+    by_group: list   # (Group, [(w, r)])
+
+    def counts(self, value) -> dict:
+        """group name -> how many of its blocks recompute, from ``value(var)``."""
+        return {g.name: sum(w for w, r in rs if (True if r is None else value(r))) for g, rs in self.by_group}
+
+
+def add_terms(model, table, x, placed, costs, sums, unit, integer, scale, budgeted: bool):
+    """The recompute choices onto ``model``: their costs onto ``sums`` and their memory as
+    (terms, constant) bytes times ``scale``; and the ``Handles`` to read the choice back."""
+    mode = mode_of(costs)
+    none = ({}, 0), Handles([])
+    if mode == "none" or not costs.training or (mode == "auto" and not budgeted):
+        return none
+    forms = _forms(table, x, placed, costs, unit, integer, scale)
+    if not forms:
+        return none
+    mem, const, by_group = {}, 0, []
+    peak = model.int_var(0, max(f[2].most for _, f in forms.values()) or 1) if budgeted else None
+    if peak is not None:
+        mem[peak] = 1
+    for name, (g, (fc, fm, d)) in forms.items():
+        k = len(g.blocks)
+        if mode == "blocks":
+            for part, f in (("compute_bwd", fc), ("comm", fm)):
+                for var, c in f.terms.items():
+                    sums.coef[part][var] = sums.coef[part].get(var, 0) + k * c
+                sums.const[part] += k * f.const
+            for var, c in d.terms.items():
+                mem[var] = mem.get(var, 0) - k * c
+            const -= k * d.const
+            if peak is not None:   # peak >= D(x)
+                model.at_least(_minus({peak: 1}, d.terms), d.const)
+            by_group.append((g, [(k, None)]))
+            continue
+        rs = []
+        for w in _weights(k):
+            r = model.bool_var()
+            rs.append((w, r))
+            saved = model.int_var(0, d.most or 1)
+            model.at_most(_minus({saved: 1}, d.terms), d.const)                 # saved <= D(x)
+            model.at_most({saved: 1, r: -(d.most or 1)}, 0)                     # saved <= maxD * r
+            mem[saved] = mem.get(saved, 0) - w
+            model.at_least(_minus({peak: 1, r: -d.most}, d.terms), d.const - d.most)   # peak >= D - maxD(1 - r)
+            for part, f in (("compute_bwd", fc), ("comm", fm)):
+                if not f.most:
+                    continue
+                e = model.int_var(0, f.most)
+                model.at_least(_minus({e: 1, r: -f.most}, f.terms), f.const - f.most)   # E >= F - maxF(1 - r)
+                if f.least:   # E >= minF * r: the relaxation's fractional r pays its share
+                    model.at_least({e: 1, r: -f.least}, 0)
+                sums.coef[part][e] = sums.coef[part].get(e, 0) + w
+        by_group.append((g, rs))
+        for _, r in rs:   # a start that fits the budget where anything does: every block recomputed
+            model.hint(r, True)
+    return (mem, const), Handles(by_group)
+
+
+def _minus(base: dict, terms: dict) -> dict:
+    out = dict(base)
+    for v, c in terms.items():
+        out[v] = out.get(v, 0) - c
+    return out
+
+
+# ---- a chosen plan's recomputation --------------------------------------------------------------
+
+def block_price(graph, strategies, choice, costs, g: Group) -> tuple:
+    """(Cost of one block's forward run again, bytes it frees) in this plan."""
+    fwd = coll = freed = 0.0
+    for name in g.ops:
+        n = graph.by_name[name]
+        strat = strategies[name][choice[name]]
+        c = costs.node(n, strat)
+        fwd += c.compute_fwd
+        coll += c.comm
+        if name in g.inner:
+            freed += costs.memory(n, strat)
+        for slot, value in enumerate(n.inputs):
+            u = graph.by_name[value[0]]
+            if not _in_region(u):
+                continue
+            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+            dst = strat.inputs[slot]
+            coll += forward_again(costs, value, src, dst)
+            freed += costs.kept(value, src, dst, n)
+    return Cost(compute_bwd=fwd, comm=coll), int(freed)
+
+
+def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
+    """(extra Cost, bytes freed, peak bytes back, the report) of recomputing ``counts`` (group
+    name -> how many of its blocks) blocks; the first blocks of each group recompute."""
+    from autoshard.passes.repeat import tie_repeated
+    extra, freed, peak, blocks = Cost(), 0, 0, []
+    if not counts or not any(counts.values()):
+        return extra, 0, 0, None
+    for g in groups(graph, tie_repeated(graph, strategies)):
+        m = counts.get(g.name, 0)
+        if not m:
+            continue
+        cost, d = block_price(graph, strategies, choice, costs, g)
+        for _ in range(m):
+            extra = extra + cost
+        freed += m * d
+        peak = max(peak, d)
+        blocks += g.blocks[:m]
+    order = list(_stack_blocks(graph))
+    blocks.sort(key=order.index)
+    report = {"mode": mode_of(costs), "blocks": blocks, "of": len(order),
+              "compute": extra.compute, "communication": extra.comm, "freed": freed, "peak": peak}
+    return extra, freed, peak, report
+
+
+def best_counts(graph, strategies, choice, costs, budget) -> dict:
+    """For a fixed layout (a descent's start), how many blocks of each group recompute: none
+    (``"none"``, or when the plan fits), all (``"blocks"``), else the fewest by forward time per
+    byte freed until it fits, all where it cannot."""
+    from autoshard.cost.memory import rank_memory
+    from autoshard.passes.repeat import tie_repeated
+    mode = mode_of(costs)
+    gs = groups(graph, tie_repeated(graph, strategies)) if mode != "none" and costs.training else []
+    if not gs:
+        return {}
+    if mode == "blocks":
+        return {g.name: len(g.blocks) for g in gs}
+    if budget is None:
+        return {}
+    need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)["total"]
+    if need <= budget:
+        return {}
+    priced = [(g, *block_price(graph, strategies, choice, costs, g)) for g in gs]
+    priced = [p for p in priced if p[2] > 0]
+    counts, peak = {}, 0
+    for g, cost, d in sorted(priced, key=lambda p: p[1].step / p[2]):
+        for m in range(1, len(g.blocks) + 1):
+            counts[g.name] = m
+            peak = max(peak, d)
+            need -= d
+            if need + peak <= budget:
+                return counts
+    return counts
