@@ -9,7 +9,8 @@ A node runs replicated when every strategy annotate offers it on the mesh is all
 one of three reasons: the op has no rule (``rules.rule_for`` is None: annotate's UnknownOpWarning),
 its rule offers no split for this node (factories, random draws, attention with dropout), or none
 of the rule's splits divides this node's tensors evenly on the mesh. A node with no tensor input
-or output has nothing to lay out and never counts as replicated.
+or output, or with only scalars among them (a step counter), has nothing to split and never
+counts as replicated.
 
 What counts as real compute. An op carries real compute when either
 
@@ -305,8 +306,8 @@ def _whole(node: Node, mesh_shape) -> Strategy:
 
 def _why_replicated(node: Node, graph: Graph, mesh_shape) -> Optional[str]:
     """Why the node runs replicated on the mesh, or None when it can run split."""
-    if not node.inputs and not node.outputs:
-        return None
+    if all(not graph.meta(v).shape for v in node.inputs) and all(not m.shape for m in node.outputs):
+        return None   # no tensor, or only scalars (a step counter): nothing any layout splits
     sigs, known = one_axis_sigs(node, graph)
     if not known:
         return NO_RULE

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from autoshard import placement as pl
 from autoshard.placement import B, Split
 from autoshard.passes.capture import Graph, Node
+from autoshard.passes.functionalize import SHARED_STORAGE
 from autoshard.passes.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for
 from autoshard.rules.registry import norm_dim
@@ -249,6 +250,10 @@ def _annotate(graph: Graph, mesh_shape, pins) -> dict:
     for op in sorted(missing):
         warnings.warn(f"autoshard has no sharding rule for {op}; it runs replicated (correct, "
                       "maybe slower)", UnknownOpWarning, stacklevel=3)
+    for node in graph.nodes:   # storage an in-place op writes, seen through views: one local tensor
+        if node.fx_node.meta.get(SHARED_STORAGE) and node.outputs:
+            whole = [s for s in strategies[node.name] if all(all(isinstance(q, pl.Broadcast) for q in o) for o in s.outputs)]
+            strategies[node.name] = whole or strategies[node.name]
     for name, want in (pins or {}).items():
         keep = [s for s in strategies[name] if s.outputs and s.outputs[0] == want]
         if not keep:

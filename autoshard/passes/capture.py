@@ -18,6 +18,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from autoshard._compat import tag_checkpoint_regions
+from autoshard.passes.functionalize import functionalize
 from autoshard.passes.progress import phase
 from autoshard.precision import AUTOCAST, make_explicit, policy_record
 
@@ -272,6 +273,7 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: 
         ep = export(model, _to_meta(args), _to_meta(kwargs))
         inline_regions(ep.graph_module)
         precise = make_explicit(ep.graph_module, ep.graph_signature, mp_policy, autocast)
+        functionalize(ep.graph_module, ep.graph_signature)   # in-place ops out of place, where nothing reads the old value
         graph = from_exported(ep, model)
     graph.outputs = outputs
     if precise:

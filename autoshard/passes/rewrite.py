@@ -18,6 +18,7 @@ from autoshard import placement as pl
 from autoshard import experts, runtime
 from autoshard.cost import comm
 from autoshard.outputs import WHOLE, kept_split, to_dtensor
+from autoshard.passes.functionalize import SHARED_STORAGE, copied
 from autoshard.passes.capture import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
@@ -223,6 +224,10 @@ def lower_histc(low: Lowering):
     return low.call(experts.histc)
 
 
+def lower_copy(low: Lowering):
+    return low.g.call_function(copied, (low.args[0], low.args[1]))
+
+
 def default(low: Lowering):
     return low.call()
 
@@ -249,6 +254,7 @@ LOWERINGS = {
     aten.dropout.default: lower_dropout,
     aten.cross_entropy_loss.default: lower_cross_entropy,
     aten.batch_norm.default: lower_batch_norm,
+    aten.copy.default: lower_copy,   # a copy_ functionalized
     **{op: lower_conv for op in CONV_ARGS},
     aten._grouped_mm.default: lower_grouped_mm,
     aten.histc.default: lower_histc,
@@ -328,7 +334,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
 
         def fetch(value, dst):
             key = (value, dst)
-            if key not in converted:
+            if key not in converted or graph.by_name[value[0]].fx_node.meta.get(SHARED_STORAGE):   # written in place: afresh
                 meta = graph.meta(value)
                 src = out_pl[value]
                 steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize)

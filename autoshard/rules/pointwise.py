@@ -68,6 +68,12 @@ def numerator(ctx: OpCtx):
     return sigs
 
 
+def copy_values(ctx: OpCtx):
+    """copy(self, src): src's values in self's shape and dtype (an in-place ``copy_`` once
+    functionalized): split as an elementwise op; linear in src, self giving only its shape."""
+    return broadcast_sigs(ctx) + [Sig((B, P), (P,))]
+
+
 def broadcast_tensors(ctx: OpCtx):
     """Each output is its input expanded to the common shape; linear in it."""
     return broadcast_sigs(ctx) + [Sig((P,) * ctx.n_in, (P,) * ctx.n_out)]
@@ -80,6 +86,7 @@ NONLINEAR = [
     aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not, aten.logical_and, aten.logical_or,
     aten.hardtanh, aten.leaky_relu, aten.elu, aten.softplus, aten.mish, aten.log1p, aten.expm1,
     aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.bitwise_not,
+    aten.fill, aten.zero,   # fill_ and zero_ once functionalized: a tensor of self's shape
     aten.relu6, aten.hardswish, aten.hardsigmoid, aten.sign, aten.floor, aten.ceil, aten.round,
     aten.remainder, aten.fmod, aten.lerp, aten.addcmul, aten.addcdiv, aten.atan2,
     aten.div.Tensor_mode, aten.div.Scalar_mode, aten.view.dtype, aten.floor_divide,
@@ -108,3 +115,4 @@ register(NUMERATOR, numerator)
 register(NONLINEAR, nonlinear)
 register(FACTORIES, replicated_only)
 register([aten.broadcast_tensors], broadcast_tensors)
+register([aten.copy], copy_values)
