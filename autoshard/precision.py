@@ -134,6 +134,8 @@ def make_explicit(gm: fx.GraphModule, signature, mp_policy=None, autocast: Optio
                         casts[(src, to)] = _cast(g, src, to, vals, like=node)
                 node.replace_input_with(src, casts[(src, to)])
         vals[node] = _evaluate(node, vals)
+    if mp_policy is not None and mp_policy.output_dtype is not None:
+        _output_casts(g, signature, mp_policy.output_dtype, vals)
     for node in g.nodes:
         if node in vals and vals[node] is not None:
             node.meta["val"] = vals[node]
@@ -167,20 +169,20 @@ def _policy_casts(g: fx.Graph, signature, mp_policy, vals: dict) -> None:
                 cast = _cast(g, ph, want, vals, like=min(users, key=_order(g)), keys=("nn_module_stack",))
             for u in users:
                 u.replace_input_with(ph, cast)
-    if mp_policy.output_dtype is not None:
-        out = next(n for n in g.nodes if n.op == "output")
-        specs = signature.output_specs
-        results = list(out.args[0])
-        for i, (spec, r) in enumerate(zip(specs, results)):
-            if spec.kind != OutputKind.USER_OUTPUT or not isinstance(r, fx.Node):
-                continue
-            v = r.meta.get("val")
-            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype != mp_policy.output_dtype:
-                with g.inserting_before(out):
-                    results[i] = g.call_function(CAST, (r,), {"dtype": mp_policy.output_dtype})
-                    results[i].meta = {k: r.meta[k] for k in ("nn_module_stack", "stack_trace") if k in r.meta}
-                    results[i].meta[AUTOCAST] = None   # an output cast is final: no autocast of it
-        out.args = (type(out.args[0])(results),) + tuple(out.args[1:])
+
+
+def _output_casts(g: fx.Graph, signature, dtype, vals: dict) -> None:
+    """The floating user outputs cast to the policy's ``output_dtype``."""
+    out = next(n for n in g.nodes if n.op == "output")
+    results = list(out.args[0])
+    for i, (spec, r) in enumerate(zip(signature.output_specs, results)):
+        if spec.kind != OutputKind.USER_OUTPUT or not isinstance(r, fx.Node):
+            continue
+        v = vals.get(r)
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype != dtype:
+            with g.inserting_before(out):
+                results[i] = _cast(g, r, dtype, vals, like=r, keys=("nn_module_stack", "stack_trace"))
+    out.args = (type(out.args[0])(results),) + tuple(out.args[1:])
 
 
 def _order(g):

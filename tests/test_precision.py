@@ -95,6 +95,30 @@ def test_policy_bf16_against_one_device(world4, kind, mesh):
             assert not bad, (ref, bad)
 
 
+def outputs_case():
+    """A float input cast to param_dtype and the output cast to output_dtype, as FSDP2 does."""
+    torch.manual_seed(0)
+    model, x = MLP(d=32, hidden=64, depth=2), torch.randn(16, 32)
+    ref = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, output_dtype=torch.float32)
+    pm = autoshard.parallelize(model, (x,), mesh=(4,), pin=schemes.fsdp(model, (x,), (4,)), mp_policy=policy)
+    out = pm(x)
+    copies = {n: p.to(BF16) for n, p in ref.named_parameters()}
+    ref_out = torch.func.functional_call(ref, copies, (x.to(BF16),)).float()
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * w).sum().backward()
+    (ref_out * w).sum().backward()
+    return {"dtype": str(out.dtype), "out": _err(out, ref_out), "grads": _grads(pm, ref), "split": _split(pm)}
+
+
+def test_policy_casts_inputs_and_outputs(world4):
+    for res in world4.run(outputs_case):
+        assert res["split"] and res["dtype"] == "torch.float32"
+        assert res["out"] <= BF16_TOL, res["out"]
+        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+        assert not bad, bad
+
+
 def test_policy_priced_at_bf16():
     """The plan of a policy: matmuls at the cluster's 16-bit peak, activations' collectives at 2
     bytes, memory holding fp32 masters, fp32 gradients, Adam's state and bf16 copies."""
