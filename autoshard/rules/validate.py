@@ -487,11 +487,6 @@ def default_cases(seed: int = 0) -> list:
     add(aten.fill.Scalar, r(8, 12), 0.5)
     add(aten.fill.Tensor, r(4, 8), torch.tensor(2.0, dtype=f64))
     add(aten.zero.default, r(8, 12))
-    add(aten.copy.default, r(4, 8, 12), r(8, 12))                    # copy_ functionalized: src broadcast
-    add(aten.copy.default, r(8, 12, dtype=torch.float32), r(8, 12))  # and cast to self's dtype
-    add(aten.fill.Scalar, r(8, 12), 0.5)
-    add(aten.fill.Tensor, r(4, 8), torch.tensor(2.0, dtype=f64))
-    add(aten.zero.default, r(8, 12))
     add(aten.clone.default, r(8, 12))
     add(aten.contiguous.default, r(8, 12))
     add(aten.detach.default, r(8, 12))
