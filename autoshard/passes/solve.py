@@ -512,6 +512,7 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
                                    support=support))
             except NoBetterPlan:
                 beaten = True
+                continue
             except (RuntimeError, MemoryBudgetError):
                 continue
             if mode == "none" and found[-1].status == "OPTIMAL":
