@@ -13,7 +13,6 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import schemes
 from autoshard.coverage import coverage_of
-from autoshard.launch import LocalWorld
 from autoshard.passes.capture import capture
 
 TOL = dict(rtol=1e-5, atol=2e-6)
@@ -174,13 +173,6 @@ def view_case():
     out, ref_out = pm(x, low), ref(x_ref, low)
     result["writes"] = ((out - ref_out).abs().max().item(), (x - x_ref).abs().max().item())
     return result
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 @pytest.fixture(scope="module")

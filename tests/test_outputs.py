@@ -12,26 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.launch import LocalWorld
 from autoshard.plan import Plan
 from models import GPT
 
 TOL = dict(rtol=1e-5, atol=2e-6)
 VOCAB, BATCH, SEQ = 64, 4, 16
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = LocalWorld(2)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 def _gpt():
