@@ -316,6 +316,20 @@ def checkpoint_case(on: bool, mesh):
             "program": pm.program, "split": _split(pm)}
 
 
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_user_checkpoint_regions_exact_and_freed(world4, mesh):
+    plain, ckpt = world4.run(checkpoint_case, False, mesh), world4.run(checkpoint_case, True, mesh)
+    for rank, (a, b) in enumerate(zip(plain, ckpt)):
+        assert b["split"]
+        for res in (a, b):
+            bad = {n: e for n, e in res["grads"].items() if e > 1e-5}
+            assert not bad, bad
+        # every rank: the regions' activations gone after forward, their forward run again in backward
+        assert b["held"] < 0.6 * a["held"], (rank, a["held"], b["held"])
+        assert b["peak"] < a["peak"], (rank, a["peak"], b["peak"])
+        assert a["again"] == 0 and b["again"] > 0, (rank, a["again"], b["again"])
+
+
 def test_user_checkpoint_regions_priced():
     """A region's forward priced again in backward, its own activations not kept."""
     plans = []

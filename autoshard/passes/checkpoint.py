@@ -53,12 +53,15 @@ class Recompute(torch.nn.Module):
 
 
 def checkpoint_blocks(program: fx.GraphModule, graph, plan) -> fx.GraphModule:
-    """A new program with every block ``plan.recompute`` names run under checkpoint;
-    ``program`` is not changed."""
+    """A new program with every block ``plan.recompute`` names run under checkpoint, and every
+    region the user's own ``torch.utils.checkpoint`` ran (``Node.region``); ``program`` is not
+    changed."""
     chosen = (plan.recompute or {}).get("blocks") or []
-    if not chosen or not plan.training:
+    user = user_regions(graph)
+    if not (chosen or user) or not plan.training:
         return program
-    blocks = _stack_blocks(graph)
+    blocks = {**_stack_blocks(graph), **user}   # the planner offers no block the user checkpoints
+    chosen = list(chosen) + list(user)
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))
     root = torch.nn.Module()
@@ -70,6 +73,15 @@ def checkpoint_blocks(program: fx.GraphModule, graph, plan) -> fx.GraphModule:
     gm.meta.update(program.meta)
     gm.meta["passes"] = list(program.meta.get("passes", [])) + ["checkpoint"]
     return gm
+
+
+def user_regions(graph) -> dict:
+    """``checkpoint<r>`` -> the op nodes of the user's r-th ``torch.utils.checkpoint`` call."""
+    out: dict = {}
+    for n in graph.nodes:
+        if n.kind == "op" and n.region is not None:
+            out.setdefault(f"checkpoint{n.region}", []).append(n.name)
+    return out
 
 
 def _region(g: fx.Graph, root, name: str, sources: set, regather: bool) -> None:
