@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inference", action="store_true", help="plan the forward only (default: a training step)")
     p.add_argument("--reshard-after-forward", action="store_true", help="free gathered parameters after "
                    "forward and gather them again for backward, as FSDP does")
+    p.add_argument("--outputs", choices=("whole", "dtensor"), default="whole", help="the outputs made whole on "
+                   "every rank (default), or handed back in their planned layouts as DTensors, their gather not priced")
     p.add_argument("--device", default="meta", help="device the factory builds the model on (default meta: "
                    "no memory, no weights)")
     p.add_argument("--json", metavar="PATH", help="save the plan as JSON (read it back with 'show' or "
@@ -148,7 +150,8 @@ def main(argv=None, out=None) -> int:
             raise ValueError("say how many devices to plan for: --world N, or --mesh A,B")
         model, inputs = build(args.factory, args.device)
         kwargs = dict(world=args.world, mesh=args.mesh, cluster=_cluster(args.cluster), training=not args.inference,
-                      time_limit=args.time_limit, reshard_after_forward=args.reshard_after_forward)
+                      time_limit=args.time_limit, reshard_after_forward=args.reshard_after_forward,
+                      outputs=args.outputs)
         if args.memory_budget is not None:
             kwargs["memory_budget"] = args.memory_budget * 1e9
         if "verbose" in inspect.signature(autoshard.plan).parameters:

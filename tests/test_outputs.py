@@ -4,6 +4,7 @@ and 4 ranks against the single-device model; outputs split, partial and broadcas
 gradients come back through DTensor; and the plan pricing the gather of an output only where
 the caller asks for whole outputs."""
 import copy
+import io
 import math
 
 import pytest
@@ -196,3 +197,15 @@ def test_bad_outputs_say_what_to_pass():
     plan = autoshard.plan(model, (idx,), mesh=(2,), verbose=False)
     with pytest.raises(ValueError, match="plan was made for outputs='whole'"):
         autoshard.parallelize(model, (idx,), plan=plan, outputs="dtensor")
+
+
+def test_command_line_plans_for_outputs_kept(tmp_path):
+    from autoshard import cli
+    factory = tmp_path / "outputs_factory.py"
+    factory.write_text("import torch\nfrom models import GPT\n\n\ndef build():\n"
+                       "    return GPT(vocab=4096, d=64, heads=4, layers=2, seq=128), (torch.zeros(8, 128, dtype=torch.long),)\n")
+    js = tmp_path / "plan.json"
+    assert cli.main(["plan", f"{factory}:build", "--mesh", "8", "--outputs", "dtensor", "--json", str(js), "--quiet"],
+                    out=io.StringIO()) == 0
+    plan = Plan.from_json(js.read_text())
+    assert plan.schedule["outputs"] == "dtensor" and [c for c in plan.collectives if c.node == "output"] == []
