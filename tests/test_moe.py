@@ -153,6 +153,7 @@ def train_case(name, mesh, kind):
     plan = pm.plan
     res["unknown"] = sorted({str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)})
     res["placements"] = {k: plan.placement(k) for k in EXPERTS[name]}
+    res["shares"] = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if n in EXPERTS[name]}
     res["program"] = pm.program
     res["collectives"] = sorted({(c.kind, c.phase, c.axes) for c in plan.collectives})
     return res
@@ -200,6 +201,10 @@ def test_experts_split(results, case):
     if kind == "ep":
         calls = [line for line in res["program"].splitlines() if "autoshard_experts_grouped_mm(" in line]
         assert len(calls) == 2 and all(", (0,), (0,), " in line for line in calls), calls
+    if kind == "ep" and len(mesh) == 2:   # over experts on axis 0, within each expert on axis 1
+        up, down = EXPERTS[name]
+        assert (res["placements"][up], res["placements"][down]) == (("S(0)", "S(2)"), ("S(0)", "S(1)"))
+        assert res["shares"][up] == (2, 128, 16)   # of (4, 128, 32): 2 experts, half of each one's columns
 
 
 def test_solver_splits_the_experts(results):
