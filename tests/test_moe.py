@@ -16,7 +16,6 @@ import torch.nn as nn
 import transformers
 
 import autoshard
-from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning
 from cases import run_each, step_on_the_same_gradients
 
@@ -162,13 +161,6 @@ def train_case(name, mesh, kind):
 MESHES = ((4,), (2, 2))
 CASES = [(name, mesh, kind) for name in MODELS for mesh in MESHES for kind in ("default", "experts", "ep")
          if (name == "mixtral" or kind != "ep") and (name != "loop" or kind == "default")]
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 @pytest.fixture(scope="module")
