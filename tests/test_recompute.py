@@ -198,3 +198,13 @@ def test_recompute_argument_is_checked():
         autoshard.plan(model, batch, mesh=(2,), recompute="always")
     with pytest.raises(TypeError, match="recompute is one of"):
         autoshard.plan(model, batch, mesh=(2,), recompute=True)
+
+
+def test_mesh_search_recomputes_where_the_budget_asks(meta_plans):
+    """A mesh search under the same budget: every mesh's plan without recomputation is weighed
+    against recomputing some blocks (a plan beaten by the best so far goes on to recomputation)."""
+    _, tight, budget = meta_plans
+    model, batch = _gpt(layers=6, d=128, seq=128, batch=32, device="meta")
+    plan = autoshard.plan(model, batch, world=4, memory_budget=budget, verbose=False)
+    assert plan.memory["total"] <= budget
+    assert plan.cost <= tight["auto"].cost * (1 + 1e-3)   # (4,) is one of its candidates
