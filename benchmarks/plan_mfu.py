@@ -16,6 +16,7 @@ import time
 import torch
 
 import autoshard
+from autoshard.passes.solve import MemoryBudgetError
 from plan_gpt import GPT
 
 # name: (layers, d, heads, seq, global batch, vocab, world)
@@ -37,6 +38,8 @@ def main():
     ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--cluster", default=None, help=f"cluster preset, one of {sorted(autoshard.PRESETS)}")
     ap.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per solve")
+    ap.add_argument("--recompute", nargs="+", choices=["auto", "none", "blocks"], default=["auto"],
+                    help="plan each configuration with each of these recompute= modes, side by side")
     args = ap.parse_args()
     cluster = autoshard.api.resolve_cluster(args.cluster)
     print(f"cluster {cluster.name}: peak {cluster.peak_flops / 1e12:.0f} TFLOP/s, {cluster.memory / 1e9:.0f} GB per "
@@ -47,15 +50,24 @@ def main():
             model = GPT(vocab, d, heads, layers, seq)
             inputs = (torch.zeros(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.long))
         nparams = sum(p.numel() for p in model.parameters())
-        start = time.perf_counter()
-        plan = autoshard.plan(model, inputs, world=world, cluster=cluster, time_limit=args.time_limit)
-        seconds = time.perf_counter() - start
-        mfu = model_flops(layers, d, seq, batch, vocab) / (plan.cost * world * cluster.peak_flops)
         print(f"{name}: {nparams / 1e9:.1f}B parameters, {layers} layers, d={d}, seq {seq}, batch {batch}, "
-              f"world {world}\n  planned in {seconds:.1f} s; mesh {tuple(plan.mesh_shape)}; estimated step "
-              f"{plan.cost:.3f} s; estimated MFU {100 * mfu:.1f}%; memory per rank "
-              f"{plan.memory['total'] / 1e9:.1f} GB of {plan.memory['budget'] / 1e9:.0f} GB; solver "
-              f"{plan.solver.get('status')}", flush=True)
+              f"world {world}", flush=True)
+        for mode in args.recompute:
+            start = time.perf_counter()
+            try:
+                plan = autoshard.plan(model, inputs, world=world, cluster=cluster, time_limit=args.time_limit,
+                                      recompute=mode)
+            except MemoryBudgetError as e:
+                print(f"  recompute={mode!r}: no plan after {time.perf_counter() - start:.1f} s: {str(e)[:160]}...",
+                      flush=True)
+                continue
+            seconds = time.perf_counter() - start
+            mfu = model_flops(layers, d, seq, batch, vocab) / (plan.cost * world * cluster.peak_flops)
+            again = plan.recompute.get("blocks", [])
+            print(f"  recompute={mode!r}: planned in {seconds:.1f} s; mesh {tuple(plan.mesh_shape)}; estimated step "
+                  f"{plan.cost:.3f} s; estimated MFU {100 * mfu:.1f}%; memory per rank "
+                  f"{plan.memory['total'] / 1e9:.1f} GB of {plan.memory['budget'] / 1e9:.0f} GB; "
+                  f"{len(again)} of {layers} blocks recomputed; solver {plan.solver.get('status')}", flush=True)
 
 
 if __name__ == "__main__":
