@@ -7,7 +7,8 @@ the model, e.g. with ``loss_parallel``).
     python benchmarks/plan_outputs.py [--layers 8] [--time-limit 60]
 
 Prints each plan's estimated step, its compute and exposed communication, what it spends
-converting the outputs, the logits' placement and the memory per rank.
+converting the outputs, the logits' placement, the memory per rank, and the solver's status and
+optimality gap (under the time limit a loaded machine may stop it short of the optimum).
 """
 import argparse
 import sys
@@ -31,7 +32,7 @@ def main():
     tokens = torch.empty(16, 2048, dtype=torch.long, device="meta")
     print(f"Llama-3-style, dim 512, {args.layers} layers, vocab 128256, seq 2048, batch 16, mesh (8, 8), {CLUSTER}")
     print(f"{'outputs':<9} {'step ms':>9} {'compute ms':>11} {'exposed comm ms':>16} {'outputs ms':>11} "
-          f"{'logits':>12} {'GB/rank':>8} {'plan s':>7}")
+          f"{'logits':>12} {'GB/rank':>8} {'plan s':>7}  solver")
     for outputs in ("whole", "dtensor"):
         start = time.perf_counter()
         plan = autoshard.plan(model, (tokens,), mesh=(8, 8), cluster=CLUSTER, outputs=outputs,
@@ -42,7 +43,8 @@ def main():
         at_output = sum(c.seconds for c in plan.collectives if c.node == "output")
         logits = plan.placement(next(n.name for n in plan.nodes.values() if n.module == "output"))   # the head
         print(f"{outputs:<9} {plan.cost * 1e3:>9.2f} {compute * 1e3:>11.2f} {(plan.cost - compute) * 1e3:>16.2f} "
-              f"{at_output * 1e3:>11.2f} {str(logits):>12} {plan.memory['total'] / 1e9:>8.2f} {took:>7.1f}")
+              f"{at_output * 1e3:>11.2f} {str(logits):>12} {plan.memory['total'] / 1e9:>8.2f} {took:>7.1f}  "
+              f"{plan.solver['status'].lower()}, gap {100 * (plan.solver['gap'] or 0):.2f}%")
 
 
 if __name__ == "__main__":
