@@ -208,3 +208,13 @@ def test_mesh_search_recomputes_where_the_budget_asks(meta_plans):
     plan = autoshard.plan(model, batch, world=4, memory_budget=budget, verbose=False)
     assert plan.memory["total"] <= budget
     assert plan.cost <= tight["auto"].cost * (1 + 1e-3)   # (4,) is one of its candidates
+
+
+@pytest.mark.parametrize("mode", ["none", "auto"])
+def test_a_search_where_nothing_fits_says_so(mode):
+    """Nothing fits at one or two axes: the search refines none of the other meshes and raises
+    what the least memory is, rather than descending on every mesh of three or four axes."""
+    model, batch = _gpt(layers=4, d=64, seq=64, batch=16, device="meta")
+    with pytest.raises(MemoryBudgetError, match="the least it can reach is") as err:
+        autoshard.plan(model, batch, world=16, memory_budget=1e4, recompute=mode, verbose=False)
+    assert "Raise memory_budget=" in str(err.value)
