@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.plan import Plan
-from models import GPT
+from models import GPT, TwoLayer
 
 TOL = dict(rtol=1e-5, atol=2e-6)
 VOCAB, BATCH, SEQ = 64, 4, 16
@@ -115,9 +115,26 @@ def placements_case(world):
     return result
 
 
+def partial_loss_case():
+    """A loss computed inside the model, left partial by a row-parallel layer: ``backward()`` on
+    the DTensor itself."""
+    torch.manual_seed(0)
+    model, x, y = TwoLayer(16, 32), torch.randn(8, 16), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    pin = {"fc1.weight": ("S(0)",), "fc1.bias": ("S(0)",), "fc2.weight": ("S(1)",)}
+    pm = autoshard.parallelize(model, (x, y), pin=pin, outputs="dtensor")
+    loss, ref_loss = pm(x, y), ref(x, y)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    return {"placements": tuple(map(str, loss.placements)), "loss": (loss.full_tensor() - ref_loss).abs().item(),
+            "grads": max(((p.grad.full_tensor() - ref_params[n].grad).abs().max() / ref_params[n].grad.abs().max()).item()
+                         for n, p in pm.named_parameters())}
+
+
 @pytest.fixture(scope="module")
 def at2(world2):
-    return world2.run(loss_parallel_case, (2,))
+    return {"(2,)": world2.run(loss_parallel_case, (2,)), "partial loss": world2.run(partial_loss_case)}
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +160,13 @@ def _check_loss_parallel(results, mesh):
 
 
 def test_loss_parallel_on_split_logits_world2(at2):
-    _check_loss_parallel(at2, (2,))
+    _check_loss_parallel(at2["(2,)"], (2,))
+
+
+def test_a_partial_loss_takes_backward_as_a_dtensor(at2):
+    for r in at2["partial loss"]:
+        assert r["placements"] == ("P(sum)",)
+        assert r["loss"] < 1e-6 and r["grads"] < 1e-5, r
 
 
 def test_loss_parallel_on_split_logits_world4_from_json(at4):
