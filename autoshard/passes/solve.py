@@ -409,6 +409,7 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
             limit = int(memory_budget) if integer else memory_budget * scale
             terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale), again)
             model.at_most(terms, limit - const)
+            model.budget_row = (terms, limit - const)
     return x, objective, handles
 
 
@@ -635,6 +636,11 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     else:
         weights = {name: [v.solution_value() for v in vs] for name, vs in x.items() if vs is not None}
         out = (lp.solver.Objective().Value() / 1e6, weights)
+        row = getattr(lp, "budget_row", None)
+        if row is not None and sum(c * v.solution_value() for v, c in row[0].items()) < row[1] * (1 - 1e-6):
+            # the budget is slack at the optimum: the LP without it has the same optimum (convex),
+            # so a later ask without a budget need not be solved again
+            costs._relaxed[(id(strategies), None, recompute.mode_of(costs))] = (strategies, out)
     costs._relaxed[key] = (strategies, out)
     while len(costs._relaxed) > 3 * TABLES_KEPT:
         costs._relaxed.pop(next(iter(costs._relaxed)))
