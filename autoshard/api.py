@@ -32,7 +32,7 @@ from autoshard.passes.search import search
 from autoshard.passes.descend import lifted_starts, solve_mesh
 from autoshard.passes.progress import shown
 from autoshard.passes.recompute import AUTO
-from autoshard.passes.solve import Costs
+from autoshard.cost.price import Costs
 from autoshard.plan import Plan, make_plan
 from autoshard.precision import ambient_autocast, check_policy, policy_from_record, reduce_dtype
 
@@ -132,7 +132,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     (default: the cluster's device memory). ``bucket_bytes`` is the size of the gradient
     all-reduce buckets the schedule pass forms, and the cost model prices; by default the
     smallest whose latency is a small part of its all-reduce on the cluster's links
-    (``passes.schedule.bucket_bytes_for``).
+    (``cost.buckets.bucket_bytes_for``).
 
     ``reshard_after_forward=True`` frees every parameter gathered (or otherwise converted) for
     an op once the forward has used it, and gathers it again when the op's backward needs it,

@@ -92,7 +92,7 @@ def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0
         raise TypeError(f"pin is a dict {{name: placements}}, e.g. {{'fc1.weight': ('S(0)',)}}, got {pin!r}")
     check_bool("training", training)
     check_number("time_limit", time_limit, positive=True, hint="the solver's seconds, such as 60")
-    if bucket_bytes is not None:   # None: chosen from the cluster's links (passes.schedule.bucket_bytes_for)
+    if bucket_bytes is not None:   # None: chosen from the cluster's links (cost.buckets.bucket_bytes_for)
         check_int("bucket_bytes", bucket_bytes, low=1, hint="bytes per gradient bucket, or None to choose "
                   "it from the links")
     if memory_budget is not None:

@@ -28,7 +28,7 @@ What counts as real compute. An op carries real compute when either
     ``_assert_tensor_metadata``) never count this way: they do no work on a device, though
     ``op_time`` charges them the bytes of their tensors.
 
-What a fallback costs, per step and per rank (``passes.solve.Costs``, the numbers the solver uses):
+What a fallback costs, per step and per rank (``cost.price.Costs``, the numbers the solver uses):
 
     whole        seconds of its replicated nodes on whole tensors, forward (+ backward)
     split        the same divided by the world: every FLOP and byte shared evenly, the best a rule
@@ -59,7 +59,7 @@ from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute
 from autoshard.passes.annotate import Strategy, expand, one_axis_sigs, storage_options
 from autoshard.passes.capture import Graph, Node, capture
-from autoshard.passes.solve import Costs
+from autoshard.cost.price import Costs
 from autoshard.plan import _fmt_bytes, _fmt_s
 from autoshard.rules import rule_for
 

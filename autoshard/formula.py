@@ -1,7 +1,7 @@
 """A plan's estimated step time as a formula (sympy), in named sizes, mesh axes, links and peaks.
 
 ``formula(plan, dims)`` prices the plan again, node by node and conversion by conversion, as the
-solver priced it (``passes.solve.Costs``, ``cost.comm``, ``cost.compute``, ``cost.step``), but
+solver priced it (``cost.price.Costs``, ``cost.comm``, ``cost.compute``, ``cost.step``), but
 with every quantity carried twice: as a sympy expression and as its number. The symbols:
 
     sizes       the tensor sizes named in ``dims`` (by default ``b``: the first input's dim 0,
@@ -245,7 +245,7 @@ class _Pricer:
                for i, st in enumerate(duals)]
         return fwd, bwd
 
-    # the parts of one node and of one conversion (passes.solve.Costs)
+    # the parts of one node and of one conversion (cost.price.Costs)
     def scheduled(self, fwd: Q, bwd: Q) -> dict:
         hide = q(self.cluster.overlap)
         return {"comm": (1 - hide) * (fwd + bwd), "hidden_fwd": hide * fwd, "hidden_bwd": hide * bwd}

@@ -41,7 +41,8 @@ from autoshard.api import resolve_pins  # noqa: E402
 from autoshard.cost.compute import FLOP_FAMILIES  # noqa: E402
 from autoshard.passes.annotate import annotate  # noqa: E402
 from autoshard.passes.capture import capture  # noqa: E402
-from autoshard.passes.solve import Costs, Solution  # noqa: E402
+from autoshard.cost.price import Costs  # noqa: E402
+from autoshard.passes.solve import Solution  # noqa: E402
 from autoshard.plan import make_plan  # noqa: E402
 from plan_gpt import GPT  # noqa: E402
 

@@ -17,7 +17,7 @@ from autoshard.cost import comm
 from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
-from autoshard.passes.solve import Costs
+from autoshard.cost.price import Costs
 from models import GPT, TwoLayer
 
 PRESET = Cluster.preset("a100-80gb-nvlink-ib")

@@ -10,7 +10,8 @@ from autoshard.passes import annotate as annotate_pass
 from autoshard.passes import progress
 from autoshard.passes.capture import capture
 from autoshard.passes.repeat import tie_repeated
-from autoshard.passes.solve import Costs, NoBetterPlan, lower_bound, solve
+from autoshard.cost.price import Costs
+from autoshard.passes.solve import NoBetterPlan, lower_bound, solve
 from models import GPT
 
 CLUSTER = PRESETS["a100-80gb-nvlink-ib"]

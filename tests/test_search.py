@@ -124,7 +124,8 @@ def test_a_plan_lifts_exactly_and_descent_only_improves_it():
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.passes.descend import descend, lift
-    from autoshard.passes.solve import Costs, choice_cost, solve
+    from autoshard.cost.price import Costs
+    from autoshard.passes.solve import choice_cost, solve
     from autoshard.cluster import PRESETS
     from autoshard import placement as pl
     model, inputs = _gpt(world_batch=64)
@@ -212,7 +213,8 @@ def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(m
     from autoshard.passes import search as search_mod
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
-    from autoshard.passes.solve import Costs, lower_bound
+    from autoshard.cost.price import Costs
+    from autoshard.passes.solve import lower_bound
     calls = []
     real = search_mod.lower_bound
     monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None: calls.append(c.mesh_shape) or real(g, s, c, b))

@@ -21,7 +21,7 @@ GPU sends over its group's bandwidth; an all-reduce costs what ``cost.comm.all_r
 (the faster of a ring, which sends the volume above, and a tree), so both sides of a comparison
 with autoshard's plans price a collective alike. The data-parallel gradient all-reduce rides in
 buckets of ``bucket_bytes`` and pays launch and latency in proportion to its size, as autoshard's
-own gradient all-reduces do (``passes.solve.Costs.grad_syncs``). A group of one GPU costs nothing.
+own gradient all-reduces do (``cost.price.Costs.grad_syncs``). A group of one GPU costs nothing.
 
 Which links a group gets is decided by where it sits on the hardware: the four groups are laid
 out as a mesh, innermost last, and ``Cluster.axis_links`` prices each axis (within a node:
@@ -46,7 +46,7 @@ from autoshard.cost import comm
 from autoshard.cost.compute import BACKWARD_FACTOR
 from autoshard.cost.memory import ADAM_STATE_BYTES
 from autoshard.cost.step import Cost
-from autoshard.passes.schedule import BUCKET_BYTES
+from autoshard.cost.buckets import BUCKET_BYTES
 
 GROUPS = ("x", "y", "z", "d")
 AXONN_ORDER = ("x", "y", "z", "d")   # innermost first: AxoNN's placement of its groups on the hardware

@@ -29,7 +29,8 @@ from typing import Optional
 from autoshard.cost import memory
 from autoshard.passes import recompute
 from autoshard.passes.progress import phase
-from autoshard.passes.solve import Costs, MemoryBudgetError, Solution, choice_cost, solve
+from autoshard.cost.price import Costs
+from autoshard.passes.solve import MemoryBudgetError, Solution, choice_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend

@@ -34,7 +34,8 @@ import warnings
 from autoshard.passes.annotate import annotate
 from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
 from autoshard.passes.progress import Progress
-from autoshard.passes.solve import GAP_LIMIT, Costs, MemoryBudgetError, NoBetterPlan, lower_bound, solve
+from autoshard.cost.price import Costs
+from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
 from autoshard.plan import make_plan
 
 MAX_SEARCH_AXES = 4

@@ -1,0 +1,203 @@
+"""The price of every choice the solver makes: ``Costs`` turns a node's strategy and an edge's
+pair of layouts into a ``cost.step.Cost`` (compute by phase, blocking communication, and the
+collectives the schedule overlaps) and into bytes per rank, from the compute, communication and
+memory models beside it. ``passes.solve`` reads them into its integer program; ``plan``,
+``explain``, ``formula`` and ``coverage`` read the same prices, so a plan's reported figures are
+the ones it was chosen by."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+from autoshard import placement as pl
+from autoshard.cluster import Cluster
+from autoshard.cost import comm, compute, memory
+from autoshard.cost.buckets import bucket_bytes_for
+from autoshard.cost.step import Cost
+from autoshard.outputs import kept_split
+from autoshard.rules.moe import computed_shapes
+from autoshard.precision import grad_itemsize
+
+if TYPE_CHECKING:
+    from autoshard.passes.capture import Graph, Node
+
+
+class Costs:
+    """Every cost the program needs, from the cost models, cached by layout. Each is a
+    ``cost.step.Cost``: compute by phase, blocking communication, and the parameter collectives
+    the schedule overlaps with compute."""
+
+    def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
+                 bucket_bytes: Optional[int] = None, reshard: bool = False):
+        self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
+        self.bucket_bytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_for(cluster, self.mesh_shape)
+        self.reshard = reshard   # a parameter converted for an op is converted again for its backward
+        self.links = cluster.axis_links(self.mesh_shape)
+        self.split_outputs = kept_split(graph, graph.outputs)   # user outputs handed back as planned
+        self._conv: dict = {}
+        self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
+        self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
+        self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
+        self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
+        # the optimizer step's fixed part, shared by the parameters it updates
+        self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
+        self._gather_shares = gather_shares(graph, self.bucket_bytes)
+
+    def gather_share(self, value) -> float:
+        """The part of its gather bucket's launch and latency a prefetched parameter pays."""
+        return self._gather_shares.get(value[0], 1.0)
+
+    def grad_syncs(self, node: Node, strat) -> list:
+        """(axes, bytes, seconds) of the gradient all-reduce of a parameter stored broadcast, over
+        every axis it is broadcast on at once (the schedule pass's bucket groups): bucketed, so
+        its launch and latency are shared with the bucket in proportion to size."""
+        mesh = self.mesh_shape
+        if node.kind != "param" or not (self.training and node.requires_grad):
+            return []
+        axes = tuple(a for a, p in enumerate(strat.outputs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
+        if not axes:
+            return []
+        meta = node.outputs[0]
+        nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * grad_itemsize(self.graph, meta)
+        share = min(1.0, nbytes / self.bucket_bytes)
+        return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share))]
+
+    def scheduled(self, fwd: float, bwd: float) -> Cost:
+        """Collectives the schedule overlaps with forward and backward compute (``fwd``, ``bwd``
+        seconds): the part compute beside them can hide (``Cluster.overlap``: all on the presets,
+        none on a CPU whose cores the compute already takes) and the rest, which it waits for."""
+        hide = self.cluster.overlap
+        return Cost(comm=(1 - hide) * (fwd + bwd), hidden_fwd=hide * fwd, hidden_bwd=hide * bwd)
+
+    def optimizer(self, node: Node, strat) -> float:
+        """Seconds of the optimizer's step over this parameter's share (``Cluster.optimizer``:
+        a part of the step's fixed cost, its tensor's, its bytes')."""
+        if not (self.cluster.optimizer and self.training and node.requires_grad):
+            return 0.0
+        fixed, per_tensor, per_byte = self.cluster.optimizer
+        meta = node.outputs[0]
+        nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], self.mesh_shape)) * meta.itemsize
+        return fixed / self._updated + per_tensor + per_byte * nbytes
+
+    def node(self, node: Node, strat) -> Cost:
+        mesh, cluster = self.mesh_shape, self.cluster
+        if node.kind == "param":
+            syncs = self.grad_syncs(node, strat)
+            cost = self.scheduled(0.0, sum(t for _, _, t in syncs))
+            if cluster.measured:
+                # its share fed to the program, its gradient handed back, and copied into its
+                # bucket (read and written) where it is all-reduced
+                grad = self.training and node.requires_grad
+                copy = sum(2 * nbytes for _, nbytes, _ in syncs) / cluster.memory_bandwidth
+                cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad + copy,
+                                   optimizer=self.optimizer(node, strat))
+            return cost
+        if node.kind != "op":
+            return Cost()
+        metas = [self.graph.meta(v) for v in node.inputs]
+        ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
+        outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
+        itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
+        ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
+        t = compute.op_time(node.target, ins, outs, itemsize, cluster)
+        bwd = 0.0
+        if self.training and node.requires_grad:
+            bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster)
+        blocking = sum(comm.op_collective_time(c, mesh, self.links)
+                       for c in comm.op_collectives(node, strat, self.graph, mesh))
+        again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
+        return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)
+
+    def memory(self, node: Node, strat) -> int:
+        """Bytes per rank this choice keeps (cost.memory)."""
+        return sum(memory.node_bytes(node, strat, self.mesh_shape, self.training).values())
+
+    def regathered(self, value) -> bool:
+        """Whether converting ``value`` for an op is done again for the op's backward, not kept."""
+        return self.reshard and self.training and self.graph.by_name[value[0]].kind == "param"
+
+    def kept(self, value, src, dst, consumer: Node) -> int:
+        """Bytes per rank the conversion's result keeps while ``consumer`` waits for backward."""
+        return memory.conversion_bytes(consumer, self.graph.meta(value), src, dst, self.mesh_shape, self.training,
+                                       self.regathered(value) or memory.in_region(self.graph, value, consumer))
+
+    def overlapped(self, value, src) -> bool:
+        """Whether the first gather of this value runs as a scheduled start/wait pair: a
+        parameter not also all-reduced (``passes.schedule`` moves only collectives a parameter
+        placeholder feeds directly)."""
+        producer = self.graph.by_name[value[0]]
+        if producer.kind != "param":
+            return False
+        synced = self.training and producer.requires_grad
+        return not (synced and any(isinstance(p, pl.Broadcast) and n > 1 for p, n in zip(src, self.mesh_shape)))
+
+    def handed_over(self, value, src, dst, consumer: Optional[Node]):
+        """The layout ``consumer`` takes ``value`` in: ``dst``, but a user output kept in its
+        planned layout (``outputs="dtensor"``) is handed back as it is, converted for nothing."""
+        kept = consumer is not None and consumer.kind == "output" and value in self.split_outputs
+        return src if kept else dst
+
+    def conversion(self, value, src, dst, consumer: Optional[Node] = None):
+        """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""
+        dst = self.handed_over(value, src, dst, consumer)
+        meta = self.graph.meta(value)
+        steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape,
+                                self.links, meta.itemsize)
+        return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
+
+    def step_times(self, value, src, dst, backward: bool) -> tuple:
+        """Seconds of each step of the conversion, of each of its duals (when ``backward``), and
+        whether the first is prefetched: then it and its dual, the last, travel in a bucket of
+        parameters, and pay their part of its launch and latency."""
+        meta, mesh, links = self.graph.meta(value), self.mesh_shape, self.links
+        steps, prefetched = self.conversion(value, src, dst)
+        duals = comm.dual_steps(steps, mesh) if backward else []
+        share = self.gather_share(value) if prefetched else 1.0
+        fwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == 0 else 1.0) for i, st in enumerate(steps)]
+        bwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == len(duals) - 1 else 1.0)
+               for i, st in enumerate(duals)]
+        return fwd, bwd, prefetched
+
+    def convert(self, value, src, dst, consumer: Node) -> Cost:
+        dst = self.handed_over(value, src, dst, consumer)
+        meta = self.graph.meta(value)
+        backward = (self.training and meta.floating and consumer.kind != "output"
+                    and self.graph.by_name[value[0]].requires_grad)
+        rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
+        key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward, rerun)
+        if key not in self._conv:
+            fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
+            # converted again when backward needs it, where it waits
+            again = sum(fwd) if backward and self.regathered(value) or rerun else 0.0
+            if prefetched:
+                # the first gather is prefetched; its dual, the last backward step, waits late
+                hb = bwd[-1] if bwd else 0.0
+                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again) + self.scheduled(fwd[0], hb)
+            else:
+                self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
+        return self._conv[key]
+
+
+def gather_shares(graph: Graph, cap: int) -> dict:
+    """Each parameter's part of the launch and latency of the gather bucket it travels in when
+    its neighbours are gathered too (``passes.schedule``: parameters in use order, one dtype, up
+    to ``cap`` gathered bytes, one collective per bucket). Half is shared by count and half by
+    bytes: a whole bucket pays one launch and latency, and a few small tensors of it, gathered
+    alone, still pay their count's part rather than almost nothing."""
+    first: dict = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.inputs:
+            first.setdefault(v[0], i)
+    params = sorted((n for n in graph.nodes if n.kind == "param" and n.name in first), key=lambda n: first[n.name])
+    buckets: list = []
+    for n in params:
+        meta = n.outputs[0]
+        size = meta.numel * meta.itemsize
+        b = buckets[-1] if buckets else None
+        if b is None or b["dtype"] != meta.dtype or b["bytes"] + size > cap:
+            b = {"dtype": meta.dtype, "members": [], "bytes": 0}
+            buckets.append(b)
+        b["members"].append((n.name, size))
+        b["bytes"] += size
+    return {name: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1)
+            for b in buckets for name, size in b["members"]}
