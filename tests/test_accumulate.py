@@ -9,19 +9,11 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import runtime, schemes
-from autoshard.launch import LocalWorld
 from models import GPT, MLP
 
 DP = {"x": ("S(0)",)} | {n: ("B",) for n, _ in MLP().named_parameters()}
 FSDP = ({"x": ("S(0)",)} | {n: ("S(0)",) for n, _ in MLP().named_parameters()}
         | {f"linear{s}": ("S(0)",) for s in ("", "_1", "_2", "_3", "_4")})
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 class _Counted:

@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 
 import autoshard
-from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning
 from autoshard.rules.validate import signatures
 from cases import step_on_the_same_gradients
@@ -18,13 +17,6 @@ from models_cnn import RESNET_TP, UNET_TP, ResNet, UNet
 
 aten = torch.ops.aten
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 def _parallelize(model, inputs, **kwargs):

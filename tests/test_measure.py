@@ -14,7 +14,6 @@ import autoshard
 from autoshard import measure
 from autoshard.cluster import COLLECTIVE_KINDS, Cluster
 from autoshard.cost import comm
-from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
 from autoshard.cost.price import Costs
@@ -26,13 +25,6 @@ FAKE = PRESET.with_(name="fake measured", peak_flops=5e10, peak_flops_fp32=4e10,
                     efficiency=1.0, op_overhead=8e-6, collective_overhead=8e-6, backward_overhead=1.2e-5, overlap=0.0,
                     optimizer=(2e-4, 3e-5, 1e-9),
                     collectives=tuple((k, 2, 1, 3e-4, 1e9) for k in COLLECTIVE_KINDS))
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = LocalWorld(2)
-    yield w
-    w.close()
 
 
 def _measure():

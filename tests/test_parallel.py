@@ -9,25 +9,10 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.launch import LocalWorld
 from cases import emits, step_on_the_same_gradients
 from models import GPT, MLP, ROPE_HEADS, Block, RopeAttention
 
 TOL = dict(rtol=1e-5, atol=2e-6)
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = LocalWorld(2)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 def _make(name):

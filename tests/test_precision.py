@@ -13,7 +13,6 @@ from torch.utils.checkpoint import checkpoint
 
 import autoshard
 from autoshard import schemes
-from autoshard.launch import LocalWorld
 from models import GPT, MLP
 
 BF16 = torch.bfloat16
@@ -22,13 +21,6 @@ POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
 # order than one device's, and a norm's bias gradient sums a whole batch of bf16 terms (3.2e-2
 # measured at worst, blocks.0.ln1.bias under Megatron at world 4)
 BF16_TOL = 5e-2
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 def _gpt():

@@ -12,16 +12,8 @@ import torch.distributed as dist
 import autoshard
 from autoshard import schemes
 from autoshard._compat import cpu_memory_peak
-from autoshard.launch import LocalWorld
 from autoshard.passes.solve import MemoryBudgetError
 from models import GPT
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
 
 
 def _gpt(layers=4, d=32, seq=16, batch=8, dropout=0.0, device=None):

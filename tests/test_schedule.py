@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import runtime
-from autoshard.launch import LocalWorld
 from autoshard.passes.capture import capture
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import schedule
@@ -115,13 +114,6 @@ def test_cost_model_prices_overlap():
 
 
 # ---- numerics, real gloo groups ---------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def world4():
-    w = LocalWorld(4)
-    yield w
-    w.close()
-
 
 def accumulate_case(pin, overlap, mesh=None, steps=2):
     """``steps`` forward/backward passes without zeroing gradients (gradient accumulation), then
@@ -283,13 +275,6 @@ def overlap_case(mesh, scheme="megatron"):
     on, off = out[True], out[False]
     same = max((on[2][n] - off[2][n]).abs().max().item() for n in on[2])
     return on[:2], off[:2], same, events
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = LocalWorld(2)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("mesh,scheme", [((4,), "megatron"), ((2, 2), "megatron"), ((2,), "megatron"),
