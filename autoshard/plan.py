@@ -173,26 +173,21 @@ class Plan:
 def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
     """The collectives of converting ``value`` from ``src`` to ``dst`` for ``consumer``: forward,
     its dual in backward, and again in backward where the parameter is regathered."""
-    mesh, links = costs.mesh_shape, costs.links
     producer = graph.by_name[value[0]]
     meta = graph.meta(value)
-    steps, hidden = costs.conversion(value, src, dst, consumer)
-    # a prefetched gather, its dual and its regather travel in a bucket: their part of its latency
-    share = costs.gather_share(value) if hidden else 1.0
-    phases = [("forward", steps, 0, hidden)]
-    if costs.training and meta.floating and consumer.kind != "output" and producer.requires_grad:
-        duals = comm.dual_steps(steps, mesh)
-        phases.append(("backward", duals, len(duals) - 1, hidden))
+    backward = costs.training and meta.floating and consumer.kind != "output" and producer.requires_grad
+    # a prefetched gather, its dual and its regather travel in a bucket, priced as Costs.convert
+    steps, duals, fwd, bwd, hidden = costs.step_times(value, src, costs.handed_over(value, src, dst, consumer),
+                                                      backward)
+    phases = [("forward", steps, fwd, 0, hidden)]
+    if backward:
+        phases.append(("backward", duals, bwd, len(duals) - 1, hidden))
         if costs.regathered(value):   # converted again for the backward, which waits for it
-            phases.append(("backward", steps, 0, False))
-    out = []
-    for phase, sts, bucketed, hid in phases:
-        for i, st in enumerate(sts):
-            if st.is_collective:
-                t = comm.step_time(st, meta.itemsize, mesh, links, share if i == bucketed else 1.0)
-                over = hid and i == bucketed
-                out.append(Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize), consumer.name, t, over))
-    return out
+            phases.append(("backward", steps, fwd, 0, False))
+    return [Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize), consumer.name, t,
+                       hid and i == bucketed)
+            for phase, sts, times, bucketed, hid in phases
+            for i, (st, t) in enumerate(zip(sts, times)) if st.is_collective]
 
 
 def own_collectives(graph, costs, n, strat) -> list:

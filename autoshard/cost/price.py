@@ -146,7 +146,7 @@ class Costs:
         return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
 
     def step_times(self, value, src, dst, backward: bool) -> tuple:
-        """Seconds of each step of the conversion, of each of its duals (when ``backward``), and
+        """The conversion's steps and their duals (when ``backward``), the seconds of each, and
         whether the first is prefetched: then it and its dual, the last, travel in a bucket of
         parameters, and pay their part of its launch and latency."""
         meta, mesh, links = self.graph.meta(value), self.mesh_shape, self.links
@@ -156,7 +156,7 @@ class Costs:
         fwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == 0 else 1.0) for i, st in enumerate(steps)]
         bwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == len(duals) - 1 else 1.0)
                for i, st in enumerate(duals)]
-        return fwd, bwd, prefetched
+        return steps, duals, fwd, bwd, prefetched
 
     def convert(self, value, src, dst, consumer: Node) -> Cost:
         dst = self.handed_over(value, src, dst, consumer)
@@ -166,7 +166,7 @@ class Costs:
         rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
         key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward, rerun)
         if key not in self._conv:
-            fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
+            _, _, fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
             # converted again when backward needs it, where it waits
             again = sum(fwd) if backward and self.regathered(value) or rerun else 0.0
             if prefetched:
