@@ -184,8 +184,11 @@ def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
         phases.append(("backward", duals, bwd, len(duals) - 1, hidden))
         if costs.regathered(value):   # converted again for the backward, which waits for it
             phases.append(("backward", steps, fwd, 0, False))
-    return [Collective(st.kind, phase, st.axes, comm.step_bytes(st, meta.itemsize), consumer.name, t,
-                       hid and i == bucketed)
+    # a prefetched gather's dual reduce-scatter runs in the policy's reduce dtype
+    reduced = costs.reduced_itemsize(value, hidden)
+    return [Collective(st.kind, phase, st.axes,
+                       comm.step_bytes(st, reduced if phase == "backward" and sts is duals and i == bucketed
+                                       else meta.itemsize), consumer.name, t, hid and i == bucketed)
             for phase, sts, times, bucketed, hid in phases
             for i, (st, t) in enumerate(zip(sts, times)) if st.is_collective]
 

@@ -542,6 +542,7 @@ class Pending:
         self.late = None                        # a linear's (gradient, input) for weight_later
         # a gather bucket's, for gathering it again in backward (regather_member)
         self.shares = self.group = self.p = self.layout = self.again = None
+        self.dtype = None                       # a gather bucket's: the dtype its shares are gathered in
         self.packs = 0
         self.copy_out = False
         self.kept: dict = {}                      # what outlives the call: a gradient bucket's buffer
@@ -589,6 +590,7 @@ class _GradBucket(torch.autograd.Function):
     def forward(ctx, h, group, *xs):
         ctx.h, ctx.group, ctx.sync, ctx.reduce = h, group, _mesh().sync_grads, _mesh().reduce_dtype
         ctx.metas = [(x.shape, x.dtype, x.device) for x in xs]
+        ctx.dtypes = [x.dtype for x in xs]
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
@@ -617,7 +619,7 @@ class _GradBucket(torch.autograd.Function):
         # next step, and a gradient the optimizer or the user holds must not change with it
         ctx.h.bwd_result = [v.view(s) for v, (s, _, _) in zip(flat.split([math.prod(s) for s, _, _ in ctx.metas]), ctx.metas)]
         ctx.h.copy_out = True
-        return (None, None) + tuple(ctx.h.bwd_result)
+        return (None, None) + _handed_late(ctx.h.bwd_result, ctx.dtypes)
 
 
 def grad_wait(h: Pending, *xs):
@@ -655,31 +657,46 @@ def _unpack_bucket(buf, layout) -> list:
 
 
 class _BucketStart(torch.autograd.Function):
-    """Forward: start the one all-gather of the shares. Backward: start the one reduce-scatter of
-    their gradients."""
+    """Forward: start the one all-gather of the shares, cast to ``dtype`` first where one is
+    given (a mixed-precision policy's parameter copies, gathered in its bytes, as FSDP2 does).
+    Backward: start the one reduce-scatter of their gradients, in the policy's reduce dtype where
+    the mesh has one; the shares' gradients come out in their own dtype (autograd casts them)."""
 
     @staticmethod
-    def forward(ctx, h, group, p, *shares):
+    def forward(ctx, h, group, p, dtype, *shares):
         ctx.h, ctx.group, ctx.shapes, ctx.sync = h, group, [x.shape for x in shares], _mesh().sync_grads
+        ctx.reduce, ctx.dtypes = _mesh().reduce_dtype, [x.dtype for x in shares]
         flat = torch.cat([x.reshape(-1) for x in shares])
+        if dtype is not None:
+            flat = flat.to(dtype)
         out = flat.new_empty((p, flat.numel()))
         h.work, h.keep = _all_gather(out.view(-1), flat, group=group, async_op=True), flat
-        h.shares, h.group, h.p = [x.detach() for x in shares], group, p   # what a regather needs
+        h.shares, h.group, h.p, h.dtype = [x.detach() for x in shares], group, p, dtype   # what a regather needs
         return out
 
     @staticmethod
     def backward(ctx, g):
         h = ctx.h
+        none = (None,) * 4
+        if ctx.reduce is not None:
+            g = g.to(ctx.reduce)
         if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
             _unsynced(h.kept, g)
             h.bwd_result = [None] * len(ctx.shapes)
-            return (None, None, None) + (None,) * len(ctx.shapes)
+            return none + (None,) * len(ctx.shapes)
         g = _with_unsynced(h.kept, g).contiguous()
         out = g.new_empty(g.shape[1])
         h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
         h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
         h.keep = g
-        return (None, None, None) + tuple(h.bwd_result)
+        return none + _handed_late(h.bwd_result, ctx.dtypes)
+
+
+def _handed_late(results, dtypes) -> tuple:
+    """A started reduction's results as the gradients a backward returns for inputs of
+    ``dtypes``; the bucket's _GradWait hands on the results once reduced. None where the dtypes
+    differ: autograd would cast the result at once, copying what the collective is still writing."""
+    return tuple(r if r.dtype == d else None for r, d in zip(results, dtypes))
 
 
 class _BucketWait(torch.autograd.Function):
@@ -702,10 +719,11 @@ class _BucketWait(torch.autograd.Function):
         return torch.cat(parts, dim=1), None, None
 
 
-def bucket_start(h: Pending, axis, *shares):
-    """Start one all-gather of several parameters' ``shares`` over ``axis`` (one, or a tuple)."""
+def bucket_start(h: Pending, axis, *shares, dtype=None):
+    """Start one all-gather of several parameters' ``shares`` over ``axis`` (one, or a tuple),
+    cast to ``dtype`` where given."""
     m = _mesh()
-    return _BucketStart.apply(h, m.group(axis), m.size(axis), *shares)
+    return _BucketStart.apply(h, m.group(axis), m.size(axis), dtype, *shares)
 
 
 def bucket_wait(buf, h: Pending, layout: tuple):
@@ -776,6 +794,8 @@ class _Member:
         h = self.h
         if h.again is None:
             flat = torch.cat([x.reshape(-1) for x in h.shares])
+            if h.dtype is not None:
+                flat = flat.to(h.dtype)
             buf = flat.new_empty((h.p, flat.numel()))
             _all_gather(buf.view(-1), flat, group=h.group)
             h.again = _unpack_bucket(buf, h.layout)

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint
 
 import autoshard
-from autoshard import schemes
+from autoshard import runtime, schemes
 from models import GPT, MLP
 
 BF16 = torch.bfloat16
@@ -140,6 +140,92 @@ def test_gradient_reduction_priced_in_reduce_dtype():
         grads[name] = {c.node: c.bytes for c in plan.collectives if c.phase == "backward" and c.node.startswith("p_")}
     assert grads["fp32"] and grads["reduce fp32"] == grads["fp32"]
     assert grads["reduce unset"] == {n: b // 2 for n, b in grads["fp32"].items()}
+
+
+class _Collectives:
+    """The all-gathers and reduce-scatters this rank runs, with their input's dtype and size."""
+
+    def __enter__(self):
+        self.calls, self.saved = [], (runtime._all_gather, runtime._reduce_scatter)
+
+        def count(kind, f):
+            return lambda out, inp, **kw: (self.calls.append((kind, inp.dtype, inp.numel())), f(out, inp, **kw))[1]
+        runtime._all_gather, runtime._reduce_scatter = count("all_gather", self.saved[0]), count("reduce_scatter", self.saved[1])
+        return self
+
+    def __exit__(self, *exc):
+        runtime._all_gather, runtime._reduce_scatter = self.saved
+
+
+def fsdp_policy_case(reduce):
+    """FSDP on (4,) under a bf16 policy reducing in ``reduce``: the collectives one step runs,
+    the gradients against one device, and whether each gradient is a bf16 number (as a
+    reduction in bf16 leaves it)."""
+    model, batch = _gpt()
+    ref = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce)
+    pm = autoshard.parallelize(model, batch, mesh=(4,), pin=schemes.fsdp(model, batch, (4,)), mp_policy=policy)
+    with _Collectives() as seen:
+        pm(*batch).backward()
+    copies = {n: p.to(BF16) for n, p in ref.named_parameters()}
+    torch.func.functional_call(ref, copies, batch, tie_weights=True).backward()
+    grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+    return {"calls": seen.calls, "grads": _grads(pm, ref), "program": pm.program, "split": _split(pm),
+            "in_bf16": {n: bool((g.to(BF16).float() == g).all()) for n, g in grads.items()},
+            "local": sum(p.to_local().numel() for p in pm.parameters())}
+
+
+def test_fsdp_policy_gathers_bf16_copies_in_buckets(world4):
+    """The bf16 copies of FSDP's split parameters are gathered as FSDP2 gathers them: cast on
+    each rank's share, one all-gather per bucket in bf16 bytes (the schedule's buckets, as for
+    fp32 parameters), and their gradients reduce-scattered per bucket in ``reduce_dtype`` before
+    they land in the fp32 masters' gradients."""
+    runs = {str(r): world4.run(fsdp_policy_case, r) for r in (torch.float32, BF16)}
+    for reduce, results in runs.items():
+        for res in results:
+            assert res["split"]
+            gathers = [c for c in res["calls"] if c[0] == "all_gather"]
+            scatters = [c for c in res["calls"] if c[0] == "reduce_scatter"]
+            # one collective per bucket, each parameter gathered once, its gradient reduced once
+            buckets = res["program"].count("autoshard_runtime_bucket_start(")
+            assert len(gathers) == len(scatters) == buckets, (reduce, res["calls"], buckets)
+            assert sum(n for _, _, n in gathers) == res["local"], (res["calls"], res["local"])
+            assert "autoshard_runtime_all_gather(" not in res["program"]
+            # the copies travel in bf16, many parameters in one gather
+            bf16 = [n for _, dtype, n in gathers if dtype == BF16]
+            assert bf16 and max(bf16) > res["local"] // 2, res["calls"]
+            assert {dtype for _, dtype, _ in scatters} == {getattr(torch, reduce.split(".")[1])}, res["calls"]
+            bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+            assert not bad, (reduce, bad)
+    for res in runs["torch.bfloat16"]:   # reduced in bf16: every gradient a bf16 number
+        assert all(res["in_bf16"].values()), res["in_bf16"]
+    for res in runs["torch.float32"]:    # reduced in fp32: sums of bf16 terms, most not bf16 numbers
+        assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
+
+
+def test_fsdp_policy_gathers_priced_in_bf16_buckets():
+    """The plan prices FSDP's bf16 copies as the schedule runs them: each gather prefetched in
+    its bucket at bf16 bytes, its reduce-scatter at ``reduce_dtype``'s."""
+    model, batch = _gpt()
+    pins = schemes.fsdp(model, batch, (4,))
+    plans = {name: autoshard.plan(model, batch, mesh=(4,), pin=pins, mp_policy=policy, verbose=False)
+             for name, policy in (("fp32", None), ("reduce fp32", POLICY),
+                                  ("reduce bf16", MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)))}
+    parts = {name: {(c.kind, c.phase): [] for c in plan.collectives} for name, plan in plans.items()}
+    for name, plan in plans.items():
+        for c in plan.collectives:
+            parts[name][(c.kind, c.phase)].append(c)
+    for name in plans:
+        gathers = parts[name][("all_gather", "forward")]
+        assert gathers and all(c.overlapped for c in gathers), name   # prefetched in buckets
+    nbytes = {name: {(k, ph): sum(c.bytes for c in cs) for (k, ph), cs in p.items()} for name, p in parts.items()}
+    fwd, bwd = ("all_gather", "forward"), ("reduce_scatter", "backward")
+    # most of the parameters travel as bf16 copies (the embedding tied to the head, read by two
+    # ops, is gathered whole once in fp32 and cast after)
+    assert nbytes["reduce fp32"][fwd] < 0.6 * nbytes["fp32"][fwd]
+    assert nbytes["reduce bf16"][fwd] == nbytes["reduce fp32"][fwd]
+    assert 2 * nbytes["reduce bf16"][bwd] == nbytes["reduce fp32"][bwd]
+    assert plans["reduce bf16"].breakdown["hidden_bwd"] < plans["reduce fp32"].breakdown["hidden_bwd"]
 
 
 def test_bad_policy_says_what_to_pass():

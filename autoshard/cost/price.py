@@ -16,7 +16,7 @@ from autoshard.cost.buckets import bucket_bytes_for
 from autoshard.cost.step import Cost
 from autoshard.outputs import kept_split
 from autoshard.rules.moe import computed_shapes
-from autoshard.precision import grad_itemsize
+from autoshard.precision import CAST, grad_itemsize
 
 if TYPE_CHECKING:
     from autoshard.passes.capture import Graph, Node
@@ -41,7 +41,8 @@ class Costs:
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
-        self._gather_shares = gather_shares(graph, self.bucket_bytes)
+        self._copies = param_copies(graph)   # a parameter's low-precision copy, which its bucket gathers
+        self._gather_shares = gather_shares(graph, self.bucket_bytes, self._copies)
 
     def gather_share(self, value) -> float:
         """The part of its gather bucket's launch and latency a prefetched parameter pays."""
@@ -123,9 +124,11 @@ class Costs:
 
     def overlapped(self, value, src) -> bool:
         """Whether the first gather of this value runs as a scheduled start/wait pair: a
-        parameter not also all-reduced (``passes.schedule`` moves only collectives a parameter
-        placeholder feeds directly)."""
+        parameter not also all-reduced, or its low-precision copy (``passes.schedule`` moves only
+        collectives a parameter placeholder feeds directly, or through the cast it feeds alone)."""
         producer = self.graph.by_name[value[0]]
+        if producer.name in self._copies:
+            producer = self.graph.by_name[self._copies[producer.name]]
         if producer.kind != "param":
             return False
         synced = self.training and producer.requires_grad
@@ -153,10 +156,18 @@ class Costs:
         steps, prefetched = self.conversion(value, src, dst)
         duals = comm.dual_steps(steps, mesh) if backward else []
         share = self.gather_share(value) if prefetched else 1.0
+        last = self.reduced_itemsize(value, prefetched)
         fwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == 0 else 1.0) for i, st in enumerate(steps)]
-        bwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == len(duals) - 1 else 1.0)
-               for i, st in enumerate(duals)]
+        bwd = [comm.step_time(st, last, mesh, links, share) if i == len(duals) - 1
+               else comm.step_time(st, meta.itemsize, mesh, links) for i, st in enumerate(duals)]
         return steps, duals, fwd, bwd, prefetched
+
+    def reduced_itemsize(self, value, prefetched: bool) -> int:
+        """Bytes per element of a conversion's last backward step: a prefetched gather's dual
+        reduce-scatter runs in the policy's reduce dtype (``runtime.bucket_start``), other steps
+        in the value's dtype."""
+        meta = self.graph.meta(value)
+        return grad_itemsize(self.graph, meta) if prefetched else meta.itemsize
 
     def convert(self, value, src, dst, consumer: Node) -> Cost:
         dst = self.handed_over(value, src, dst, consumer)
@@ -178,17 +189,23 @@ class Costs:
         return self._conv[key]
 
 
-def gather_shares(graph: Graph, cap: int) -> dict:
+def gather_shares(graph: Graph, cap: int, copies: Optional[dict] = None) -> dict:
     """Each parameter's part of the launch and latency of the gather bucket it travels in when
     its neighbours are gathered too (``passes.schedule``: parameters in use order, one dtype, up
     to ``cap`` gathered bytes, one collective per bucket). Half is shared by count and half by
     bytes: a whole bucket pays one launch and latency, and a few small tensors of it, gathered
-    alone, still pay their count's part rather than almost nothing."""
+    alone, still pay their count's part rather than almost nothing. A parameter with a
+    low-precision copy (``copies``: ``param_copies``) travels as the copy, in its bytes and at
+    its use; the parameter's name gets the same part."""
+    copies = copies or {}
     first: dict = {}
     for i, n in enumerate(graph.nodes):
         for v in n.inputs:
             first.setdefault(v[0], i)
-    params = sorted((n for n in graph.nodes if n.kind == "param" and n.name in first), key=lambda n: first[n.name])
+    copied = set(copies.values())
+    params = sorted((n for n in graph.nodes if n.name in first and (n.name in copies or
+                                                                     n.kind == "param" and n.name not in copied)),
+                    key=lambda n: first[n.name])
     buckets: list = []
     for n in params:
         meta = n.outputs[0]
@@ -199,5 +216,21 @@ def gather_shares(graph: Graph, cap: int) -> dict:
             buckets.append(b)
         b["members"].append((n.name, size))
         b["bytes"] += size
-    return {name: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1)
-            for b in buckets for name, size in b["members"]}
+    shares = {name: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1)
+              for b in buckets for name, size in b["members"]}
+    shares.update({param: shares[copy] for copy, param in copies.items() if copy in shares})
+    return shares
+
+
+def param_copies(graph: Graph) -> dict:
+    """{cast node: parameter} for each parameter whose only reader is one cast to another
+    floating dtype (a mixed-precision policy's ``param_dtype`` copy, or autocast's): the
+    schedule gathers the copy in the parameter's bucket, the cast done there."""
+    readers: dict = {}
+    for n in graph.nodes:
+        for v in n.inputs:
+            readers.setdefault(v[0], []).append(n)
+    return {r[0].name: p.name for p in graph.nodes if p.kind == "param"
+            for r in [readers.get(p.name, [])]
+            if len(r) == 1 and r[0].kind == "op" and r[0].target is CAST and len(r[0].inputs) == 1
+            and r[0].outputs and r[0].outputs[0].floating}

@@ -5,7 +5,9 @@ moved, so that communication overlaps compute.
                           ``bucket_bytes`` (neighbours in backward order, one dtype, one set of
                           axes). A bucket's one all-reduce starts when all its gradients are
                           complete and is waited on after the backward compute that is ready.
-    parameter gather      parameters stored split and all-gathered before use are grouped into
+    parameter gather      parameters stored split and all-gathered before use (or their casts
+                          to a policy's param_dtype, gathered in its bytes and reduce-scattered in
+                          its reduce_dtype) are grouped into
                           buckets of about ``bucket_bytes`` gathered (neighbours in use order, one
                           group, one dtype), each one all-gather, as FSDP gathers a module's
                           parameters at once. It starts early, with at most ``prefetch_bytes`` of
@@ -30,6 +32,7 @@ import torch.fx as fx
 
 from autoshard import runtime
 from autoshard.cost.buckets import BUCKET_BYTES
+from autoshard.precision import CAST
 
 PREFETCH_BYTES = 64 * 2**20   # gathered parameters held ahead of their use
 
@@ -109,28 +112,44 @@ def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
     return {b["axes"] for b in buckets if len(b["axes"]) > 1}
 
 
+def _gathered_share(n):
+    """(placeholder, dtype to cast it to or None) where the all-gather ``n`` gathers a
+    parameter's share: the placeholder itself, used by nothing else (but the recipe that makes
+    the gathered parameter again for backward, runtime.regather), or a cast of it that a
+    mixed-precision policy or autocast made, which the placeholder and the cast feed alone (its
+    copy is then gathered in the cast's bytes, the cast done by the bucket)."""
+    x = n.args[0]
+    if x.op == "placeholder" and sum(u.target is not runtime.regather for u in x.users) == 1:
+        return x, None
+    if (x.op == "call_function" and x.target is CAST and set(x.kwargs) == {"dtype"} and len(x.users) == 1
+            and x.args[0].op == "placeholder" and len(x.args[0].users) == 1):
+        return x.args[0], x.kwargs["dtype"]
+    return None
+
+
 def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
-    # a parameter's gather, its placeholder used by nothing else (but the recipe that makes the
-    # gathered parameter again for backward, runtime.regather)
-    gathers = [n for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
-               and n.args[0].op == "placeholder"
-               and sum(u.target is not runtime.regather for u in n.args[0].users) == 1]
+    gathers = [(n, found) for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
+               for found in [_gathered_share(n)] if found is not None]
     # neighbours in use order on one group, of one dtype, up to ``cap`` gathered bytes: one
     # collective, as FSDP gathers a module's parameters at once
     buckets = []
-    for n in gathers:
-        axis, meta = n.kwargs["axis"], n.args[0].meta["local"]
-        size = _local_bytes(n.args[0]) * math.prod(mesh_shape[a] for a in ((axis,) if isinstance(axis, int) else axis))
+    for n, (ph, cast) in gathers:
+        axis, meta = n.kwargs["axis"], ph.meta["local"]
+        dtype = cast or meta.dtype
+        size = math.prod(meta.shape) * dtype.itemsize * math.prod(
+            mesh_shape[a] for a in ((axis,) if isinstance(axis, int) else axis))
+        key = (axis, meta.dtype, cast)
         b = buckets[-1] if buckets else None
-        if b is None or b["key"] != (axis, meta.dtype) or b["bytes"] + size > cap:
-            b = {"key": (axis, meta.dtype), "members": [], "bytes": 0}
+        if b is None or b["key"] != key or b["bytes"] + size > cap:
+            b = {"key": key, "members": [], "bytes": 0}
             buckets.append(b)
         b["members"].append(n)
         b["bytes"] += size
+    shared = dict(gathers)
     sizes, waits, after = [], [], {}
     for i, b in enumerate(buckets):
         members, axis = b["members"], b["key"][0]
-        shares = [n.args[0] for n in members]
+        shares = [shared[n][0] for n in members]
         sizes.append(b["bytes"])
         h = start.call(runtime.pending, (f"gather_bucket_{i}",))
         waited = start.call(runtime.grad_wait, (h, *shares))
@@ -140,7 +159,7 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
         while j >= 0 and sum(sizes[j:i + 1]) <= limit:
             j -= 1
         cursor = start if j < 0 else after.setdefault(j, _Cursor(g, waits[j]))
-        started = cursor.call(runtime.bucket_start, (h, axis, *waited))
+        started = cursor.call(runtime.bucket_start, (h, axis, *waited), {"dtype": b["key"][2]} if b["key"][2] else None)
         layout = tuple((tuple(ph.meta["local"].shape), n.kwargs["dim"], n.kwargs.get("groups", 1))
                        for ph, n in zip(shares, members))
         with g.inserting_before(members[0]):
@@ -153,7 +172,10 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
                 u.replace_all_uses_with(again)
                 g.erase_node(u)
             n.replace_all_uses_with(whole[k])
+            cast = n.args[0] if shared[n][1] is not None else None
             g.erase_node(n)
+            if cast is not None:   # the bucket casts
+                g.erase_node(cast)
         waits.append(wait)
 
 
