@@ -232,16 +232,19 @@ class _Pricer:
         alpha, beta = self.link(step.axes)
         return q(share) * (self.overhead + (p - 1) * alpha) + comm.ring_bytes(step.kind, nbytes, p) / beta
 
-    def steps_times(self, steps, meta, src, share: float = 1.0) -> tuple:
+    def steps_times(self, steps, meta, src, share: float = 1.0, last_itemsize=None) -> tuple:
         """Times of a conversion's steps and of their duals, from the symbolic local shape;
-        ``share``: the first step's and the last dual's part of their bucket's latency."""
+        ``share``: the first step's and the last dual's part of their bucket's latency;
+        ``last_itemsize``: the last dual's bytes per element (``Costs.reduced_itemsize``)."""
         shapes = [self.local(meta, src)]
         for st in steps:
             shapes.append(list(comm._apply_shape(shapes[-1], st, self.size(st.axes))))
         nbytes = [math.prod(s, start=q(1)) * meta.itemsize for s in shapes]
         fwd = [self.step_time(st, nbytes[i], share if i == 0 else 1.0) for i, st in enumerate(steps)]
         duals = comm.dual_steps(steps, self.mesh_values)
-        bwd = [self.step_time(st, nbytes[len(steps) - i], share if i == len(duals) - 1 else 1.0)
+        last = (last_itemsize or meta.itemsize) / meta.itemsize
+        bwd = [self.step_time(st, nbytes[len(steps) - i] * (last if i == len(duals) - 1 else 1),
+                              share if i == len(duals) - 1 else 1.0)
                for i, st in enumerate(duals)]
         return fwd, bwd
 
@@ -285,7 +288,8 @@ class _Pricer:
         steps, prefetched = costs.conversion(value, src, dst, consumer)
         if not steps:
             return {}
-        fwd, bwd = self.steps_times(steps, meta, src, costs.gather_share(value) if prefetched else 1.0)
+        fwd, bwd = self.steps_times(steps, meta, src, costs.gather_share(value) if prefetched else 1.0,
+                                    costs.reduced_itemsize(value, prefetched))
         bwd = bwd if backward else []
         again = sum(fwd, q(0)) if backward and costs.regathered(value) else q(0)
         if prefetched:

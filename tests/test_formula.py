@@ -6,6 +6,7 @@ import sympy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
 from autoshard import schemes
@@ -30,8 +31,10 @@ def two_d():
     return autoshard.plan(model, inputs, mesh=(2, 2))
 
 
-@pytest.mark.parametrize("kw", [None, dict(mesh=(4,), training=False), dict(mesh=(4,), reshard_after_forward=True, fsdp=True)],
-                         ids=["2d", "inference", "fsdp-reshard"])
+@pytest.mark.parametrize("kw", [None, dict(mesh=(4,), training=False), dict(mesh=(4,), reshard_after_forward=True, fsdp=True),
+                                dict(mesh=(4,), fsdp=True, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                                         reduce_dtype=torch.float32))],
+                         ids=["2d", "inference", "fsdp-reshard", "fsdp-bf16-reduce-fp32"])
 def test_formula_evaluates_to_the_plan(kw, two_d):
     model, inputs = gpt()
     kw = dict(kw or {})
@@ -46,7 +49,7 @@ def test_formula_evaluates_to_the_plan(kw, two_d):
     comm, kvalues = plan.formula(part="communication")
     assert value(comm, kvalues) == pytest.approx(sum(c.seconds for c in plan.collectives), rel=1e-6, abs=1e-15)
     names = {str(s) for s in cvalues}
-    assert {"b", "s", "d", "F", "M"} <= names
+    assert {"b", "s", "d", "M"} <= names and names & {"F", "F16"}   # fp32's peak, or bf16's under the policy
     assert cvalues[sympy.Symbol("b", positive=True, integer=True)] == 64
 
 

@@ -175,7 +175,9 @@ class Costs:
         backward = (self.training and meta.floating and consumer.kind != "output"
                     and self.graph.by_name[value[0]].requires_grad)
         rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
-        key = (value if self.graph.by_name[value[0]].kind == "param" else meta, src, dst, backward, rerun)
+        # a parameter's (or its copy's) priced alone: its bucket share is its own
+        own = self.graph.by_name[value[0]].kind == "param" or value[0] in self._copies
+        key = (value if own else meta, src, dst, backward, rerun)
         if key not in self._conv:
             _, _, fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
             # converted again when backward needs it, where it waits
