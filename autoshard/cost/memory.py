@@ -11,7 +11,8 @@
                  until the matmul's backward, as the runtime runs it). Not what a user's
                  torch.utils.checkpoint region makes for itself alone: its outputs that only
                  the region reads, and the conversions of activations for its ops, are made
-                 again in its backward (the peak of one region's worth back then is not counted)
+                 again in its backward. One region's worth of them is back while its backward
+                 runs (``region_peak``): the largest region's counts on top of what is kept.
 """
 from __future__ import annotations
 
@@ -34,9 +35,21 @@ def node_bytes(node, strat, mesh_shape, training: bool) -> dict:
             out["gradients"] = numel * meta.itemsize
             out["optimizer"] = numel * ADAM_STATE_BYTES
     elif node.kind == "op" and training and node.requires_grad and not _is_view(node.target) and not node.recomputed:
-        out["activations"] = sum(math.prod(pl.local_shape(meta.shape, p, mesh_shape)) * meta.itemsize
-                                 for meta, p in zip(node.outputs, strat.outputs))
+        out["activations"] = _output_bytes(node, strat, mesh_shape)
     return out
+
+
+def back_bytes(node, strat, mesh_shape) -> int:
+    """Bytes an op of a user checkpoint region makes again in backward, not kept from forward:
+    its output, where only the region reads it."""
+    if node.kind != "op" or not node.recomputed or not node.requires_grad or _is_view(node.target):
+        return 0
+    return _output_bytes(node, strat, mesh_shape)
+
+
+def _output_bytes(node, strat, mesh_shape) -> int:
+    return sum(math.prod(pl.local_shape(meta.shape, p, mesh_shape)) * meta.itemsize
+               for meta, p in zip(node.outputs, strat.outputs))
 
 
 def conversion_bytes(consumer, meta, src, dst, mesh_shape, training: bool, regathered: bool = False) -> int:
@@ -74,5 +87,27 @@ def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: 
             regathered = reshard and graph.by_name[value[0]].kind == "param" or in_region(graph, value, n)
             total["activations"] += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape,
                                                      training, regathered)
+    total["activations"] += region_peak(graph, strategies, choice, mesh_shape, training)
     total["total"] = sum(total[k] for k in PARTS)
     return total
+
+
+def region_peak(graph, strategies, choice, mesh_shape, training: bool) -> int:
+    """The most bytes one user checkpoint region makes again while its backward runs: the
+    outputs only it reads and the conversions of activations for its ops, which its forward,
+    run again, holds until its backward has used them. Regions run their backward one at a
+    time: the largest one's."""
+    if not training:
+        return 0
+    back: dict = {}
+    for n in graph.nodes:
+        if n.region is None or n.kind != "op" or not n.requires_grad:
+            continue
+        strat = strategies[n.name][choice[n.name]]
+        b = back_bytes(n, strat, mesh_shape)
+        for slot, value in enumerate(n.inputs):
+            if in_region(graph, value, n):
+                src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+                b += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape, training)
+        back[n.region] = back.get(n.region, 0) + b
+    return max(back.values(), default=0)

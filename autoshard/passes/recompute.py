@@ -292,6 +292,40 @@ def _minus(base: dict, terms: dict) -> dict:
     return out
 
 
+def region_terms(model, strategies, table, x, placed, costs, scale, budgeted: bool) -> tuple:
+    """The user's own checkpoint regions back in their backward (``cost.memory.region_peak``)
+    as (terms, constant) bytes times ``scale`` of the memory budget: one variable at least each
+    region's bytes made again, a linear form over the layout variables (tied blocks' regions
+    alike: their representatives')."""
+    from autoshard.cost import memory
+    graph, mesh = costs.graph, costs.mesh_shape
+    if not (budgeted and costs.training) or all(n.region is None for n in graph.nodes):
+        return {}, 0
+    forms: dict = {}
+    for n, _, _, _ in table.nodes:
+        bs = [memory.back_bytes(n, st, mesh) * scale for st in strategies[n.name]]
+        if any(bs):
+            d = forms.setdefault(n.region, _Linear())
+            for var, b in zip(x[n.name] or [None], bs):
+                d.add(var, b)
+            d.most += max(bs)
+    for (u, value, v, *_), spots in placed:
+        if v.region is None or not memory.in_region(graph, value, v):
+            continue
+        bs = [(var, memory.conversion_bytes(v, graph.meta(value), a, b, mesh, True) * scale) for var, (a, b) in spots]
+        d = forms.setdefault(v.region, _Linear())
+        for var, b in bs:
+            d.add(var, b)
+        d.most += max((b for _, b in bs), default=0)
+    forms = [d for d in forms.values() if d.most]
+    if not forms:
+        return {}, 0
+    peak = model.int_var(0, max(d.most for d in forms))
+    for d in forms:   # peak >= D_r(x)
+        model.at_least(_minus({peak: 1}, d.terms), d.const)
+    return {peak: 1}, 0
+
+
 # ---- a chosen plan's recomputation --------------------------------------------------------------
 
 def block_price(graph, strategies, choice, costs, g: Group) -> tuple:

@@ -210,6 +210,9 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
         scale = 1 if integer else 1e-9   # the LP counts gigabytes
         again, handles = recompute.add_terms(model, table, x, placed, costs, sums, unit, integer, scale,
                                              memory_budget is not None)
+        # the user's checkpoint regions: one region's activations back while its backward runs
+        again = _plus(again, recompute.region_terms(model, strategies, table, x, placed, costs, scale,
+                                                    memory_budget is not None))
         objective = sums.terms("compute_fwd", "compute_bwd", "comm", "optimizer")
         for ph in ("fwd", "bwd"):
             # exposed = max(0, hidden - compute) of the phase (cost.step)
