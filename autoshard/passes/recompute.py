@@ -29,7 +29,7 @@ import contextlib
 from dataclasses import dataclass
 
 from autoshard.cost import comm
-from autoshard.cost.step import PARTS, Cost
+from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.repeat import _block_of
 
 AUTO = "auto"
@@ -212,6 +212,24 @@ def _forms(table, x, placed, costs, unit, integer, scale) -> dict:
         fm.most += most_t
         d.most += most_b
     return {g.name: (g, forms[g.name]) for g in gs}
+
+
+def floor(table, costs, again: bool = True) -> float:
+    """Seconds no plan with every block recomputed (``"blocks"``) can beat, without a program:
+    each node's cheapest strategy alone, its own cost (compute, collectives, optimizer step) and,
+    in a block, its forward again once per block of its class (``again=False``: not, a bound of
+    every plan). The exposed communication and the conversions only add to a plan, so this is a
+    bound; on a large model, where compute is most of the step, a close one (the 96-layer GPT
+    on (128, 8): every block's forward again is a third of the step, more than the memory
+    budget costs without recomputation, so ``"blocks"`` needs no program of its own there)."""
+    weight = [DRAG if p.startswith("hidden") else 1.0 for p in PARTS]   # cost.step: the drag at least
+    gs = groups(costs.graph, table.rep)
+    runs = {o: len(g.blocks) for g in gs for o in g.ops} if again else {}
+    total = 0.0
+    for n, times, vecs, _ in table.nodes:
+        k = runs.get(n.name, 0)
+        total += min(times * sum(w * x for w, x in zip(weight, vec)) + k * (vec[_FWD] + vec[_COMM]) for vec in vecs)
+    return total
 
 
 def _weights(k: int) -> list:

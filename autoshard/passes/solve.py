@@ -315,32 +315,41 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
 
 
 def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support) -> Solution:
-    """``recompute="auto"`` under a budget: the programs with no block and with every block
-    recomputed first (linear in the layouts: solved and proven as any), then the whole choice
-    (passes.recompute's products of layouts and counts, whose relaxation is weak) from the
-    better of them, for at most ``recompute.EFFORT`` deterministic seconds."""
+    """``recompute="auto"`` under a budget: the plan of each linear mode (no block, every block
+    recomputed) that its bound (``_mode_bounds``) lets beat the best so far, best bound first
+    (each solved and proven as any); each layout with the fewest blocks recomputed that fit it;
+    then, where recomputation is in play, the whole choice (passes.recompute's products of
+    layouts and counts, whose relaxation is weak) from the best of them, for at most
+    ``recompute.EFFORT`` deterministic seconds. The bound is the modes' least: a plan
+    recomputing some blocks only is sought from their layouts, where one of their plans
+    recomputes any, not proven (the 96-layer GPT, whose every block recomputed cannot beat
+    its plan without, is not searched for one)."""
     start = time.perf_counter()
-    if below is not None and _relaxation(graph, strategies, costs, memory_budget)[0] >= below:
+    bounds = _mode_bounds(graph, strategies, costs, memory_budget)
+    bound = min(bounds.values())
+    if below is not None and bound >= below:
         raise NoBetterPlan(True)
-    found, beaten = [], False
-    for mode in ("none", "blocks"):
+    if list(bounds) == ["none"]:   # the budget binds nothing: recomputation, which only frees memory, cannot help
+        with recompute.mode(costs, "none"):
+            return solve(graph, strategies, costs, time_limit, memory_budget, below=below, effort=effort,
+                         support=support)
+    found, beaten, proven = [], False, dict(bounds)   # proven: each mode's bound, its solve's where it ran
+    for mode in sorted(bounds, key=bounds.get):
+        best = min((sol.objective for sol in found), default=math.inf)
+        if math.isinf(bounds[mode]) or bounds[mode] >= best * (1 - GAP_LIMIT):
+            continue   # nothing fits in this mode, or it cannot beat the plan found
+        if below is not None and bounds[mode] >= below:
+            beaten = True
+            continue
         with recompute.mode(costs, mode):
-            if mode == "none" and math.isinf(_relaxation(graph, strategies, costs, memory_budget)[0]):
-                continue   # nothing fits without recomputation
             try:
                 found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=below, effort=effort,
                                    support=support))
+                proven[mode] = max(proven[mode], found[-1].bound or 0.0)
             except NoBetterPlan:
                 beaten = True
-                continue
             except (RuntimeError, MemoryBudgetError):
-                continue
-            if mode == "none" and found[-1].status == "OPTIMAL":
-                # within GAP_LIMIT of the bound without any budget: the budget binds nothing, and
-                # recomputation, which only frees memory, cannot help
-                free = _relaxation(graph, strategies, costs, None)[0]
-                if found[-1].objective - free <= GAP_LIMIT * found[-1].objective:
-                    return found[-1]
+                pass
     if not found:
         if beaten:
             raise NoBetterPlan(False)
@@ -354,7 +363,14 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             found.append(Solution(sol.choice, choice_cost(graph, strategies, sol.choice, costs, extra), None,
                                   "FEASIBLE", 0.0, again))
     best = min(found, key=lambda sol: sol.objective)
-    if effort != 0:   # 0: a mesh search's first look, the better of the two as it is
+    # 0: a mesh search's first look, the best as it is; and with no block recomputed in any plan
+    # found, the choice has no layout to start a count from
+    counted = any(any(sol.recompute.values()) for sol in found)
+    if counted and effort == 0:
+        # a plan recomputing some blocks may beat every mode's bound: the bound of any plan, so
+        # that a mesh search solves the choice when it comes back to this mesh
+        proven["any"] = recompute.floor(_table(graph, strategies, costs), costs, again=False)
+    if effort != 0 and counted:
         try:
             chosen = solve(graph, strategies, costs, time_limit, memory_budget, hint=best.choice,
                            below=best.objective, effort=min(effort or recompute.EFFORT, recompute.EFFORT))
@@ -363,9 +379,32 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             pass
     if below is not None and best.objective >= below:
         raise NoBetterPlan(False)
-    bound = min(_relaxation(graph, strategies, costs, memory_budget)[0], best.objective)
+    bound = min(min(proven.values()), best.objective)
     status = "OPTIMAL" if best.objective - bound <= GAP_LIMIT * best.objective else "FEASIBLE"
     return Solution(best.choice, best.objective, bound, status, time.perf_counter() - start, best.recompute)
+
+
+def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
+    """recompute mode -> seconds none of its plans under the budget beats, for the linear modes
+    ``"auto"`` chooses among. ``"none"``'s LP relaxation first: where the budget is slack at its
+    optimum it binds nothing, and ``"none"`` is the only mode (recomputation only adds). Else
+    ``"blocks"``'s floor (``recompute.floor``, no program); its LP relaxation only where nothing
+    fits without recomputation (GPT-3 175B), to tell whether anything fits at all: elsewhere
+    ``solve`` in that mode, when the floor lets it beat the best plan, has the relaxation as its
+    first step anyway. inf: nothing fits in that mode. A mesh search bounds each mesh with the
+    least of them: the weak relaxation of the whole choice (a fractional block recomputed frees
+    its memory at a fraction of its forward) would bound every mesh of the 96-layer GPT at its
+    cost without a budget, and prune none."""
+    with recompute.mode(costs, "none"):
+        out = {"none": _relaxation(graph, strategies, costs, memory_budget)[0]}
+        slack = costs._relaxed.get(("slack", id(strategies), memory_budget, "none"))
+        if slack is not None and slack[0] is strategies:
+            return out
+    out["blocks"] = recompute.floor(_table(graph, strategies, costs), costs)
+    if math.isinf(out["none"]):
+        with recompute.mode(costs, "blocks"):
+            out["blocks"] = max(out["blocks"], _relaxation(graph, strategies, costs, memory_budget)[0])
+    return out
 
 
 class _Watch(cp_model.CpSolverSolutionCallback):
@@ -432,7 +471,10 @@ def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
 
 def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None) -> float:
     """Seconds no plan of this graph on this mesh can beat: the LP relaxation of the integer
-    program (GLOP). inf when even the relaxation breaks the memory budget."""
+    program (GLOP). inf when even the relaxation breaks the memory budget. Under
+    ``recompute="auto"`` and a budget, the least of its linear modes' (``_mode_bounds``)."""
+    if recompute.chooses(graph, strategies, costs, memory_budget):
+        return min(_mode_bounds(graph, strategies, costs, memory_budget).values())
     return _relaxation(graph, strategies, costs, memory_budget)[0]
 
 
@@ -460,6 +502,7 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
             # the budget is slack at the optimum: the LP without it has the same optimum (convex),
             # so a later ask without a budget need not be solved again
             costs._relaxed[(id(strategies), None, recompute.mode_of(costs))] = (strategies, out)
+            costs._relaxed[("slack",) + key] = (strategies, True)   # _mode_bounds: the budget binds nothing
     costs._relaxed[key] = (strategies, out)
     while len(costs._relaxed) > 3 * TABLES_KEPT:
         costs._relaxed.pop(next(iter(costs._relaxed)))
