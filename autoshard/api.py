@@ -381,7 +381,7 @@ class ParallelModule(nn.Module):
         plan = self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
-        program = checkpoint_blocks(rewrite(graph, plan, device=self._device), graph, plan)
+        program = checkpoint_blocks(rewrite(graph, plan, device=self._device, coords=self._rank_mesh.coords), graph, plan)
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES))
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])

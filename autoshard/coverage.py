@@ -8,7 +8,8 @@
 A node runs replicated when every strategy annotate offers it on the mesh is all-broadcast, for
 one of three reasons: the op has no rule (``rules.rule_for`` is None: annotate's UnknownOpWarning),
 its rule offers no split for this node (factories, random draws, attention with dropout), or none
-of the rule's splits divides this node's tensors evenly on the mesh. A node with no tensor input
+of the rule's splits divides this node's tensors evenly on the mesh (nor, for an op that takes
+uneven splits, ``rules.uneven``, gives every rank a chunk of them that lines up). A node with no tensor input
 or output, or with only scalars among them (a step counter), has nothing to split and never
 counts as replicated.
 
@@ -62,6 +63,7 @@ from autoshard.passes.capture import Graph, Node, capture
 from autoshard.cost.price import Costs
 from autoshard.plan import _fmt_bytes, _fmt_s
 from autoshard.rules import rule_for
+from autoshard.rules.uneven import allows_uneven
 
 # an op whose replication adds this much to the step of the model split ideally carries real
 # compute, whatever it is (module docstring)
@@ -314,7 +316,8 @@ def _why_replicated(node: Node, graph: Graph, mesh_shape) -> Optional[str]:
     if len(sigs) == 1:
         return NO_SPLIT
     whole = _whole(node, mesh_shape)
-    strategies = expand(sigs, [graph.meta(v) for v in node.inputs], node.outputs, mesh_shape)
+    strategies = expand(sigs, [graph.meta(v) for v in node.inputs], node.outputs, mesh_shape,
+                        allows_uneven(node.target))
     return UNEVEN if all(s == whole for s in strategies) else None
 
 

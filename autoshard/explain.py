@@ -162,6 +162,9 @@ def explain(plan, name: str) -> str:
         lines.append(f"placement {_nd(n.outputs[0])}:")
         for a, (p, size) in enumerate(zip(n.outputs[0], mesh)):
             lines.append(f"  axis {a} ({size} devices): {p}, {_axis_words(p, size)}")
+        for d, sizes in pl.uneven_splits(tuple(n.shapes[0]), tuple(map(pl.parse, n.outputs[0])), mesh).items():
+            lines.append(f"  dim {d} ({n.shapes[0][d]}) does not divide: its ranks hold {','.join(map(str, sizes))} "
+                         "(DTensor's chunks), priced by the largest")
     if n.kind == "op" and n.inputs:
         lines.append("computes from inputs laid out " + ", ".join(_nd(p) for p in n.inputs))
     entry = plan.alternatives.get(node_name)

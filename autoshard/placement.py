@@ -1,6 +1,8 @@
 """SBP placements: how one tensor lies on one mesh axis.
 
-    S(d)  split:        dim d is cut into even chunks, coordinate r holds chunk r
+    S(d)  split:        dim d is cut into chunks, coordinate r holds chunk r; a dim that does
+                        not divide is cut as torch.chunk and DTensor's Shard cut it (17 rows
+                        over 4: 5, 5, 5, 2), every chunk but the last of the largest size
     S(d)/g  blocked split: dim d is g equal blocks (a fused q, k, v projection's outputs), each
                         cut into even chunks; coordinate r holds chunk r of every block, in block
                         order, so a split of the dim into its g blocks is local
@@ -13,6 +15,7 @@ order DTensor uses. These values carry no communication code.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -95,20 +98,85 @@ def split_factor(pl: Sequence[Placement], mesh_shape: Sequence[int], dim: int) -
     return math.prod(n for p, n in zip(pl, mesh_shape) if isinstance(p, Split) and p.dim == dim)
 
 
-def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]):
-    """The shape one rank holds, or None when a split dim does not divide evenly (a blocked
-    split: each block), or when one dim is split both blocked and not, or in different blocks."""
+def chunk_sizes(n: int, p: int) -> tuple:
+    """The sizes ``p`` ranks hold of a dim of ``n``: DTensor's Shard layout (``torch.chunk``),
+    chunks of ceil(n / p) and a smaller last one; 17 over 4 is 5, 5, 5, 2. Ranks past the end
+    hold 0."""
+    c = -(-n // p)
+    return tuple(max(0, min(c, n - r * c)) for r in range(p))
+
+
+def _cut(shape, pl, mesh_shape, pick):
+    """Cut ``shape`` axis by axis, outermost first (DTensor's order); ``pick(sizes, axis)`` chooses
+    the chunk kept. None where a blocked split does not divide, a dim is split both blocked and
+    not (or in different blocks), or some rank would hold an empty chunk."""
     out = list(shape)
     groups: dict = {}
-    for p, n in zip(pl, mesh_shape):
+    for a, (p, n) in enumerate(zip(pl, mesh_shape)):
         if isinstance(p, Split):
-            if p.dim >= len(out) or out[p.dim] % (n * p.groups) or groups.setdefault(p.dim, p.groups) != p.groups:
+            if p.dim >= len(out) or groups.setdefault(p.dim, p.groups) != p.groups:
                 return None
-            out[p.dim] //= n
+            if p.groups > 1:
+                if out[p.dim] % (n * p.groups):
+                    return None
+                out[p.dim] //= n
+                continue
+            sizes = chunk_sizes(out[p.dim], n)
+            if min(sizes) == 0:
+                return None
+            out[p.dim] = pick(sizes, a)
     return tuple(out)
 
 
-def is_valid(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], floating: bool) -> bool:
+def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]):
+    """The largest shape one rank holds (every rank's, where each split divides evenly): what
+    compute, memory and collectives are priced by. None where no rank's shape exists (``_cut``)."""
+    return _cut(shape, pl, mesh_shape, lambda sizes, a: sizes[0])
+
+
+def rank_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]):
+    """The shape the rank at mesh coordinate ``coords`` holds."""
+    return _cut(shape, pl, mesh_shape, lambda sizes, a: sizes[coords[a]])
+
+
+def is_even(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """Whether every rank holds the same shape (each split divides its dim)."""
+    out = list(shape)
+    for p, n in zip(pl, mesh_shape):
+        if isinstance(p, Split):
+            if p.dim >= len(out) or out[p.dim] % n:
+                return False
+            out[p.dim] //= n
+    return True
+
+
+def uneven_splits(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]) -> dict:
+    """dim -> the sizes its ranks hold along it, for each dim some axis cuts unevenly (in the
+    order of the ranks flattened over the axes that cut it): what a plan shows."""
+    out = {}
+    dims = {p.dim for p in pl if isinstance(p, Split)}
+    for d in sorted(dims):
+        axes = [a for a, p in enumerate(pl) if isinstance(p, Split) and p.dim == d]
+        one = tuple(B if a not in axes else p for a, p in enumerate(pl))
+        if is_even(shape, one, mesh_shape):
+            continue
+        sizes = []
+        for c in itertools.product(*(range(mesh_shape[a]) for a in axes)):
+            coords = [0] * len(mesh_shape)
+            for a, x in zip(axes, c):
+                coords[a] = x
+            got = rank_shape(shape, one, mesh_shape, coords)
+            sizes.append(got[d] if got else 0)
+        out[d] = tuple(sizes)
+    return out
+
+
+def is_valid(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], floating: bool,
+             uneven: bool = False) -> bool:
+    """Whether a tensor may be held so: no partial sum of a non-float tensor, and every split
+    even (with ``uneven``: every rank holds some of each split dim)."""
     if not floating and any(isinstance(p, Partial) for p in pl):
+        return False
+    if not uneven and not is_even(shape, pl, mesh_shape):
         return False
     return local_shape(shape, pl, mesh_shape) is not None

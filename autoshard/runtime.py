@@ -116,9 +116,17 @@ def dual_args(kind, dim, dim2):
     return d, (None if i is None else pick[i]), (None if j is None else pick[j])
 
 
-def _launch(x, kind, group, p, dim, dim2, groups=1):
+def dual_sizes(kind, sizes, sizes2):
+    """The dual step's chunk sizes: an all_to_all's two dims swap; every other keeps its dim's."""
+    return (sizes2, sizes) if kind == "all_to_all" else (sizes, sizes2)
+
+
+def _launch(x, kind, group, p, dim, dim2, groups=1, sizes=None, sizes2=None):
     """Start one collective step on ``x``: (work, finish), where ``finish()`` gives the result once
-    the work is done. Collectives exchange dim-0 blocks: the cut moves to dim 0 and back."""
+    the work is done. Collectives exchange dim-0 blocks: the cut moves to dim 0 and back.
+    ``sizes`` (``sizes2``): the group's chunks of ``dim`` (``dim2``) where they are unequal."""
+    if sizes is not None or sizes2 is not None:
+        return _launch_uneven(x, kind, group, p, dim, dim2, sizes, sizes2)
     if groups != 1:   # a blocked split: the step runs on each block's part, the blocks kept in order
         work, finish = _launch(x.unflatten(dim, (groups, -1)), kind, group, p, dim + 1, None)
         return work, lambda: finish().flatten(dim, dim + 1)
@@ -143,15 +151,59 @@ def _launch(x, kind, group, p, dim, dim2, groups=1):
     raise ValueError(kind)
 
 
-def _slice(x, p, coord, dim):
+# An uneven split (17 rows over 4: 5, 5, 5, 2, DTensor's Shard layout) travels padded to its
+# largest chunk, as gloo's all-gather and reduce-scatter take equal blocks, and is trimmed after;
+# an all-to-all sends each rank its own block's size (all_to_all_single's split sizes).
+
+def _padded(x, dim, n):
+    if x.shape[dim] == n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
+
+
+def _launch_uneven(x, kind, group, p, dim, dim2, sizes, sizes2):
+    me = dist.get_rank(group)
+    if kind == "all_gather":
+        c = max(sizes)
+        work, finish = _launch(_padded(x, dim, c), kind, group, p, dim, None)
+        return work, lambda: torch.cat([b.narrow(dim, 0, n) for b, n in zip(finish().chunk(p, dim), sizes)], dim)
+    if kind == "reduce_scatter":
+        c = max(sizes)
+        blocks = torch.cat([_padded(b, dim, c) for b in x.split(list(sizes), dim)], dim)
+        work, finish = _launch(blocks, kind, group, p, dim, None)
+        return work, lambda: finish().narrow(dim, 0, sizes[me])
+    if kind == "all_to_all":    # dim gathered (its chunks: sizes), dim2 scattered (sizes2)
+        sizes = sizes or (x.shape[dim],) * p
+        sizes2 = sizes2 or (x.shape[dim2] // p,) * p
+        blocks = x.split(list(sizes2), dim2)
+        inp = torch.cat([b.reshape(-1) for b in blocks])
+        shapes = []
+        for r in range(p):
+            s = list(x.shape)
+            s[dim], s[dim2] = sizes[r], sizes2[me]
+            shapes.append(s)
+        counts = [math.prod(s) for s in shapes]
+        out = inp.new_empty(sum(counts))
+        work = dist.all_to_all_single(out, inp, counts, [b.numel() for b in blocks], group=group, async_op=True)
+        return work, lambda: (inp, torch.cat([o.view(s) for o, s in zip(out.split(counts), shapes)], dim))[1]
+    raise ValueError(kind)
+
+
+def _slice(x, p, coord, dim, sizes=None):
+    if sizes is not None:
+        return x.narrow(dim, sum(sizes[:coord]), sizes[coord]).contiguous()
     return x.chunk(p, dim)[coord].contiguous()
 
 
-def _pad(x, p, coord, dim):
+def _pad(x, p, coord, dim, sizes=None):
     shape = list(x.shape)
-    shape[dim] *= p
+    shape[dim] = sum(sizes) if sizes is not None else shape[dim] * p
     out = x.new_zeros(shape)
-    out.narrow(dim, coord * x.shape[dim], x.shape[dim]).copy_(x)
+    out.narrow(dim, sum(sizes[:coord]) if sizes is not None else coord * x.shape[dim], x.shape[dim]).copy_(x)
     return out
 
 
@@ -163,63 +215,65 @@ class _Step(torch.autograd.Function):
     """One layout step on one axis; backward runs its dual."""
 
     @staticmethod
-    def forward(ctx, x, kind, group, p, coord, dim, dim2, groups):
-        ctx.args = (kind, group, p, coord, dim, dim2, groups)
-        return _run(x, kind, group, p, coord, dim, dim2, groups)
+    def forward(ctx, x, kind, group, p, coord, dim, dim2, groups, sizes=None, sizes2=None):
+        ctx.args = (kind, group, p, coord, dim, dim2, groups, sizes, sizes2)
+        return _run(x, kind, group, p, coord, dim, dim2, groups, sizes, sizes2)
 
     @staticmethod
     def backward(ctx, g):
-        kind, group, p, coord, dim, dim2, groups = ctx.args
+        kind, group, p, coord, dim, dim2, groups, sizes, sizes2 = ctx.args
+        sizes, sizes2 = dual_sizes(kind, sizes, sizes2)
         kind, dim, dim2 = dual_args(kind, dim, dim2)
-        return (_run(g, kind, group, p, coord, dim, dim2, groups),) + (None,) * 7
+        return (_run(g, kind, group, p, coord, dim, dim2, groups, sizes, sizes2),) + (None,) * 9
 
 
-def _run(x, kind, group, p, coord, dim, dim2, groups=1):
+def _run(x, kind, group, p, coord, dim, dim2, groups=1, sizes=None, sizes2=None):
     if kind in COLLECTIVE_KINDS:
-        work, finish = _launch(x, kind, group, p, dim, dim2, groups)
+        work, finish = _launch(x, kind, group, p, dim, dim2, groups, sizes, sizes2)
         work.wait()
         return finish()
     if groups != 1:
         x = x.unflatten(dim, (groups, -1))
         return _run(x, kind, group, p, coord, dim + 1, None).flatten(dim, dim + 1)
     if kind == "slice":
-        return _slice(x, p, coord, dim)
+        return _slice(x, p, coord, dim, sizes)
     if kind == "pad":
-        return _pad(x, p, coord, dim)
+        return _pad(x, p, coord, dim, sizes)
     if kind == "keep":
         return _keep(x, coord)
     raise ValueError(kind)
 
 
-def _step(x, kind, axis, dim=None, dim2=None, groups=1):
+def _step(x, kind, axis, dim=None, dim2=None, groups=1, sizes=None, sizes2=None):
     m = _mesh()
-    args = (kind, m.group(axis), m.size(axis), m.coord(axis), dim, dim2, groups)
+    args = (kind, m.group(axis), m.size(axis), m.coord(axis), dim, dim2, groups, sizes, sizes2)
     return _Step.apply(x, *args) if x.requires_grad else _run(x, *args)
 
 
-# the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups
-def all_gather(x, axis: int, dim: int, groups: int = 1):
-    return _step(x, "all_gather", axis, dim, groups=groups)
+# the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups;
+# ``sizes``: the chunks of an uneven split of ``dim`` over the axis's ranks (``sizes2``: of ``dim2``)
+def all_gather(x, axis: int, dim: int, groups: int = 1, sizes=None):
+    return _step(x, "all_gather", axis, dim, groups=groups, sizes=sizes)
 
 
-def reduce_scatter(x, axis: int, dim: int, groups: int = 1):
-    return _step(x, "reduce_scatter", axis, dim, groups=groups)
+def reduce_scatter(x, axis: int, dim: int, groups: int = 1, sizes=None):
+    return _step(x, "reduce_scatter", axis, dim, groups=groups, sizes=sizes)
 
 
 def all_reduce(x, axis: int):
     return _step(x, "all_reduce", axis)
 
 
-def all_to_all(x, axis, dim: int, dim2: int):   # axis: one, or a tuple of axes as one group
-    return _step(x, "all_to_all", axis, dim, dim2)
+def all_to_all(x, axis, dim: int, dim2: int, sizes=None, sizes2=None):   # axis: one, or a tuple of axes as one group
+    return _step(x, "all_to_all", axis, dim, dim2, sizes=sizes, sizes2=sizes2)
 
 
-def slice_shard(x, axis: int, dim: int, groups: int = 1):
-    return _step(x, "slice", axis, dim, groups=groups)
+def slice_shard(x, axis: int, dim: int, groups: int = 1, sizes=None):
+    return _step(x, "slice", axis, dim, groups=groups, sizes=sizes)
 
 
-def pad_shard(x, axis: int, dim: int, groups: int = 1):
-    return _step(x, "pad", axis, dim, groups=groups)
+def pad_shard(x, axis: int, dim: int, groups: int = 1, sizes=None):
+    return _step(x, "pad", axis, dim, groups=groups, sizes=sizes)
 
 
 def keep_partial(x, axis: int):
@@ -268,17 +322,18 @@ class _StepWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        kind, group, p, dim, dim2, groups = ctx.args
+        kind, group, p, dim, dim2, groups, sizes, sizes2 = ctx.args
+        sizes, sizes2 = dual_sizes(kind, sizes, sizes2)
         kind, dim, dim2 = dual_args(kind, dim, dim2)
-        ctx.h.bwd_work, ctx.h.bwd_finish = _launch(g, kind, group, p, dim, dim2, groups)
+        ctx.h.bwd_work, ctx.h.bwd_finish = _launch(g, kind, group, p, dim, dim2, groups, sizes, sizes2)
         return g.new_empty(0), None, None
 
 
-def step_start(x, h: "Pending", kind: str, axis, dim=None, dim2=None, groups: int = 1):
+def step_start(x, h: "Pending", kind: str, axis, dim=None, dim2=None, groups: int = 1, sizes=None, sizes2=None):
     """Start the collective step ``kind`` (one of ``COLLECTIVE_KINDS``) on ``x``; ``step_wait``
     gives its result."""
     m = _mesh()
-    h.args = (kind, m.group(axis), m.size(axis), dim, dim2, groups)
+    h.args = (kind, m.group(axis), m.size(axis), dim, dim2, groups, sizes, sizes2)
     if x.requires_grad:
         return _StepStart.apply(x, h, h.args)
     h.work, h.finish = _launch(x, *h.args)
@@ -373,11 +428,20 @@ def linear_gathered(whole, part, w, b, axis, dim: int):
     return torch.cat([part if r == me else F.linear(blk, w, b) for r, blk in enumerate(blocks)], dim=dim)
 
 
-def _convert(x, src, dst, m: RankMesh):
-    """Raw conversion between nd placements (no autograd), by the shared step planner."""
-    from autoshard.cost.comm import transition
-    for st in transition(tuple(x.shape), src, dst, m.shape):
-        x = _run(x, st.kind, m.group(st.axis), m.size(st.axis), m.coord(st.axis), st.dim, st.dim2, st.groups)
+def _convert(x, src, dst, m: RankMesh, whole=None):
+    """Raw conversion between nd placements (no autograd), by the shared step planner. ``whole``:
+    the tensor's whole shape, which an uneven split's chunk sizes come from (None: every split
+    is even)."""
+    from autoshard.cost.comm import rank_sizes, transition
+    if whole is None:   # every split even
+        steps = transition(tuple(x.shape), src, dst, m.shape)
+        sizes = [{}] * len(steps)
+    else:
+        steps = transition(pl.local_shape(whole, src, m.shape), src, dst, m.shape, whole=whole)
+        sizes = rank_sizes(whole, src, steps, m.shape, m.coords)
+    for st, kw in zip(steps, sizes):
+        x = _run(x, st.kind, m.group(st.axis), m.size(st.axis), m.coord(st.axis), st.dim, st.dim2, st.groups,
+                 kw.get("sizes"), kw.get("sizes2"))
     return x
 
 
@@ -392,12 +456,12 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dst, mesh):
-        ctx.dst, ctx.mesh = dst, mesh
-        return _convert(x, _whole(len(dst)), dst, mesh)
+        ctx.dst, ctx.mesh, ctx.shape = dst, mesh, tuple(x.shape)
+        return _convert(x, _whole(len(dst)), dst, mesh, ctx.shape)
 
     @staticmethod
     def backward(ctx, g):
-        return _convert(g, _dual(ctx.dst), _whole(len(ctx.dst)), ctx.mesh), None, None
+        return _convert(g, _dual(ctx.dst), _whole(len(ctx.dst)), ctx.mesh, ctx.shape), None, None
 
 
 def _whole(n):
@@ -412,29 +476,30 @@ def to_local(x, placement: tuple):
         return x
     if x.requires_grad:
         return _ToLocal.apply(x, dst, m)
-    return _convert(x, _whole(len(dst)), dst, m)
+    return _convert(x, _whole(len(dst)), dst, m, tuple(x.shape))
 
 
-def to_whole(x, placement: tuple):
+def to_whole(x, placement: tuple, shape: tuple = None):
     """A returned tensor, made whole on every rank. Its gradient arrives whole on every rank,
-    which is the dual of each placement after a slice (S), as is (P) or kept on one rank (B)."""
+    which is the dual of each placement after a slice (S), as is (P) or kept on one rank (B).
+    ``shape``: the whole shape (needed where a split is uneven)."""
     m = _mesh()
     src = tuple(pl.parse(p) for p in placement)
     if x.requires_grad:
-        return _ToWhole.apply(x, src, m)
-    return _convert(x, src, _whole(len(src)), m)
+        return _ToWhole.apply(x, src, m, shape)
+    return _convert(x, src, _whole(len(src)), m, shape)
 
 
 class _ToWhole(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src, mesh):
+    def forward(ctx, x, src, mesh, shape=None):
         ctx.src, ctx.mesh = src, mesh
-        return _convert(x, src, _whole(len(src)), mesh)
+        return _convert(x, src, _whole(len(src)), mesh, shape)
 
     @staticmethod
     def backward(ctx, g):
         # g is the true gradient on every rank (B); turn it into dual(src) with local steps only
-        return _convert(g, _whole(len(ctx.src)), _dual(ctx.src), ctx.mesh), None, None
+        return _convert(g, _whole(len(ctx.src)), _dual(ctx.src), ctx.mesh), None, None, None
 
 
 # ---- gradient accumulation without reduction (ParallelModule.no_sync) ---------------------------

@@ -279,10 +279,32 @@ def collective_lines(plan, label: dict) -> list:
              f"({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items()))}):"] + ["  " + r for r in columns(rows)])
 
 
+def uneven_lines(plan, shown: int = 4) -> list:
+    """The tensors split unevenly (a dim that does not divide by its axes), with the chunk each
+    rank holds, DTensor's layout; compute, memory and collectives are priced by the largest."""
+    from autoshard import placement as pl
+    mesh = tuple(plan.mesh_shape)
+    groups: dict = {}
+    for n in plan.nodes.values():
+        for shape, out in zip(n.shapes, n.outputs):
+            cuts = pl.uneven_splits(tuple(shape), tuple(map(pl.parse, out)), mesh)
+            if cuts:
+                groups.setdefault((tuple(shape), tuple(out), tuple(cuts.items())), []).append(n.name)
+    if not groups:
+        return []
+    rows = []
+    for (shape, out, cuts), names in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:shown]:
+        dims = "; ".join(f"dim {d} sizes {','.join(map(str, s))}" for d, s in cuts)
+        rows.append(("x".join(map(str, shape)), "(" + ", ".join(out) + ")", dims,
+                     names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")))
+    return ["", f"uneven splits ({_plural(sum(map(len, groups.values())), 'tensor')}; chunks as DTensor cuts "
+                "them, priced by the largest):"] + ["  " + r for r in columns(rows)]
+
+
 def summary(plan) -> str:
     rows, label = folded(plan)
     lines = (mesh_lines(plan) + step_lines(plan) + memory_line(plan) + recompute_lines(plan) + solver_lines(plan)
-             + [""] + columns(rows) + [""] + collective_lines(plan, label)
+             + [""] + columns(rows) + [""] + collective_lines(plan, label) + uneven_lines(plan)
              + ["", "plan.table(): every node; plan.explain(name): why a tensor is laid out as it is"])
     return "\n".join(lines)
 

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from autoshard.placement import B, P, Broadcast, Partial, Split
+from autoshard.placement import B, P, Broadcast, Partial, Split, chunk_sizes, is_even, rank_shape
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce",
@@ -74,23 +74,28 @@ def _apply_shape(shape, step: Step, p: int):
     if step.kind in ("all_gather", "pad"):
         s[step.dim] *= p
     elif step.kind in ("reduce_scatter", "slice"):
-        s[step.dim] //= p
+        s[step.dim] = -(-s[step.dim] // p)       # an uneven split: the largest chunk
     elif step.kind == "all_to_all":
         s[step.dim] *= p
-        s[step.dim2] //= p
+        s[step.dim2] = -(-s[step.dim2] // p)
     return tuple(s)
 
 
 def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: Sequence[int],
-               links=None, itemsize: int = 4) -> list:
-    """Steps that turn a tensor held as ``src`` (with this rank's ``local_shape``) into ``dst``.
+               links=None, itemsize: int = 4, whole: Optional[Sequence[int]] = None) -> list:
+    """Steps that turn a tensor held as ``src`` (with this rank's ``local_shape``, the largest
+    where a split is uneven) into ``dst``.
     With ``links`` (``Cluster.axis_links``), a conversion one collective over the changing axes'
     group can do (``_joint_step``) runs as that one when it is the faster; without, axis by axis
-    (the runtime's own conversions at the program's edges, which need no group spanning axes)."""
+    (the runtime's own conversions at the program's edges, which need no group spanning axes).
+    ``whole``: the tensor's whole shape. A dim split unevenly is cut axis by axis (DTensor's
+    nested chunks), which one split over the ranks flattened is not: no joint step then, and
+    no partial sum reduced in pieces of such a dim."""
     if tuple(src) == tuple(dst):
         return []
-    steps = _axis_by_axis(local_shape, src, dst, mesh_shape)
-    joint = _joint_step(src, dst, len(mesh_shape)) if links is not None else None
+    uneven = _uneven_dims(whole, src, dst, mesh_shape)
+    steps = _axis_by_axis(local_shape, src, dst, mesh_shape, uneven)
+    joint = _joint_step(src, dst, len(mesh_shape)) if links is not None and not uneven else None
     if joint:
         kind, axes, d, d2, groups = joint
         one = [Step(kind, axes, d, d2, tuple(local_shape), groups)]
@@ -100,7 +105,51 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
     return steps
 
 
-def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape) -> list:
+def _uneven_dims(whole, src: tuple, dst: tuple, mesh_shape) -> set:
+    if whole is None:
+        return set()
+    return {d for pl_ in (src, dst) for d in range(len(whole))
+            if not is_even(whole, tuple(p if isinstance(p, Split) and p.dim == d else B for p in pl_), mesh_shape)}
+
+
+def _after(step: Step, p):
+    """An axis's placement after ``step`` ran on it (``p`` before)."""
+    if step.kind in ("all_gather", "all_reduce"):
+        return B
+    if step.kind in ("reduce_scatter", "slice"):
+        return Split(step.dim, step.groups)
+    if step.kind == "all_to_all":
+        return Split(step.dim2)
+    return P   # pad, keep
+
+
+def rank_sizes(whole: Sequence[int], src: tuple, steps: list, mesh_shape: Sequence[int], coords) -> list:
+    """Per step, what the rank at ``coords`` must tell it of an uneven split: ``sizes``, the
+    chunks of the dim the step gathers, scatters, slices or pads, one per rank of its group in
+    group order (an all_to_all's ``sizes2``: of the dim it scatters); ``{}`` where every chunk is
+    equal. The group's whole of that dim is this rank's, which the axes outer to the step cut."""
+    cur, out = tuple(src), []
+    for st in steps:
+        after = tuple(_after(st, cur[a]) if a in st.axes else cur[a] for a in range(len(cur)))
+        kw = {}
+        p = st.size(mesh_shape)
+        if st.groups == 1 and st.kind in ("all_gather", "pad", "reduce_scatter", "slice", "all_to_all"):
+            held = after if st.kind in ("all_gather", "pad", "all_to_all") else cur
+            sizes = chunk_sizes(rank_shape(whole, held, mesh_shape, coords)[st.dim], p)
+            if len(set(sizes)) > 1:
+                kw["sizes"] = sizes
+            if st.kind == "all_to_all":
+                sizes2 = chunk_sizes(rank_shape(whole, cur, mesh_shape, coords)[st.dim2], p)
+                if len(set(sizes2)) > 1:
+                    kw["sizes2"] = sizes2
+            if kw and isinstance(st.axis, tuple):
+                raise AssertionError(f"{st} over several axes cuts an uneven dim")
+        out.append(kw)
+        cur = after
+    return out
+
+
+def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape, uneven=frozenset()) -> list:
     n = len(mesh_shape)
     unshard, reshard = set(), set()
     for a in range(n):
@@ -139,7 +188,7 @@ def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape) -> list:
     summed = [a for a in range(n) if isinstance(cur[a], Partial) and isinstance(dst[a], Broadcast)]
     inner = summed[1:]
     q = math.prod(mesh_shape[a] for a in inner)
-    dims = [d for d in range(len(shape)) if shape[d] % q == 0] if inner else []
+    dims = [d for d in range(len(shape)) if shape[d] % q == 0 and d not in uneven] if inner else []
     if dims:
         d = max(dims, key=lambda i: shape[i])
         for a in reversed(inner):

@@ -145,7 +145,7 @@ class Costs:
         dst = self.handed_over(value, src, dst, consumer)
         meta = self.graph.meta(value)
         steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape,
-                                self.links, meta.itemsize)
+                                self.links, meta.itemsize, whole=meta.shape)
         return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
 
     def step_times(self, value, src, dst, backward: bool) -> tuple:

@@ -1,8 +1,9 @@
 """Annotate: every node of the captured graph gets its legal nd signatures.
 
 Rules speak of one mesh axis; a node's nd strategies are every combination of one-axis signatures
-(the all-broadcast one included), one per axis, that leaves every tensor evenly divided and puts no
-partial sum on a non-float tensor. Graph inputs may be split or broadcast on each axis; parameters
+(the all-broadcast one included), one per axis, that leaves every tensor evenly divided (or, for
+the ops ``rules.uneven`` names, unevenly where the chunks line up) and puts no partial sum on a
+non-float tensor. Graph inputs may be split or broadcast on each axis; parameters
 likewise (their placement is how they are stored). Pins narrow a node to the strategies whose
 output matches.
 """
@@ -20,6 +21,7 @@ from autoshard.passes.functionalize import SHARED_STORAGE
 from autoshard.passes.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for
 from autoshard.rules.registry import norm_dim
+from autoshard.rules.uneven import aligned, allows_uneven
 from autoshard.rules.views import reshape, view_groups
 
 import torch
@@ -125,15 +127,17 @@ def blocked_sigs(node: Node, sigs: list, dim: int, groups: int) -> list:
     return out
 
 
-def expand(sigs: list, metas_in: list, metas_out: list, mesh_shape) -> list:
-    """All valid nd combinations of one-axis signatures."""
+def expand(sigs: list, metas_in: list, metas_out: list, mesh_shape, uneven: bool = False) -> list:
+    """All valid nd combinations of one-axis signatures. ``uneven``: the op may hold splits
+    that do not divide, where its tensors' chunks line up (``rules.uneven``)."""
     out = []
+    metas = list(metas_in) + list(metas_out)
     for picks in itertools.product(range(len(sigs)), repeat=len(mesh_shape)):
         combo = [sigs[k] for k in picks]
         ins = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(metas_in)))
         outs = tuple(tuple(c.outputs[i] for c in combo) for i in range(len(metas_out)))
-        if all(pl.is_valid(m.shape, p, mesh_shape, m.floating) for m, p in zip(metas_in, ins)) and \
-           all(pl.is_valid(m.shape, p, mesh_shape, m.floating) for m, p in zip(metas_out, outs)):
+        if all(pl.is_valid(m.shape, p, mesh_shape, m.floating, uneven) for m, p in zip(metas, ins + outs)) and \
+           (not uneven or aligned([m.shape for m in metas], ins + outs, mesh_shape)):
             out.append(Strategy(ins, outs, picks))
     return out
 
@@ -149,7 +153,7 @@ def storage_options(meta, mesh_shape, blocked=()) -> list:
         combo = tuple(one_axis[k] for k in picks)
         if sum(isinstance(p, Split) and p.groups > 1 for p in combo) > 1:
             continue
-        if pl.local_shape(meta.shape, combo, mesh_shape) is not None:
+        if pl.is_valid(meta.shape, combo, mesh_shape, True):   # stored even: uneven splits are made by slicing
             out.append(Strategy((), (combo,), picks))
     return out
 
@@ -242,10 +246,11 @@ def _annotate(graph: Graph, mesh_shape, pins) -> dict:
             if not known and node.outputs:
                 missing.add(node.op_name)
             metas_in = [graph.meta(v) for v in node.inputs]
+            uneven = allows_uneven(node.target)
             key = (tuple(sigs), tuple((m.shape, m.floating) for m in metas_in),
-                   tuple((m.shape, m.floating) for m in node.outputs))
+                   tuple((m.shape, m.floating) for m in node.outputs), uneven)
             if key not in expanded:
-                expanded[key] = expand(sigs, metas_in, node.outputs, mesh_shape)
+                expanded[key] = expand(sigs, metas_in, node.outputs, mesh_shape, uneven)
             strategies[node.name] = expanded[key]
     for op in sorted(missing):
         warnings.warn(f"autoshard has no sharding rule for {op}; it runs replicated (correct, "

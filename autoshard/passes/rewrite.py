@@ -33,13 +33,17 @@ class Lowering:
     """What a lowering function sees: the op, its rewritten arguments, its global shapes and its
     chosen placements, and the captured graph."""
 
-    def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape, graph=None):
+    def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape, graph=None,
+                 coords=None):
         self.g, self.node, self.args, self.kwargs, self.graph = g, node, args, kwargs, graph
         self.in_pl, self.out_pl, self.in_shapes, self.out_shapes = in_pl, out_pl, in_shapes, out_shapes
-        self.mesh_shape = mesh_shape
+        self.mesh_shape, self.coords = mesh_shape, coords
 
     def local_out(self, i=0):
-        return list(pl.local_shape(self.out_shapes[i], self.out_pl[i], self.mesh_shape))
+        return list(_rank_shape(self.out_shapes[i], self.out_pl[i], self.mesh_shape, self.coords))
+
+    def local_in(self, i=0):
+        return list(_rank_shape(self.in_shapes[i], self.in_pl[i], self.mesh_shape, self.coords))
 
     def call(self, target=None, args=None, kwargs=None):
         return self.g.call_function(target or self.node.target, tuple(self.args if args is None else args),
@@ -105,11 +109,14 @@ def lower_squeeze(low: Lowering):
 
 def _mean_scale(low: Lowering, reduced_dims) -> float:
     """A mean over a dim split by an axis, left partial there: each rank's mean counts only its
-    share of the elements, so scale it by that share."""
+    share of the elements, so scale it by that share (this rank's own where the split is uneven:
+    its chunk over the whole dim, so the partial means sum to the mean over the whole size)."""
     scale = 1.0
-    for a, p in enumerate(low.in_pl[0]):
-        if isinstance(p, pl.Split) and p.dim in reduced_dims and isinstance(low.out_pl[0][a], pl.Partial):
-            scale /= low.mesh_shape[a]
+    local = low.local_in(0)
+    for d in {p.dim for p in low.in_pl[0] if isinstance(p, pl.Split) and p.dim in reduced_dims}:
+        if all(isinstance(low.out_pl[0][a], pl.Partial) for a, p in enumerate(low.in_pl[0])
+               if isinstance(p, pl.Split) and p.dim == d):
+            scale *= local[d] / low.in_shapes[0][d]
     return scale
 
 
@@ -271,10 +278,21 @@ def lowering_for(target):
     return found
 
 
-def _emit_conversion(g, x, steps):
-    for st in steps:
+def _rank_shape(shape, placement, mesh, coords):
+    """The shape this rank holds: every rank's where the splits are even, else the chunk its mesh
+    coordinate ``coords`` holds (DTensor's layout)."""
+    if pl.is_even(shape, placement, mesh):
+        return pl.local_shape(shape, placement, mesh)
+    if coords is None:
+        raise ValueError(f"a tensor of shape {list(shape)} is split unevenly as {pl.format_nd(placement)}: "
+                         "rewrite(..., coords=) needs this rank's mesh coordinate")
+    return pl.rank_shape(shape, placement, mesh, coords)
+
+
+def _emit_conversion(g, x, steps, sizes=None):
+    for st, kw in zip(steps, sizes or [{}] * len(steps)):
         fn = runtime.STEP_FUNCTIONS[st.kind]
-        kwargs = {"axis": st.axis}
+        kwargs = {"axis": st.axis, **kw}
         if st.dim is not None:
             kwargs["dim"] = st.dim
         if st.dim2 is not None:
@@ -297,9 +315,10 @@ def _on_device(obj, device):
     return obj
 
 
-def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
+def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModule:
     """The per-rank program. Placeholders: parameters (local shards), buffers and the user inputs
-    that hold a tensor (whole), in ``graph.nodes`` order."""
+    that hold a tensor (whole), in ``graph.nodes`` order. ``coords``: the rank's mesh coordinate,
+    which a plan with uneven splits needs (each rank's program holds its own chunks' sizes)."""
     mesh = tuple(plan.mesh_shape)
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
     regather = plan.training and plan.schedule.get("reshard_after_forward", False)
@@ -320,7 +339,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             if not node.outputs:  # a constant argument (a flag, None): the graph holds its value
                 continue
             ph = g.placeholder(node.name)
-            ph.meta["local"] = TensorMeta(pl.local_shape(node.outputs[0].shape, outs[0], mesh), node.outputs[0].dtype)
+            ph.meta["local"] = TensorMeta(_rank_shape(node.outputs[0].shape, outs[0], mesh, coords), node.outputs[0].dtype)
             if node.kind == "param":
                 axes = tuple(a for a, p in enumerate(outs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
                 x = (g.call_function(runtime.grad_sync, (ph, axes), {"key": node.name})
@@ -337,9 +356,12 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             if key not in converted or graph.by_name[value[0]].fx_node.meta.get(SHARED_STORAGE):   # written in place: afresh
                 meta = graph.meta(value)
                 src = out_pl[value]
-                steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize)
-                out = _emit_conversion(g, local[value], steps)
-                if steps and regather and graph.by_name[value[0]].kind == "param":
+                steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize,
+                                        whole=meta.shape)
+                even = all(pl.is_even(meta.shape, q, mesh) for q in (src, dst))
+                out = _emit_conversion(g, local[value], steps,
+                                       None if even else comm.rank_sizes(meta.shape, src, steps, mesh, coords))
+                if steps and regather and even and graph.by_name[value[0]].kind == "param":
                     spec = tuple((st.kind, st.axis, st.dim, st.dim2, st.groups) for st in steps)
                     out = g.call_function(runtime.regather, (out, local[value], spec))
                 converted[key] = out
@@ -355,6 +377,8 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             slot[0] += 1
             if node.kind == "output" and v in kept:   # outputs="dtensor": handed back as planned
                 return g.call_function(to_dtensor, (local[v], pl.to_strings(out_pl[v]), graph.meta(v).shape))
+            if node.kind == "output" and not pl.is_even(graph.meta(v).shape, out_pl[v], mesh):
+                return g.call_function(runtime.to_whole, (local[v], pl.to_strings(out_pl[v]), graph.meta(v).shape))
             if node.kind == "output":
                 return g.call_function(runtime.to_whole, (local[v], pl.to_strings(out_pl[v])))
             return fetch(v, ins[i])
@@ -367,7 +391,7 @@ def rewrite(graph: Graph, plan: Plan, device=None) -> fx.GraphModule:
             g.output(args[0])
             continue
         low = Lowering(g, node, args, kwargs, ins, outs, [graph.meta(v).shape for v in node.inputs],
-                       [m.shape for m in node.outputs], mesh, graph)
+                       [m.shape for m in node.outputs], mesh, graph, coords)
         out = lowering_for(node.target)(low)
         if len(node.outputs) > 1 or isinstance(node.fx_node.meta.get("val"), (tuple, list)):
             for i in range(len(node.outputs)):

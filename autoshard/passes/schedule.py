@@ -129,6 +129,7 @@ def _gathered_share(n):
 
 def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
     gathers = [(n, found) for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
+               and "sizes" not in n.kwargs
                for found in [_gathered_share(n)] if found is not None]
     # neighbours in use order on one group, of one dtype, up to ``cap`` gathered bytes: one
     # collective, as FSDP gathers a module's parameters at once
@@ -196,7 +197,7 @@ def _start_steps_early(g, start: _Cursor) -> None:
             continue
         x, first = n.args[0], min(n.users, key=order.get)
         kw = n.kwargs
-        args = (kind, kw["axis"], kw.get("dim"), kw.get("dim2"), kw.get("groups", 1))
+        args = (kind, kw["axis"], kw.get("dim"), kw.get("dim2"), kw.get("groups", 1), kw.get("sizes"), kw.get("sizes2"))
         if order[x] > prologue:
             with g.inserting_after(x):
                 h = g.call_function(runtime.pending, ())
@@ -205,7 +206,8 @@ def _start_steps_early(g, start: _Cursor) -> None:
         else:   # the input is ready at the program's start: start after what the other passes put there
             h = start.call(runtime.pending, ())
             token = start.call(runtime.step_start, (x, h, *args))
-        linears = _gathered_linears(n, first, order) if kind == "all_gather" and args[4] == 1 else []
+        even = args[4] == 1 and args[5] is None   # linear_gathered cuts the gathered rows evenly
+        linears = _gathered_linears(n, first, order) if kind == "all_gather" and even else []
         with g.inserting_before(first):
             # each linear's rows from this rank's own block, computed while the gather flies
             parts = [g.call_function(runtime.linear_local_part, (x, *_weights(u), args[2])) for u in linears]

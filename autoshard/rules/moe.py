@@ -91,6 +91,17 @@ def scatter_gather(ctx: OpCtx):
     return sigs
 
 
+def _index_span(t, shape):
+    """(dims of x an index covers, dims it gives x[indices]): a boolean mask of k dims covers k
+    and gives one (its true entries); an integer index covers one and gives its own dims. None
+    where its dtype is unknown."""
+    val = t.meta.get("val") if isinstance(t, torch.fx.Node) else t
+    dtype = getattr(val, "dtype", None)
+    if dtype is None:
+        return None
+    return (len(shape), 1) if dtype in (torch.bool, torch.uint8) else (1, len(shape))
+
+
 @rule(aten.index_put.default, aten.index_put_.default)
 def index_put(ctx: OpCtx):
     """x[i0, i1, ...] = values: split a dim of x that no index touches, the indices whole and
@@ -104,9 +115,18 @@ def index_put(ctx: OpCtx):
     values = ctx.in_shapes[-1]
     if not at or len(idx_shapes) != len(at):
         return []
-    nb = max(len(s) for s in idx_shapes)
-    rest = [d for d in range(len(x)) if d not in at]
-    first = at[0] if at == list(range(at[0], at[-1] + 1)) else 0
+    spans = [_index_span(indices[i], s) for i, s in zip(at, idx_shapes)]
+    if None in spans:
+        return []   # an index of unknown dtype: which dims of x it covers is unknown
+    covered, d = [], 0
+    for i, t in enumerate(indices):
+        k = 1 if t is None else spans[at.index(i)][0]
+        if t is not None:
+            covered.extend(range(d, d + k))
+        d += k
+    nb = max(s[1] for s in spans)
+    rest = [d for d in range(len(x)) if d not in covered]
+    first = covered[0] if at == list(range(at[0], at[-1] + 1)) else 0
     before, after = rest[:first], rest[first:]
     at_out = {d: i for i, d in enumerate(before)}
     at_out.update({d: first + nb + i for i, d in enumerate(after)})

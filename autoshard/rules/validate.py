@@ -228,9 +228,13 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
     return None
 
 
-def _placeholders(args, kwargs, n):
+def _placeholders(args, kwargs, ins):
+    """The op's arguments with an fx placeholder for each tensor, its value in ``meta["val"]``
+    as a captured graph's nodes carry theirs (a rule may read an index's dtype)."""
     g = fx.Graph()
-    nodes = [g.placeholder(f"t{i}") for i in range(n)]
+    nodes = [g.placeholder(f"t{i}") for i in range(len(ins))]
+    for node, t in zip(nodes, ins):
+        node.meta["val"] = t
     return _substitute(args, kwargs, nodes)
 
 
@@ -242,7 +246,7 @@ def signatures(target, args, kwargs=None, whole_out=None) -> list:
     if rule is None:
         return []
     ins = tensor_inputs(args, kwargs)
-    fx_args, fx_kwargs = _placeholders(tuple(args), kwargs, len(ins))
+    fx_args, fx_kwargs = _placeholders(tuple(args), kwargs, ins)
     if whole_out is None:
         whole_out = target(*args, **kwargs)
     outs = _outputs(whole_out)
@@ -259,7 +263,7 @@ def check_signature(target, args, kwargs, sig: Sig, p: int, seed: int = 0,
 
     ins = tensor_inputs(args, kwargs)
     if fx_args is None:
-        fx_args, fx_kwargs = _placeholders(args, kwargs, len(ins))
+        fx_args, fx_kwargs = _placeholders(args, kwargs, ins)
     if whole_out is None:
         whole_out = target(*args, **kwargs)
     outs = _outputs(whole_out)
@@ -345,7 +349,7 @@ def validate(cases, p: int = 2, seed: int = 0) -> Report:
             continue
         rep.ops_seen.add(name)
         ins = tensor_inputs(args, kwargs)
-        fx_args, fx_kwargs = _placeholders(args, kwargs, len(ins))
+        fx_args, fx_kwargs = _placeholders(args, kwargs, ins)
         try:
             whole = target(*args, **kwargs)
         except Exception as e:  # noqa: BLE001
@@ -702,6 +706,8 @@ def default_cases(seed: int = 0) -> list:
     add(aten.scatter_add.default, r(8, 12), 0, ints(8, 4, 12), r(4, 12))
     add(aten.index_put.default, r(8, 12), [ints(8, 6)], r(6, 12), True)         # accumulate
     add(aten.index_put.default, r(8, 12, 4), [None, r(12).argsort()[:5]], r(5, 4))
+    hit = torch.arange(48).reshape(8, 6) % 3 == 0                                 # a 2-d mask covers 2 dims
+    add(aten.index_put.default, r(8, 6, 4), [hit], r(4))
     # torch's CPU grouped matmul takes bfloat16 in rows of 16 bytes; values of an eighth keep the
     # rounding of partial sums (bfloat16's 8 bits) within its tolerance's absolute part
     bf16 = torch.bfloat16
