@@ -218,3 +218,18 @@ def test_a_two_dim_mask_covers_two_dims_of_index_put():
     assert [repr(s) for s in sigs] == ["(S(2), B, S(0)) -> S(2)"]
     for s in sigs:
         assert validate.check_signature(aten.index_put.default, args, {}, s, 2)[0] == "ok", s
+
+
+def test_priced_by_the_largest_chunk():
+    """10 features over 4 are priced as 12 would be, 3 per rank: the linear's compute and the
+    output's gather (8 x 3 floats from each rank); memory counts local_shape, the largest chunk."""
+    def planned(n):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, n), nn.ReLU())
+        inputs = (torch.randn(8, 16),)
+        pins = _pins(model, inputs, (4,), ("linear.default",), (8, n))
+        plan = autoshard.plan(model, inputs, mesh=(4,), pin=pins)
+        gathers = [(c.kind, c.bytes) for c in plan.collectives if c.kind == "all_gather"]
+        return plan.nodes[next(iter(pins))].compute, gathers
+    ten = planned(10)
+    assert ten == planned(12) and ten[1] == [("all_gather", 8 * 3 * 4)], ten
