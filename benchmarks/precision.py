@@ -75,8 +75,18 @@ def run(a):
             x /= dist.get_world_size()
         losses[n] = x.item()
     plan = built["autoshard default bf16"].model.plan
-    return dict(what=what, times=times, losses=losses, default_plan=vs_torch.plan_summary(plan)) \
+    gathers = {n: _gathers(built[n].model.program) for n in CONTENDERS if n.startswith("autoshard")}
+    return dict(what=what, times=times, losses=losses, default_plan=vs_torch.plan_summary(plan), gathers=gathers) \
         if dist.get_rank() == 0 else None
+
+
+def _gathers(program: str) -> str:
+    """How the program gathers parameters: its buckets (one all-gather each), those that cast
+    their shares to bf16 first, and the parameters gathered one by one."""
+    calls = [line for line in program.splitlines() if "autoshard_runtime_bucket_start(" in line]
+    bf16 = sum("dtype = torch.bfloat16" in line for line in calls)
+    alone = program.count("autoshard_runtime_all_gather(") + program.count("autoshard_runtime_step_start(")
+    return f"{len(calls)} gather buckets ({bf16} in bf16), {alone} other collectives started alone"
 
 
 def report(a, res):
@@ -91,6 +101,8 @@ def report(a, res):
         print(f"{n:<24} {med[n]:>8.1f}  {vs_fp32:>12}  {vs_peer:>14}  {res['losses'][n]:>12.5f}")
     print("(ratio of medians, median of per-round ratios; below 1 the row is faster)")
     print(f"autoshard's own plan under the policy: {res['default_plan']}")
+    for n, text in res["gathers"].items():
+        print(f"{n}: {text}")
 
 
 def main():
