@@ -102,4 +102,31 @@ class RopeAttention(nn.Module):
         return x + self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 
+class RopeLlama(nn.Module):
+    """A Llama-style decoder as Meta and torchtitan write it: token embedding; blocks of RMSNorm,
+    attention with complex rotary embeddings (``RopeAttention``), RMSNorm and a SwiGLU MLP, each
+    with its residual; a final RMSNorm, the output head and the cross-entropy loss."""
+
+    def __init__(self, vocab=64, d=32, heads=4, seq=16, layers=2, hidden=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.attn = nn.ModuleList(RopeAttention(d, heads, seq) for _ in range(layers))
+        for a in self.attn:
+            a.norm = nn.RMSNorm(d)
+        self.mlp_norm = nn.ModuleList(nn.RMSNorm(d) for _ in range(layers))
+        self.w1, self.w3 = (nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(layers)) for _ in range(2))
+        self.w2 = nn.ModuleList(nn.Linear(hidden, d, bias=False) for _ in range(layers))
+        self.norm = nn.RMSNorm(d)
+        self.out = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        for attn, norm, w1, w3, w2 in zip(self.attn, self.mlp_norm, self.w1, self.w3, self.w2):
+            h = attn(h)
+            z = norm(h)
+            h = h + w2(F.silu(w1(z)) * w3(z))
+        logits = self.out(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 ROPE_HEADS = {"wq.weight": ("S(0)",), "wk.weight": ("S(0)",), "wv.weight": ("S(0)",), "wo.weight": ("S(1)",)}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import autoshard
 from cases import emits, step_on_the_same_gradients
-from models import GPT, MLP, ROPE_HEADS, Block, RopeAttention
+from models import GPT, MLP, ROPE_HEADS, Block, RopeAttention, RopeLlama
 
 TOL = dict(rtol=1e-5, atol=2e-6)
 
@@ -25,6 +25,8 @@ def _make(name):
         return GPT(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
     if name == "rope":
         return RopeAttention(), (torch.randn(4, 16, 32),)
+    if name == "llama":
+        return RopeLlama(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
     raise KeyError(name)
 
 
@@ -438,6 +440,18 @@ def test_complex_rotary_embeddings_run_split(world4):
     cov = autoshard.coverage(*_make("rope"), world=4)
     assert not cov.compute_fallbacks and "no rule" not in str(cov), cov
     for res in world4.run(train_case, "rope", ROPE_HEADS, "sgd"):
+        _assert_exact(res)
+        assert any("view_as_complex" in op for op in res["split_ops"]), res["split_ops"]
+        assert any("view_as_real" in op for op in res["split_ops"]), res["split_ops"]
+
+
+def test_a_llama_style_model_with_complex_rotary_embeddings_runs_split(world4):
+    """A whole Llama-style decoder (embedding, RMSNorm, attention with complex rotary embeddings,
+    SwiGLU, head, loss): nothing falls back, and under Megatron's layout, whose roles come from
+    the graph, its rotary embeddings run on each rank's heads, exact against one device."""
+    cov = autoshard.coverage(*_make("llama"), world=4)
+    assert not cov.compute_fallbacks and "no rule" not in str(cov), cov
+    for res in world4.run(train_case, "llama", "megatron", "sgd"):
         _assert_exact(res)
         assert any("view_as_complex" in op for op in res["split_ops"]), res["split_ops"]
         assert any("view_as_real" in op for op in res["split_ops"]), res["split_ops"]
