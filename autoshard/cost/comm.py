@@ -74,11 +74,17 @@ def _apply_shape(shape, step: Step, p: int):
     if step.kind in ("all_gather", "pad"):
         s[step.dim] *= p
     elif step.kind in ("reduce_scatter", "slice"):
-        s[step.dim] = -(-s[step.dim] // p)       # an uneven split: the largest chunk
+        s[step.dim] = _largest_chunk(s[step.dim], p)
     elif step.kind == "all_to_all":
         s[step.dim] *= p
-        s[step.dim2] = -(-s[step.dim2] // p)
+        s[step.dim2] = _largest_chunk(s[step.dim2], p)
     return tuple(s)
+
+
+def _largest_chunk(n, p):
+    """An uneven split is priced by its largest chunk; a size named by a symbol (``autoshard.formula``)
+    is taken to divide."""
+    return -(-n // p) if isinstance(n, int) else n // p
 
 
 def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: Sequence[int],
