@@ -104,7 +104,7 @@ def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0
         raise TypeError(f"recompute is one of {', '.join(map(repr, MODES))}, got {type(recompute).__name__}")
     if recompute not in MODES:
         raise ValueError(f"recompute is one of {', '.join(map(repr, MODES))} (the solver chooses, none, every "
-                         f"repeated block), got {recompute!r}")
+                         f"repeated block, every block's cheap ops), got {recompute!r}")
 
 
 def check_budget(memory_budget) -> float:

@@ -119,8 +119,9 @@ def recompute_lines(plan) -> list:
         unit, i, _ = _unit(b)
         units.setdefault(unit, []).append(i)
     where = ", ".join(f"{u}.{_indices(sorted(idx))}" for u, idx in units.items())
-    return [f"recompute: {len(r['blocks'])} of {r['of']} blocks ({where}) keep only their inputs and run their "
-            f"forward again in backward: + compute {fmt_s(r['compute'])}, + communication {fmt_s(r['communication'])} "
+    kept = ("keep their matmuls' and attention's outputs and run their other ops again in backward" if r.get("selective")
+            else "keep only their inputs and run their forward again in backward")
+    return [f"recompute: {len(r['blocks'])} of {r['of']} blocks ({where}) {kept}: + compute {fmt_s(r['compute'])}, + communication {fmt_s(r['communication'])} "
             f"per step; activations {fmt_bytes(r['freed'])} not kept, {fmt_bytes(r['peak'])} back while one block's "
             f"backward runs"]
 

@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--cluster", default=None, help=f"cluster preset, one of {sorted(autoshard.PRESETS)}")
     ap.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per solve")
-    ap.add_argument("--recompute", nargs="+", choices=["auto", "none", "blocks"], default=["auto"],
+    ap.add_argument("--recompute", nargs="+", choices=["auto", "none", "blocks", "selective"], default=["auto"],
                     help="plan each configuration with each of these recompute= modes, side by side")
     args = ap.parse_args()
     cluster = autoshard.api.resolve_cluster(args.cluster)
@@ -63,11 +63,15 @@ def main():
                 continue
             seconds = time.perf_counter() - start
             mfu = model_flops(layers, d, seq, batch, vocab) / (plan.cost * world * cluster.peak_flops)
-            again = plan.recompute.get("blocks", [])
+            r = plan.recompute
+            again = r.get("blocks", [])
+            what = (f"{len(again)} of {layers} blocks recomputed" + (" (their cheap ops only)" if r.get("selective") else "")
+                    + (f": + {r['compute']:.3f} s compute, + {r['communication']:.3f} s communication, "
+                       f"{r['freed'] / 1e9:.1f} GB not kept" if again else ""))
             print(f"  recompute={mode!r}: planned in {seconds:.1f} s; mesh {tuple(plan.mesh_shape)}; estimated step "
-                  f"{plan.cost:.3f} s; estimated MFU {100 * mfu:.1f}%; memory per rank "
+                  f"{plan.cost:.4f} s; estimated MFU {100 * mfu:.1f}%; memory per rank "
                   f"{plan.memory['total'] / 1e9:.1f} GB of {plan.memory['budget'] / 1e9:.0f} GB; "
-                  f"{len(again)} of {layers} blocks recomputed; solver {plan.solver.get('status')}", flush=True)
+                  f"{what}; solver {plan.solver.get('status')}", flush=True)
 
 
 if __name__ == "__main__":

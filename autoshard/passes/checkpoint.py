@@ -10,27 +10,47 @@ region, so the schedule pass still buckets and prefetches it and the gathered pa
 checkpoint's input, kept rather than gathered again; with ``reshard_after_forward`` it stays in
 the region, gathered again with the forward it feeds, as the plan prices it. Every rank runs the
 same regions in the same order, so the collectives run again in backward pair up across ranks.
+
+Where the plan recomputes only the blocks' cheap ops (``plan.recompute["selective"]``, the
+planner's ``recompute="selective"``), the region runs under torch's selective checkpoint policy:
+the outputs of the kernels that do a block's arithmetic (matmuls, attention, convolutions) are
+kept from forward, and only the rest (norms, activations, adds, the collectives between them)
+runs again in backward, as Megatron-LM's selective recomputation does.
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoshard import runtime
 from autoshard.passes.recompute import _stack_blocks
 
 
+aten = torch.ops.aten
+# the kernels whose outputs a selectively recomputed block keeps (passes.recompute.heavy: the
+# ops that do a block's arithmetic, as the dispatcher sees them)
+ARITHMETIC = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._grouped_mm,
+              aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+              aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention}
+
+
+def _keep_arithmetic(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in ARITHMETIC else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Recompute(torch.nn.Module):
     """One block of the program: its forward kept only as far as its inputs, run again in
     backward with the rank's mesh active and the generator all ranks share for random ops
-    (dropout) as it was, so it draws the same masks."""
+    (dropout) as it was, so it draws the same masks. ``selective``: the outputs of its
+    arithmetic (``ARITHMETIC``) kept too, and only the rest run again."""
 
-    def __init__(self, block: fx.GraphModule, name: str):
+    def __init__(self, block: fx.GraphModule, name: str, selective: bool = False):
         super().__init__()
-        self.block, self.name = block, name
+        self.block, self.name, self.selective = block, name, selective
 
     def forward(self, *xs):
         mesh = runtime._mesh()
@@ -49,6 +69,9 @@ class Recompute(torch.nn.Module):
             finally:
                 mesh.generator.set_state(now)
 
+        if self.selective:
+            return checkpoint(run, *xs, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_arithmetic))
         return checkpoint(run, *xs, use_reentrant=False)
 
 
@@ -66,8 +89,9 @@ def checkpoint_blocks(program: fx.GraphModule, graph, plan) -> fx.GraphModule:
     g.output(g.graph_copy(program.graph, {}))
     root = torch.nn.Module()
     regather = plan.schedule.get("reshard_after_forward", False)
+    selective = bool((plan.recompute or {}).get("selective"))
     for name in chosen:
-        _region(g, root, name, set(blocks[name]), regather)
+        _region(g, root, name, set(blocks[name]), regather, selective and name not in user)
     g.lint()
     gm = fx.GraphModule(root, g, class_name="RankProgram")
     gm.meta.update(program.meta)
@@ -84,7 +108,7 @@ def user_regions(graph) -> dict:
     return out
 
 
-def _region(g: fx.Graph, root, name: str, sources: set, regather: bool) -> None:
+def _region(g: fx.Graph, root, name: str, sources: set, regather: bool, selective: bool = False) -> None:
     nodes = list(g.nodes)
     at = [i for i, n in enumerate(nodes) if n.meta.get("source") in sources]
     if not at:
@@ -115,7 +139,7 @@ def _region(g: fx.Graph, root, name: str, sources: set, regather: bool) -> None:
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[n] for n in outs))
     attr = "recompute_" + name.replace(".", "_")
-    root.add_module(attr, Recompute(fx.GraphModule(torch.nn.Module(), sub, class_name="Block"), name))
+    root.add_module(attr, Recompute(fx.GraphModule(torch.nn.Module(), sub, class_name="Block"), name, selective))
     with g.inserting_before(first):
         call = g.call_module(attr, tuple(ext))
         got = {n: g.call_function(operator.getitem, (call, i)) for i, n in enumerate(outs)}

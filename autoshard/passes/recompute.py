@@ -33,7 +33,8 @@ from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.repeat import _block_of
 
 AUTO = "auto"
-MODES = (AUTO, "none", "blocks")
+SELECTIVE = "selective"
+MODES = (AUTO, "none", "blocks", SELECTIVE)
 # CP-SAT's deterministic seconds for choosing how many blocks recompute, from the better of no
 # block and every block recomputed (passes.solve._solve_choosing)
 EFFORT = 5.0
@@ -63,6 +64,14 @@ def chooses(graph, strategies, costs, budget) -> bool:
     from autoshard.passes.repeat import tie_repeated
     return bool(groups(graph, tie_repeated(graph, strategies)))
 _FWD, _COMM = PARTS.index("compute_fwd"), PARTS.index("comm")
+
+
+def heavy(node) -> bool:
+    """Whether an op does the arithmetic of a block (matmuls, attention, convolutions:
+    ``cost.compute.FLOPS``): under ``"selective"`` it keeps its output and is not run again; the
+    others (norms, activations, adds, dropout: cheap per byte they keep) are."""
+    from autoshard.cost.compute import FLOPS, FLOPS_BY_NAME, qualified_name
+    return node.target in FLOPS or qualified_name(node.target) in FLOPS_BY_NAME
 
 
 @dataclass
@@ -171,8 +180,9 @@ class _Linear:
             self.terms[var] = self.terms.get(var, 0) + c
 
 
-def _forms(table, x, placed, costs, unit, integer, scale) -> dict:
-    """group name -> (compute F, collectives F, freed bytes D) of one block, as ``_Linear``."""
+def _forms(table, x, placed, costs, unit, integer, scale, light: bool = False) -> dict:
+    """group name -> (compute F, collectives F, freed bytes D) of one block, as ``_Linear``;
+    ``light``: its cheap ops only (``"selective"``: ``heavy``'s outputs are kept)."""
     rep = table.rep
     gs = groups(costs.graph, rep)
     if not gs:
@@ -182,7 +192,7 @@ def _forms(table, x, placed, costs, unit, integer, scale) -> dict:
     r = (lambda s: int(round(s * unit))) if integer else (lambda s: s * unit)
     for n, _, vecs, nbytes in table.nodes:
         g = owner.get(n.name)
-        if g is None:
+        if g is None or (light and heavy(n)):
             continue
         fc, fm, d = forms[g.name]
         vs = x[n.name] or [None]
@@ -214,21 +224,37 @@ def _forms(table, x, placed, costs, unit, integer, scale) -> dict:
     return {g.name: (g, forms[g.name]) for g in gs}
 
 
-def floor(table, costs, again: bool = True) -> float:
+def floor(table, costs, again: bool = True, light: bool = False) -> float:
     """Seconds no plan with every block recomputed (``"blocks"``) can beat, without a program:
     each node's cheapest strategy alone, its own cost (compute, collectives, optimizer step) and,
     in a block, its forward again once per block of its class (``again=False``: not, a bound of
-    every plan). The exposed communication and the conversions only add to a plan, so this is a
+    every plan; ``light``: its cheap ops only, ``"selective"``). The exposed communication and the conversions only add to a plan, so this is a
     bound; on a large model, where compute is most of the step, a close one (the 96-layer GPT
     on (128, 8): every block's forward again is a third of the step, more than the memory
     budget costs without recomputation, so ``"blocks"`` needs no program of its own there)."""
     weight = [DRAG if p.startswith("hidden") else 1.0 for p in PARTS]   # cost.step: the drag at least
     gs = groups(costs.graph, table.rep)
-    runs = {o: len(g.blocks) for g in gs for o in g.ops} if again else {}
+    runs = {o: len(g.blocks) for g in gs for o in g.ops
+            if not (light and heavy(costs.graph.by_name[o]))} if again else {}
     total = 0.0
     for n, times, vecs, _ in table.nodes:
         k = runs.get(n.name, 0)
         total += min(times * sum(w * x for w, x in zip(weight, vec)) + k * (vec[_FWD] + vec[_COMM]) for vec in vecs)
+    return total
+
+
+def most_freed(table, costs, light: bool = False) -> float:
+    """The most bytes recomputing every block can free under any layout: each op's largest
+    output and each conversion's largest result it would not keep (``light``: cheap ops only)."""
+    total = 0.0
+    for g in groups(costs.graph, table.rep):
+        ops, k = set(g.ops), len(g.blocks)
+        for n, _, _, nbytes in table.nodes:
+            if n.name in g.inner and not (light and heavy(n)):
+                total += k * max(nbytes)
+        for u, _, v, _, _, _, _, pairs in table.edges:
+            if v.name in ops and _in_region(u):
+                total += k * max((kept for _, kept in pairs.values()), default=0)
     return total
 
 
@@ -259,7 +285,7 @@ def add_terms(model, table, x, placed, costs, sums, unit, integer, scale, budget
     none = ({}, 0), Handles([])
     if mode == "none" or not costs.training or (mode == "auto" and not budgeted):
         return none
-    forms = _forms(table, x, placed, costs, unit, integer, scale)
+    forms = _forms(table, x, placed, costs, unit, integer, scale, light=mode == SELECTIVE)
     if not forms:
         return none
     mem, const, by_group = {}, 0, []
@@ -268,7 +294,7 @@ def add_terms(model, table, x, placed, costs, sums, unit, integer, scale, budget
         mem[peak] = 1
     for name, (g, (fc, fm, d)) in forms.items():
         k = len(g.blocks)
-        if mode == "blocks":
+        if mode in ("blocks", SELECTIVE):
             for part, f in (("compute_bwd", fc), ("comm", fm)):
                 for var, c in f.terms.items():
                     sums.coef[part][var] = sums.coef[part].get(var, 0) + k * c
@@ -300,6 +326,8 @@ def add_terms(model, table, x, placed, costs, sums, unit, integer, scale, budget
         by_group.append((g, rs))
         for _, r in rs:   # a start that fits the budget where anything does: every block recomputed
             model.hint(r, True)
+    if mode == SELECTIVE:   # the counts say which kind (``chosen``)
+        by_group.append((Group([SELECTIVE], [], set()), [(1, None)]))
     return (mem, const), Handles(by_group)
 
 
@@ -346,17 +374,19 @@ def region_terms(model, strategies, table, x, placed, costs, scale, budgeted: bo
 
 # ---- a chosen plan's recomputation --------------------------------------------------------------
 
-def block_price(graph, strategies, choice, costs, g: Group) -> tuple:
-    """(Cost of one block's forward run again, bytes it frees) in this plan."""
+def block_price(graph, strategies, choice, costs, g: Group, light: bool = False) -> tuple:
+    """(Cost of one block's forward run again, bytes it frees) in this plan; ``light``: its
+    cheap ops only (``"selective"``)."""
     fwd = coll = freed = 0.0
     for name in g.ops:
         n = graph.by_name[name]
         strat = strategies[name][choice[name]]
-        c = costs.node(n, strat)
-        fwd += c.compute_fwd
-        coll += c.comm
-        if name in g.inner:
-            freed += costs.memory(n, strat)
+        if not (light and heavy(n)):
+            c = costs.node(n, strat)
+            fwd += c.compute_fwd
+            coll += c.comm
+            if name in g.inner:
+                freed += costs.memory(n, strat)
         for slot, value in enumerate(n.inputs):
             u = graph.by_name[value[0]]
             if not _in_region(u):
@@ -370,16 +400,18 @@ def block_price(graph, strategies, choice, costs, g: Group) -> tuple:
 
 def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
     """(extra Cost, bytes freed, peak bytes back, the report) of recomputing ``counts`` (group
-    name -> how many of its blocks) blocks; the first blocks of each group recompute."""
+    name -> how many of its blocks) blocks; the first blocks of each group recompute, their
+    cheap ops only where ``counts[SELECTIVE]`` is set."""
     from autoshard.passes.repeat import tie_repeated
     extra, freed, peak, blocks = Cost(), 0, 0, []
     if not counts or not any(counts.values()):
         return extra, 0, 0, None
+    light = bool(counts.get(SELECTIVE))
     for g in groups(graph, tie_repeated(graph, strategies)):
         m = counts.get(g.name, 0)
         if not m:
             continue
-        cost, d = block_price(graph, strategies, choice, costs, g)
+        cost, d = block_price(graph, strategies, choice, costs, g, light)
         for _ in range(m):
             extra = extra + cost
         freed += m * d
@@ -387,7 +419,7 @@ def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
         blocks += g.blocks[:m]
     order = list(_stack_blocks(graph))
     blocks.sort(key=order.index)
-    report = {"mode": mode_of(costs), "blocks": blocks, "of": len(order),
+    report = {"mode": mode_of(costs), "blocks": blocks, "of": len(order), "selective": light,
               "compute": extra.compute, "communication": extra.comm, "freed": freed, "peak": peak}
     return extra, freed, peak, report
 
@@ -404,6 +436,8 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
         return {}
     if mode == "blocks":
         return {g.name: len(g.blocks) for g in gs}
+    if mode == SELECTIVE:
+        return {**{g.name: len(g.blocks) for g in gs}, SELECTIVE: 1}
     if budget is None:
         return {}
     need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)["total"]

@@ -227,7 +227,7 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
         if memory_budget is not None:
             limit = int(memory_budget) if integer else memory_budget * scale
             terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale), again)
-            model.at_most(terms, limit - const)
+            model.budget_ct = model.at_most(terms, limit - const)   # _looser moves its bound
             model.budget_row = (terms, limit - const)
     return x, objective, handles
 
@@ -315,8 +315,8 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
 
 
 def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support) -> Solution:
-    """``recompute="auto"`` under a budget: the plan of each linear mode (no block, every block
-    recomputed) that its bound (``_mode_bounds``) lets beat the best so far, best bound first
+    """``recompute="auto"`` under a budget: the plan of each linear mode (no block, every block's
+    cheap ops, every block recomputed) that its bound (``_mode_bounds``) lets beat the best so far, best bound first
     (each solved and proven as any); each layout with the fewest blocks recomputed that fit it;
     then, where recomputation is in play, the whole choice (passes.recompute's products of
     layouts and counts, whose relaxation is weak) from the best of them, for at most
@@ -357,6 +357,8 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             solve(graph, strategies, costs, time_limit, memory_budget)
         raise RuntimeError("the layout solver found no plan with or without recomputation in time; raise time_limit=")
     for sol in list(found):   # each layout with the fewest blocks recomputed that fit it
+        if sol.recompute.get(recompute.SELECTIVE):
+            continue   # its layout counts on every block's cheap ops made again
         again = recompute.best_counts(graph, strategies, sol.choice, costs, memory_budget)
         if again != sol.recompute:
             extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
@@ -365,7 +367,7 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
     best = min(found, key=lambda sol: sol.objective)
     # 0: a mesh search's first look, the best as it is; and with no block recomputed in any plan
     # found, the choice has no layout to start a count from
-    counted = any(any(sol.recompute.values()) for sol in found)
+    counted = any(any(sol.recompute.values()) for sol in found if not sol.recompute.get(recompute.SELECTIVE))
     if counted and effort == 0:
         # a plan recomputing some blocks may beat every mode's bound: the bound of any plan, so
         # that a mesh search solves the choice when it comes back to this mesh
@@ -386,7 +388,7 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
 
 def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
     """recompute mode -> seconds none of its plans under the budget beats, for the linear modes
-    ``"auto"`` chooses among. ``"none"``'s LP relaxation first: where the budget is slack at its
+    ``"auto"`` chooses among (``"selective"``: ``_looser``). ``"none"``'s LP relaxation first: where the budget is slack at its
     optimum it binds nothing, and ``"none"`` is the only mode (recomputation only adds). Else
     ``"blocks"``'s floor (``recompute.floor``, no program); its LP relaxation only where nothing
     fits without recomputation (GPT-3 175B), to tell whether anything fits at all: elsewhere
@@ -400,10 +402,34 @@ def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
         slack = costs._relaxed.get(("slack", id(strategies), memory_budget, "none"))
         if slack is not None and slack[0] is strategies:
             return out
-    out["blocks"] = recompute.floor(_table(graph, strategies, costs), costs)
+    table = _table(graph, strategies, costs)
+    out["blocks"] = recompute.floor(table, costs)
     if math.isinf(out["none"]):
         with recompute.mode(costs, "blocks"):
             out["blocks"] = max(out["blocks"], _relaxation(graph, strategies, costs, memory_budget)[0])
+    # a plan recomputing every block's cheap ops costs no less than its layout without, and
+    # that layout fits the budget plus what they free: "none"'s LP with the budget moved
+    out[recompute.SELECTIVE] = max(recompute.floor(table, costs, light=True), _looser(
+        graph, strategies, costs, memory_budget, recompute.most_freed(table, costs, light=True)))
+    return out
+
+
+def _looser(graph, strategies, costs, memory_budget, more: float) -> float:
+    """The bound of ``"none"``'s LP relaxation with ``more`` bytes of budget: its LP solved
+    again with the budget row moved (the dual simplex starts from the basis it ended on)."""
+    with recompute.mode(costs, "none"):
+        _relaxation(graph, strategies, costs, memory_budget)
+        hit = costs._relaxed[(id(strategies), memory_budget, "none")]
+    ct = getattr(hit[2] if len(hit) > 2 else None, "budget_ct", None)
+    if ct is None:
+        return 0.0
+    lp, ub = hit[2], ct.ub()
+    ct.SetUb(ub + more * 1e-9)   # the LP counts gigabytes
+    with phase("solve"):
+        status = lp.solver.Solve()
+    out = math.inf if status == pywraplp.Solver.INFEASIBLE else \
+        lp.solver.Objective().Value() / 1e6 if status == pywraplp.Solver.OPTIMAL else 0.0
+    ct.SetUb(ub)
     return out
 
 
@@ -503,7 +529,7 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
             # so a later ask without a budget need not be solved again
             costs._relaxed[(id(strategies), None, recompute.mode_of(costs))] = (strategies, out)
             costs._relaxed[("slack",) + key] = (strategies, True)   # _mode_bounds: the budget binds nothing
-    costs._relaxed[key] = (strategies, out)
+    costs._relaxed[key] = (strategies, out, lp)
     while len(costs._relaxed) > 3 * TABLES_KEPT:
         costs._relaxed.pop(next(iter(costs._relaxed)))
     return out
@@ -566,6 +592,7 @@ class _LP:
         row = self.solver.Constraint(lo, hi)
         for v, c in terms:
             row.SetCoefficient(v, c)
+        return row
 
     def exactly_one(self, vs):
         self._row(1.0, 1.0, ((v, 1.0) for v in vs))
@@ -577,7 +604,7 @@ class _LP:
         self._row(float(bound), self.solver.infinity(), terms.items())
 
     def at_most(self, terms: dict, bound):
-        self._row(-self.solver.infinity(), float(bound), terms.items())
+        return self._row(-self.solver.infinity(), float(bound), terms.items())
 
     def hint(self, var, value):
         pass   # a starting point means nothing to the simplex
