@@ -2,6 +2,7 @@
 (torch.chunk: 17 tokens over 4 ranks are 5, 5, 5, 2), exact against one device in a real gloo
 group of 4, on meshes (4,) and (2, 2)."""
 import copy
+import math
 
 import pytest
 import torch
@@ -126,6 +127,67 @@ def train_case(name, mesh, outputs="whole"):
             "summary": str(pm.plan), "explain": pm.plan.explain(uneven[0]) if uneven else ""}
 
 
+# every conversion between uneven layouts, run by the runtime's steps against the whole tensor
+
+CONVERSIONS = {
+    (4,): [("S(0)", "B"), ("S(0)", "S(1)"), ("S(1)", "S(0)"), ("B", "S(0)"), ("P", "S(0)"), ("P", "S(1)")],
+    (2, 2): [(("S(0)", "S(0)"), ("B", "B")), (("S(0)", "S(0)"), ("S(1)", "S(1)")), (("S(0)", "B"), ("S(0)", "S(0)")),
+             (("P", "S(0)"), ("S(0)", "S(0)")), (("S(0)", "S(1)"), ("S(1)", "S(0)")), (("P", "P"), ("S(0)", "S(1)")),
+             (("P", "P"), ("B", "B")), (("B", "S(0)"), ("S(1)", "P"))],
+}
+
+
+def conversions_case(mesh):
+    """Each conversion of CONVERSIONS on a (17, 10) tensor, forward and the dual in backward:
+    where this rank's result or gradient differs from the whole tensor's chunk, a message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from autoshard import runtime
+    from autoshard.cost import comm
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(17, 10, generator=g), torch.randn(17, 10, generator=g)
+    rm = runtime.RankMesh(init_device_mesh("cpu", mesh), torch.Generator())
+    coords = rm.coords
+    share = [(c + 1) / sum(range(1, n + 1)) for c, n in zip(coords, mesh)]   # a partial sum's part
+
+    def cut(t, placement, keep=(pl.Split,)):
+        for a, q in enumerate(placement):
+            if isinstance(q, pl.Split) and pl.Split in keep:
+                t = t.chunk(mesh[a], q.dim)[coords[a]]
+            elif isinstance(q, pl.Partial) and pl.Partial in keep:
+                t = t * share[a]
+        return t
+
+    bad = []
+    with runtime.active(rm):
+        for src, dst in CONVERSIONS[mesh]:
+            src, dst = pl.parse_nd(src, len(mesh)), pl.parse_nd(dst, len(mesh))
+            local = cut(x, src, (pl.Split, pl.Partial)).clone().requires_grad_()
+            steps = comm.transition(pl.local_shape(x.shape, src, mesh), src, dst, mesh, whole=x.shape)
+            out = local
+            for st, kw in zip(steps, comm.rank_sizes(x.shape, src, steps, mesh, coords)):
+                kw = {"axis": st.axis, **kw, **{k: v for k, v in (("dim", st.dim), ("dim2", st.dim2)) if v is not None}}
+                out = runtime.STEP_FUNCTIONS[st.kind](out, **kw)
+            got = out.detach()
+            for a, q in enumerate(dst):   # a partial result: summed over its axis, as P means
+                if isinstance(q, pl.Partial):
+                    torch.distributed.all_reduce(got, group=rm.groups[a])
+            if not torch.allclose(got, cut(x, dst), atol=1e-6):
+                bad.append(f"{src} -> {dst}: forward differs")
+            (out * cut(w, dst)).sum().backward()
+            grad = local.grad
+            for a, q in enumerate(src):   # a broadcast input's gradient arrives partial: sum it
+                if isinstance(q, pl.Broadcast) and mesh[a] > 1:
+                    torch.distributed.all_reduce(grad, group=rm.groups[a])
+            held = math.prod(n for q, n in zip(dst, mesh) if isinstance(q, pl.Broadcast))
+            if not torch.allclose(grad, cut(w * held, src), atol=1e-5):
+                bad.append(f"{src} -> {dst}: gradient differs")
+    return {"bad": bad}
+
+
+def conversions():
+    return [conversions_case((4,)), conversions_case((2, 2))]
+
+
 CASES = [("vit", (4,)), ("vit", (2, 2)), ("linears", (4,)), ("linears", (2, 2))]
 
 
@@ -136,6 +198,15 @@ def run_cases(cases):
 @pytest.fixture(scope="module")
 def results(world4):
     return dict(zip(CASES + [("vit", (4,), "dtensor")], world4.run(run_cases, CASES)[0]))
+
+
+def test_every_uneven_conversion_and_its_dual(world4):
+    """Gathers, reduce-scatters, all-to-alls, slices and pads of 17 x 10 over (4,) and (2, 2)
+    (5, 5, 5, 2 rows, 3, 3, 3, 1 columns; nested, 5, 4, 4, 4): every rank's result is its chunk
+    of the whole tensor, and backward's dual gives its chunk of the gradient."""
+    for rank, res in enumerate(world4.run(conversions)):
+        for mesh, one in zip(((4,), (2, 2)), res):
+            assert not one["bad"], (rank, mesh, one["bad"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{n}-{m}" for n, m in CASES])
