@@ -14,6 +14,7 @@ from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.memory import rank_memory
+from autoshard.cost.overlap import activation_overlap, added
 from autoshard.cost.step import Cost
 from autoshard import explain, summary
 from autoshard.passes import recompute
@@ -239,12 +240,29 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
     memory["activations"] += peak - freed
     memory["total"] += peak - freed
+    # what the schedule hides of the activations' collectives, and which it chunks (cost.overlap);
+    # recomputed blocks run in checkpointed submodules, which the schedule pass leaves as they are
+    overlaps = [] if any((solution.recompute or {}).values()) else activation_overlap(
+        graph, strategies, solution.choice, costs)
+    chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1]
     plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
-                input_shapes, memory, asdict(total),
-                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs},
+                input_shapes, memory, breakdown(total, overlaps),
+                {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
+                 "chunks": chunks},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
     plan._priced = (graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
     return plan
+
+
+def breakdown(total: Cost, overlaps: list) -> dict:
+    """The step's parts (``cost.step.Cost``); in seconds its ``compute``, the communication it
+    waits for (``exposed``, with the overlap's drag) and the communication hidden behind compute
+    (``hidden``); and what the schedule hides of the activations' collectives, the chunks'
+    drag deducted (``activations_hidden``), which the estimate does not yet count (``cost.overlap``)."""
+    overflow = max(0.0, total.hidden_fwd - total.compute_fwd) + max(0.0, total.hidden_bwd - total.compute_bwd)
+    return asdict(total) | {"compute": total.compute, "exposed": total.exposed,
+                            "hidden": total.hidden_fwd + total.hidden_bwd - overflow,
+                            "activations_hidden": -sum(added(o) for o in overlaps)}
 
 
 def _module(node) -> Optional[str]:

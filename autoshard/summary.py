@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from autoshard.cost.step import Cost
+from autoshard.cost.step import PARTS, Cost
 
 TOP_COLLECTIVES = 8
 
@@ -75,7 +75,7 @@ def mesh_lines(plan) -> list:
 def step_lines(plan) -> list:
     commt = sum(c.seconds for c in plan.collectives)
     if plan.breakdown:
-        b = Cost(**plan.breakdown)
+        b = Cost(**{k: plan.breakdown[k] for k in PARTS})
         hidden_all = b.hidden_fwd + b.hidden_bwd
         overflow = max(0.0, b.hidden_fwd - b.compute_fwd) + max(0.0, b.hidden_bwd - b.compute_bwd)
         compute, exposed, hidden, optimizer = b.compute, b.exposed, hidden_all - overflow, b.optimizer
@@ -87,9 +87,11 @@ def step_lines(plan) -> list:
              f" + exposed communication {fmt_s(exposed)}" + (f" + optimizer {fmt_s(optimizer)}" if optimizer else "")]
     buckets = fmt_bytes(plan.schedule.get("bucket_bytes", 0))
     lines.append(f"  communication {fmt_s(commt)} in all; hidden communication {fmt_s(hidden)} is overlapped with "
-                 f"compute by the schedule (gradient buckets of {buckets}, prefetched parameter gathers)"
+                 f"compute by the schedule (gradient buckets of {buckets}, prefetched parameter gathers, "
+                 f"activations' collectives started early and waited on late)"
                  + ("; converted parameters are freed after forward and converted again for backward"
                     if plan.schedule.get("reshard_after_forward") else ""))
+    lines += chunk_lines(plan)
     per_axis: dict = {}
     for c in plan.collectives:
         for a in c.axes:   # a collective over several axes at once: an equal share to each
@@ -97,6 +99,24 @@ def step_lines(plan) -> list:
     if per_axis:
         lines.append("  communication per axis: " + ", ".join(f"axis {a} {fmt_s(t)}" for a, t in sorted(per_axis.items())))
     return lines
+
+
+def chunk_lines(plan, shown: int = 4) -> list:
+    """Which conversions the schedule overdecomposes, and into how many chunks (``cost.overlap``)."""
+    chunks = plan.schedule.get("chunks") or []
+    saved = plan.breakdown.get("activations_hidden", 0.0)
+    hides = (f"activation collectives started early hide {fmt_s(saved)} of the step, which the estimate "
+             "does not yet count" if saved > 0 else "")
+    if not chunks:
+        return [f"  {hides}"] if hides else []
+    by_k: dict = {}
+    for producer, consumer, k, _ in chunks:
+        by_k.setdefault(k, []).append(f"{producer} -> {consumer}")
+    parts = [f"{_plural(len(names), 'conversion')} into {k} chunks ({', '.join(names[:shown])}"
+             + (f", ... {len(names) - shown} more" if len(names) > shown else "") + ")"
+             for k, names in sorted(by_k.items())]
+    return ["  overdecomposed, each chunk's collective overlapping the next chunk's matmul: " + "; ".join(parts)
+            + (f"; with them, {hides}" if hides else "")]
 
 
 def memory_line(plan) -> list:

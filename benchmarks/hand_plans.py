@@ -35,7 +35,6 @@ import torch
 import autoshard
 from autoshard import schemes
 from autoshard.cost import axonn
-from autoshard.cost.step import Cost
 from autoshard.passes.capture import capture
 from autoshard.passes.solve import MemoryBudgetError
 from plan_gpt import GPT, broadcast
@@ -51,7 +50,7 @@ def label(scheme, mesh, roles):
 def summary(plan, seconds, graph):
     return {"cost": plan.cost, "comm": sum(c.seconds for c in plan.collectives),
             "linear": axonn.plan_traffic(plan, graph)["linear"],
-            "exposed": Cost(**plan.breakdown).exposed, "memory": plan.memory["total"], "seconds": seconds,
+            "exposed": plan.breakdown["exposed"], "memory": plan.memory["total"], "seconds": seconds,
             "status": plan.solver["status"].lower() + (f" ({100 * plan.solver['gap']:.2f}% gap)"
                                                          if plan.solver.get("gap") else ""),
             "mesh": tuple(plan.mesh_shape)}

@@ -1,8 +1,11 @@
 """What hiding activation communication gains, measured: the same plan run with the schedule pass
 (``overlap=True``: every collective step started right after its input is made and waited on
 right before its first use, in forward and, mirrored, in backward) and without it
-(``overlap=False``: every step blocks where the rewriter put it), back to back on a local gloo
-group, beside the bound the machine allows, measured in the same run:
+(``overlap=False``: every step blocks where the rewriter put it), and with the schedule pass and
+the linears before every all-reduce or reduce-scatter overdecomposed into ``--chunks`` chunks
+(``chunked``: each chunk's collective started while the next chunk's matmul runs; the plan's
+``schedule["chunks"]`` set to every conversion the cost model could chunk), back to back on a
+local gloo group, beside the bound the machine allows, measured in the same run:
 
   compute alone   the scheduled program with every collective replaced by one that returns at
                   once (its output buffer zeroed): the step if communication were free
@@ -23,9 +26,11 @@ Cases:
 
 Rounds interleave the contenders (order rotated each round); a step is forward and backward of
 the loss, timed on the slowest rank from a barrier; medians after the warm-up rounds. Prints ms
-per step and on/off; "comm share" is comm alone over the step without overlap.
+per step, on/off and chunked/off; "comm share" is comm alone over the step without overlap. The
+plan's own choice of chunks on the cluster it was made for (``--cluster``) is printed under each
+case.
 
-    python benchmarks/overlap.py [--world 2] [--rounds 12] [--cases megatron,seq-parallel,default]
+    python benchmarks/overlap.py [--world 2] [--rounds 12] [--chunks 4] [--cases megatron,seq-parallel,default]
 """
 from __future__ import annotations
 
@@ -126,6 +131,21 @@ def _build(case, a):
     return model, batch, plan
 
 
+# a link with no latency or launch: the cost model chunks every conversion it can
+_FREE_LINK = autoshard.Cluster(name="free-link", intra_latency=0, collective_overhead=0, intra_bandwidth=1e9)
+
+
+def _chunked(model, batch, plan, k: int):
+    """``plan`` with every conversion the schedule can overdecompose chunked into ``k``."""
+    import copy
+    pin = {n: tuple(c.outputs[0]) for n, c in plan.nodes.items() if c.kind == "op" and c.outputs}
+    pin |= {n: tuple(v) for n, v in plan.params.items()}
+    every = autoshard.plan(model, batch, mesh=plan.mesh_shape, cluster=_FREE_LINK, pin=pin)
+    out = copy.copy(plan)
+    out.schedule = dict(plan.schedule, chunks=[[p, c, k, d] for p, c, _, d in every.schedule["chunks"]])
+    return out
+
+
 def _step(pm, batch, barrier=True):
     if barrier:
         dist.barrier()
@@ -141,7 +161,12 @@ def rank_case(case, a):
     model, batch, plan = _build(case, a)
     on = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=True)
     off = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=False)
-    contenders = {"off": lambda: _step(off, batch), "on": lambda: _step(on, batch)}
+    text = [_chunked(model, batch, plan, a.chunks).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    chunks = autoshard.Plan.from_json(text[0])
+    chunked = autoshard.parallelize(copy.deepcopy(model), plan=chunks, overlap=True)
+    contenders = {"off": lambda: _step(off, batch), "on": lambda: _step(on, batch),
+                  "chunked": lambda: _step(chunked, batch)}
 
     def compute_alone():
         with _patched(_no_comm):
@@ -173,7 +198,8 @@ def rank_case(case, a):
     kinds = {}
     for name, _, _ in log:
         kinds[name] = kinds.get(name, 0) + 1
-    return {"times": times, "collectives": kinds, "mesh": plan.mesh_shape}
+    return {"times": times, "collectives": kinds, "mesh": plan.mesh_shape, "chunked": len(chunks.schedule["chunks"]),
+            "chosen": [k for _, _, k, _ in plan.schedule.get("chunks", [])]}
 
 
 def main():
@@ -182,6 +208,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cases", default="megatron,seq-parallel,default")
+    ap.add_argument("--chunks", type=int, default=4, help="k of the chunked contender")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
@@ -193,10 +220,10 @@ def main():
     print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq} "
           f"tokens; gloo world {a.world}; forward + backward; medians of {a.rounds} rounds after {a.warmup}")
     print()
-    print("| case | off ms | on ms | on/off | compute alone ms | comm alone ms | ideal ms | ideal/off "
-          "| both at once ms | both/off | comm share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    world = LocalWorld(a.world)
+    print(f"| case | off ms | on ms | chunked (k={a.chunks}) ms | on/off | chunked/off | compute alone ms "
+          "| comm alone ms | ideal ms | ideal/off | both at once ms | both/off | comm share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    world = LocalWorld(a.world, timeout_s=900.0)   # a case's rounds take minutes on a loaded machine
     try:
         for case in a.cases.split(","):
             res = world.run(rank_case, case, a)
@@ -204,11 +231,15 @@ def main():
             med = {k: statistics.median(max(r["times"][k][i] for r in res) for i in range(a.rounds)) * 1e3
                    for k in res[0]["times"]}
             ideal = max(med["compute"], med["comm"])
-            print(f"| {case} | {med['off']:.1f} | {med['on']:.1f} | {med['on'] / med['off']:.2f} | "
+            print(f"| {case} | {med['off']:.1f} | {med['on']:.1f} | {med['chunked']:.1f} | "
+                  f"{med['on'] / med['off']:.2f} | {med['chunked'] / med['off']:.2f} | "
                   f"{med['compute']:.1f} | {med['comm']:.1f} | {ideal:.1f} | {ideal / med['off']:.2f} | "
                   f"{med['both']:.1f} | {med['both'] / med['off']:.2f} | {med['comm'] / med['off']:.2f} |")
             counts = ", ".join(f"{k.strip('_')} x{v}" for k, v in sorted(res[0]["collectives"].items()))
-            print(f"|  | collectives per step on rank 0: {counts} |")
+            chosen = res[0]["chosen"]
+            print(f"|  | collectives per step on rank 0 (not chunked): {counts}; chunked contender: "
+                  f"{res[0]['chunked']} conversions in {a.chunks}; the plan's own choice: "
+                  + (f"{len(chosen)} chunked (k = {sorted(set(chosen))})" if chosen else "none chunked (k = 1)") + " |")
     finally:
         world.close()
 

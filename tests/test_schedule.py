@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import runtime
+from autoshard.cost.step import DRAG
 from autoshard.passes.capture import capture
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import schedule
@@ -111,6 +112,79 @@ def test_cost_model_prices_overlap():
     assert b["hidden_bwd"] == pytest.approx(sum(c.seconds for c in grads))
     assert plan.cost < b["compute_fwd"] + b["compute_bwd"] + b["comm"] + b["hidden_bwd"]
     assert "overlapped with compute by the schedule" in str(plan)
+
+
+def _meta_gpt(d, seq, batch=4, layers=2):
+    with torch.device("meta"):
+        model = GPT(vocab=512, d=d, heads=4, layers=layers, seq=seq)
+    idx = torch.randint(0, 512, (batch, seq))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+@pytest.mark.parametrize("scheme", ["megatron", "sequence_parallel"])
+def test_the_cost_model_chunks_where_it_hides_more_than_it_drags(scheme):
+    """Megatron's all-reduces (sequence parallelism's reduce-scatters) after a block's second
+    linears: a 4096-wide GPT on 8 A100s chunks them and the plan says what that hides; a 32-wide
+    one keeps k = 1 (a chunk's launch and latency cost more than its matmul hides), and so does a
+    cluster whose compute hides nothing."""
+    big = _meta_gpt(4096, 2048)
+    plan = autoshard.plan(big[0], big[1], mesh=(8,), pin=getattr(autoshard.schemes, scheme)(*big, (8,)))
+    chunks, b = plan.schedule["chunks"], plan.breakdown
+    assert len(chunks) == 4 and all(k > 1 for _, _, k, _ in chunks), chunks
+    assert {c for _, c, _, _ in chunks} == {"dropout", "dropout_1", "dropout_2", "dropout_3"}
+    assert b["compute"] + b["exposed"] == pytest.approx(plan.cost)
+    # every collective is either waited for or hidden; what is hidden pays the overlap's drag
+    assert b["exposed"] + b["hidden"] == pytest.approx(sum(c.seconds for c in plan.collectives)
+                                                       + DRAG * (b["hidden_fwd"] + b["hidden_bwd"]))
+    blocking = sum(c.seconds for c in plan.collectives if c.node.startswith("dropout"))
+    assert 0 < b["activations_hidden"] < b["exposed"] and blocking > 0
+    assert "overdecomposed" in str(plan) and "4 conversions into" in str(plan)
+    small = _meta_gpt(32, 16)
+    plan = autoshard.plan(small[0], small[1], mesh=(8,), pin=getattr(autoshard.schemes, scheme)(*small, (8,)))
+    assert plan.schedule["chunks"] == [] and plan.breakdown["exposed"] > 0
+    blind = autoshard.Cluster(name="no-overlap", overlap=0.0)
+    plan = autoshard.plan(big[0], big[1], mesh=(8,), pin=getattr(autoshard.schemes, scheme)(*big, (8,)), cluster=blind)
+    assert plan.schedule["chunks"] == [] and plan.breakdown["hidden"] == plan.breakdown["activations_hidden"] == 0
+
+
+def test_a_chunked_block_starts_each_chunks_collective_before_the_next_chunks_matmul():
+    """The emitted program of an overdecomposed block: the linear's input split in k, each chunk's
+    matmul followed at once by its collective's start, the next chunk's matmul after it, every
+    chunk waited on in order after the last start, and the chunks joined right before the first
+    use."""
+    for mesh, scheme in [((4,), "megatron"), ((4,), "sequence_parallel")]:
+        model, batch, pin = _gpt(mesh, scheme)
+        plan = autoshard.plan(model, batch, mesh=mesh, pin=pin, cluster=SLOW_LINK)
+        chunks = plan.schedule["chunks"]
+        gm = schedule(rewrite(capture(model, batch), plan), chunks=chunks)
+        assert sorted(gm.meta["chunked"]) == sorted((p, c, k) for p, c, k, _ in chunks) and chunks
+        nodes = list(gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        splits = _calls(gm, torch.tensor_split)
+        assert len(splits) == len(chunks)
+        assert not [n for n in nodes if n.target in (runtime.all_reduce, runtime.reduce_scatter)]
+        for split in splits:
+            k = split.args[1]
+            parts = sorted(split.users, key=lambda n: n.args[1])
+            mats = [next(iter(part.users)) for part in parts]     # each chunk's linear
+            starts = [next(u for u in m.users if u.target is runtime.step_start) for m in mats]
+            waits = [next(iter(t.users)) for t in starts]
+            cat = next(iter(waits[0].users))
+            assert len(mats) == k > 1 and all(w.target is runtime.step_wait for w in waits)
+            assert len({t.args[2] for t in starts}) == 1 <= len({t.args[2] for t in starts} & {"all_reduce", "reduce_scatter"})
+            assert cat.target is torch.cat and list(cat.args[0]) == waits
+            for i in range(k):
+                between = nodes[order[mats[i]] + 1:order[starts[i]]]
+                assert all(n.target is runtime.pending for n in between), between
+                if i + 1 < k:
+                    assert order[starts[i]] < order[mats[i + 1]]
+            assert order[starts[-1]] < order[waits[0]]
+            # in order, nothing between them but the weight gradients deferred into a wait's span
+            between = nodes[order[waits[0]]:order[waits[-1]] + 1]
+            assert [n for n in between if n.target is runtime.step_wait] == waits
+            assert all(n.target in (runtime.step_wait, runtime.pending, runtime.weight_later) for n in between)
+            assert order[cat] == order[waits[-1]] + 1
+            assert order[min(cat.users, key=order.get)] == order[cat] + 1
 
 
 # ---- numerics, real gloo groups ---------------------------------------------------------------
@@ -241,10 +315,16 @@ def test_a_linear_on_a_gathered_input_computes_its_own_block_while_the_gather_fl
         assert part.args[0] is start.args[0]     # this rank's own block: the gather's input
 
 
-def overlap_case(mesh, scheme="megatron"):
+# a link with no latency or launch and little bandwidth: the cost model chunks every linear that
+# an all-reduce or reduce-scatter follows, even in the small GPT
+SLOW_LINK = autoshard.Cluster(name="slow-link", intra_latency=0, collective_overhead=0, intra_bandwidth=1e10)
+
+
+def overlap_case(mesh, scheme="megatron", cluster=None):
     """The Megatron-pinned GPT with the schedule pass and without it, against one device: the
     largest differences of loss and gradients, and the order in which backward started each dual
-    step, waited for it and made the weight gradients moved into its span."""
+    step, waited for it and made the weight gradients moved into its span (and what the schedule
+    chunked)."""
     model, batch, pin = _gpt(mesh, scheme)
     ref = copy.deepcopy(model)
     ref_loss = ref(*batch)
@@ -260,8 +340,10 @@ def overlap_case(mesh, scheme="megatron"):
             return real[cls](ctx, *gs)
         return staticmethod(backward)
     for overlap in (True, False):
-        pm = autoshard.parallelize(copy.deepcopy(model), batch, pin=pin, mesh=mesh, overlap=overlap)
+        pm = autoshard.parallelize(copy.deepcopy(model), batch, pin=pin, mesh=mesh, overlap=overlap, cluster=cluster)
         loss = pm(*batch)
+        if overlap:
+            chunked = pm.program.count("= torch.tensor_split("), pm.plan.schedule["chunks"]
         for cls, name in traced:
             cls.backward = tracing(cls, name)
         try:
@@ -274,14 +356,23 @@ def overlap_case(mesh, scheme="megatron"):
                         {n: p.grad.full_tensor() for n, p in pm.named_parameters()})
     on, off = out[True], out[False]
     same = max((on[2][n] - off[2][n]).abs().max().item() for n in on[2])
-    return on[:2], off[:2], same, events
+    return on[:2], off[:2], same, events, chunked
 
 
-@pytest.mark.parametrize("mesh,scheme", [((4,), "megatron"), ((2, 2), "megatron"), ((2,), "megatron"),
-                                         ((4,), "sequence_parallel")])
-def test_overlapped_activation_steps_train_exactly(request, mesh, scheme):
+@pytest.mark.parametrize("mesh,scheme,cluster", [((4,), "megatron", None), ((4,), "megatron", SLOW_LINK),
+                                                 ((2, 2), "megatron", SLOW_LINK), ((2,), "megatron", SLOW_LINK),
+                                                 ((4,), "sequence_parallel", SLOW_LINK)],
+                         ids=["megatron-4", "megatron-4-chunked", "megatron-2x2-chunked", "megatron-2-chunked",
+                              "sequence-parallel-4-chunked"])
+def test_overlapped_activation_steps_train_exactly(request, mesh, scheme, cluster):
+    """Exact with the activations' collectives started early and waited on late, and with the
+    linears before them overdecomposed (chunked) where the plan says so."""
     world = request.getfixturevalue("world2" if mesh == (2,) else "world4")
-    for on, off, same, events in world.run(overlap_case, mesh, scheme):
+    for on, off, same, events, (splits, chunks) in world.run(overlap_case, mesh, scheme, cluster):
+        # the plan chunks every block's two all-reduces (or reduce-scatters) on the slow link,
+        # none on the default cluster, and the program does what the plan says
+        assert splits == len(chunks) == (0 if cluster is None else 4), chunks
+        assert all(k > 1 for _, _, k, _ in chunks)
         assert on[0] <= 1e-5 and on[1] <= 1e-4, on
         assert off[0] <= 1e-5 and off[1] <= 1e-4, off
         assert same <= 1e-5

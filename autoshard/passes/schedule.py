@@ -32,16 +32,19 @@ import torch.fx as fx
 
 from autoshard import runtime
 from autoshard.cost.buckets import BUCKET_BYTES
+from autoshard.passes.overdecompose import overdecompose
 from autoshard.precision import CAST
 
 PREFETCH_BYTES = 64 * 2**20   # gathered parameters held ahead of their use
 
 
 def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
-             prefetch_bytes: int = PREFETCH_BYTES) -> fx.GraphModule:
+             prefetch_bytes: int = PREFETCH_BYTES, chunks=()) -> fx.GraphModule:
     """A new program with the parameter collectives of ``program`` scheduled; ``program`` is not
     changed. Its ``meta["joint_axes"]`` lists the axis sets whose groups the runtime must create
-    (the rewriter's, and the gradient buckets')."""
+    (the rewriter's, and the gradient buckets'). ``chunks``: the conversions to overdecompose, as
+    the plan chose them (``plan.schedule["chunks"]``, ``passes.overdecompose``); the program's
+    ``meta["chunked"]`` lists those it chunked."""
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))
     nodes = list(g.nodes)
@@ -50,6 +53,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     start = _Cursor(g, placeholders[-1] if placeholders else None)
     joint = _bucket_gradients(g, nodes, order, start, bucket_bytes)
     _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
+    chunked = overdecompose(g, chunks)
     _start_steps_early(g, start)
     _weight_grads_later(g)
     g.lint()
@@ -57,6 +61,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     gm.meta.update(program.meta)
     gm.meta["passes"] = list(program.meta.get("passes", [])) + ["schedule"]
     gm.meta["joint_axes"] = sorted(joint | set(program.meta.get("joint_axes", ())))
+    gm.meta["chunked"] = chunked
     return gm
 
 
