@@ -3,6 +3,8 @@
 builder returns the model and its keyword inputs, labels included, so the model returns its loss
 beside its logits.
 
+``layers=`` sets the depth (2 by default; one block already holds every kind of op).
+
 ``megatron_pins`` pins Megatron-LM's tensor parallelism on a model's attention and MLP
 projections: ``autoshard.schemes.megatron``, which finds them in the captured graph, since
 HuggingFace names them differently per model.
@@ -19,11 +21,11 @@ def _tokens(seed, shape=(BATCH, SEQ)):
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def gpt2(attn="eager"):
+def gpt2(attn="eager", layers=2):
     """GPT-2: Conv1D projections (``addmm`` with (in, out) weights), fused q/k/v, learned
     positions, the head tied to the token embedding. Dropout off, so numerics are deterministic."""
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, attn_implementation=attn)
     model = transformers.GPT2LMHeadModel(cfg)
@@ -31,12 +33,12 @@ def gpt2(attn="eager"):
     return model, dict(input_ids=_tokens(1), labels=_tokens(2), use_cache=False)
 
 
-def llama(attn="sdpa"):
+def llama(attn="sdpa", layers=2):
     """LLaMA: grouped-query attention (8 query heads share 4 key/value heads), rotary position
     embeddings (a table computed under torch.no_grad), RMSNorm, a SwiGLU MLP, an untied head."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                                    max_position_embeddings=SEQ, attention_dropout=0.0,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0,
                                    attn_implementation=attn)
@@ -44,11 +46,11 @@ def llama(attn="sdpa"):
     return model, dict(input_ids=_tokens(3), labels=_tokens(4), use_cache=False)
 
 
-def bert(attn="sdpa"):
+def bert(attn="sdpa", layers=2):
     """BERT for masked-LM: a padding attention mask (rows padded by 0 to 3 tokens), two token
     types, labels only at about a sixth of the positions (-100, ignored, elsewhere)."""
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
                                   num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
                                   type_vocab_size=2, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0, pad_token_id=0,

@@ -8,6 +8,7 @@ The models are called as HuggingFace models are, with keyword inputs and ``label
 module returns the same ``ModelOutput`` (its loss and logits, whole on every rank).
 """
 import copy
+import functools
 import warnings
 
 import pytest
@@ -20,7 +21,13 @@ from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.passes.capture import TensorMeta, capture
 from autoshard.rules.validate import signatures
 from cases import run_each, step_on_the_same_gradients
-from models_hf import MODELS, megatron_pins
+from models_hf import MODELS as BUILDERS
+from models_hf import megatron_pins
+
+# one block of each: it holds every kind of op a deeper stack repeats, and the 2x2 plans the
+# fixture solves take a fraction of a two-block model's time (the depth's own handling is
+# test_scale's and test_schemes')
+MODELS = {name: functools.partial(build, layers=1) for name, build in BUILDERS.items()}
 
 aten = torch.ops.aten
 
