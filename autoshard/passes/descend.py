@@ -94,18 +94,30 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
             budget: Optional[float] = None, max_rounds: int = 4) -> Solution:
     """Block coordinate descent from ``choice`` (node name -> strategy index), one mesh axis per
     step, until a round over every axis improves nothing."""
-    # recompute="auto": the steps keep the start's answer, no block or every block recomputed
-    # (their programs are linear in the layouts, as quick as without recomputation), and the
-    # end plan recomputes the fewest blocks that fit (passes.recompute.best_counts)
+    # recompute="auto": the steps keep the start's answer, no block, every block's cheap ops or
+    # every block recomputed (their programs are linear in the layouts, as quick as without
+    # recomputation), and but for the cheap ops the end plan recomputes the fewest blocks that
+    # fit (passes.recompute.best_counts)
     auto = recompute.mode_of(costs) == recompute.AUTO
-    fixed = "blocks" if auto and recompute.best_counts(graph, strategies, choice, costs, budget) else "none"
+    fixed = _fixed_mode(graph, strategies, choice, costs, budget) if auto else None
     with phase("descend"), recompute.mode(costs, fixed if auto else recompute.mode_of(costs)):
         sol = _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds)
-    if auto:
+    if auto and fixed != recompute.SELECTIVE:
         again = recompute.best_counts(graph, strategies, sol.choice, costs, budget)
         extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
         sol.objective, sol.recompute = choice_cost(graph, strategies, sol.choice, costs, extra), again
     return sol
+
+
+def _fixed_mode(graph, strategies, choice, costs, budget) -> str:
+    """The linear recompute mode an ``"auto"`` descent steps in, from its start: none where the
+    start fits, every block's cheap ops where that makes it fit, else every block."""
+    if not recompute.best_counts(graph, strategies, choice, costs, budget):
+        return "none"
+    with recompute.mode(costs, recompute.SELECTIVE):
+        counts = recompute.best_counts(graph, strategies, choice, costs, budget)
+    _, freed, peak, _ = recompute.chosen(graph, strategies, choice, costs, counts)
+    return recompute.SELECTIVE if _memory(graph, strategies, choice, costs) - freed + peak <= budget else "blocks"
 
 
 def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds) -> Solution:

@@ -342,8 +342,10 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             beaten = True
             continue
         with recompute.mode(costs, mode):
-            try:
-                found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=below, effort=effort,
+            try:   # once a mode has a plan, another only for a plan that beats it, for a bounded effort
+                cap = effort if not found else min(effort if effort is not None else recompute.EFFORT, recompute.EFFORT)
+                target = below if not found else min(b for b in (below, best) if b is not None)
+                found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=target, effort=cap,
                                    support=support))
                 proven[mode] = max(proven[mode], found[-1].bound or 0.0)
             except NoBetterPlan:
@@ -415,22 +417,17 @@ def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
 
 
 def _looser(graph, strategies, costs, memory_budget, more: float) -> float:
-    """The bound of ``"none"``'s LP relaxation with ``more`` bytes of budget: its LP solved
-    again with the budget row moved (the dual simplex starts from the basis it ended on)."""
+    """A bound of ``"none"``'s LP relaxation with ``more`` bytes of budget, without solving it
+    again: the LP's optimum is convex in the budget, so it lies above its tangent at the budget,
+    whose slope is the budget row's dual value (seconds per byte the budget saves)."""
     with recompute.mode(costs, "none"):
-        _relaxation(graph, strategies, costs, memory_budget)
+        bound = _relaxation(graph, strategies, costs, memory_budget)[0]
         hit = costs._relaxed[(id(strategies), memory_budget, "none")]
     ct = getattr(hit[2] if len(hit) > 2 else None, "budget_ct", None)
-    if ct is None:
-        return 0.0
-    lp, ub = hit[2], ct.ub()
-    ct.SetUb(ub + more * 1e-9)   # the LP counts gigabytes
-    with phase("solve"):
-        status = lp.solver.Solve()
-    out = math.inf if status == pywraplp.Solver.INFEASIBLE else \
-        lp.solver.Objective().Value() / 1e6 if status == pywraplp.Solver.OPTIMAL else 0.0
-    ct.SetUb(ub)
-    return out
+    if ct is None or hit[1][1] is None:   # no optimum to read a dual value from (inf: nothing fits)
+        return bound if math.isinf(bound) else 0.0
+    price = abs(ct.dual_value()) / 1e6 * 1e-9   # the LP counts microseconds and gigabytes
+    return max(0.0, bound - price * more)
 
 
 class _Watch(cp_model.CpSolverSolutionCallback):
