@@ -3,6 +3,17 @@ shape (hidden 4096, 8 experts of 14336, 2 per token, 32 heads over 8 key/value h
 32000), planned on the meta device for A100s (the default cluster), batch 8 x 2048 tokens.
 
     python benchmarks/plan_moe.py [--layers 1] [--mesh 8] [--mesh 2,4] [--time-limit 120]
+    python benchmarks/plan_moe.py --world 64 --world 256      # the whole model, 32 layers
+
+With ``--world``, the whole model (32 layers unless ``--layers`` says otherwise) is planned with
+mesh search for each world, one sequence of 2048 tokens per device, trained as people train it
+(bf16 compute over fp32 master weights, gradients reduced in fp32: torch's
+``MixedPrecisionPolicy``), and printed beside two
+references on the same world: pure data parallelism (``autoshard.schemes.data_parallel``: every
+weight, experts included, whole on every rank; priced without a memory budget, since it does
+not fit one) and the solver's plan on the chosen mesh with the expert weights pinned whole.
+The expert-parallel degree is the number of ranks the experts are split over (the axes where
+the expert weights are ``S(0)``).
 
 For each mesh, three plans: the solver's under uniform routing, the solver's with every expert
 weight pinned whole on every rank, stored and used (data parallelism with the experts
@@ -12,11 +23,13 @@ placement, the estimated step, the bytes each rank passes into all-to-alls per s
 memory per rank.
 """
 import argparse
+import math
 import time
 import warnings
 
 import torch
 import transformers
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
 from autoshard.passes.capture import capture
@@ -36,13 +49,59 @@ def mixtral(layers: int):
     return model, dict(input_ids=ids, labels=ids, use_cache=False)
 
 
+def expert_degree(plan, mesh) -> int:
+    """How many ranks the experts of the first layer are split over."""
+    return math.prod(n for n, p in zip(mesh, plan.placement(UP)) if p == "S(0)")
+
+
+def at_scale(worlds, layers, time_limit):
+    """The whole model planned with mesh search per world, beside pure data parallelism and
+    beside the experts kept whole on the chosen mesh."""
+    model, _ = mixtral(layers)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    print(f"Mixtral-8x7B shape, {layers} layers, one sequence of 2048 tokens per device, bf16 over fp32 masters, A100 preset, "
+          f"memory budget {autoshard.Cluster.preset(autoshard.cluster.DEFAULT_CLUSTER).memory / 1e9:.1f} GB per rank")
+    print(f"{'world':>5s} {'plan':34s} {'mesh':16s} {'experts':>7s} {'step':>10s} "
+          f"{'memory/rank':>12s} {'':12s} {'planned in':>10s}")
+    for world in worlds:
+        ids = torch.empty(world, 2048, dtype=torch.long, device="meta")
+        batch = dict(input_ids=ids, labels=ids, use_cache=False)
+        graph = capture(model, batch)
+        used = [graph.by_name[n.inputs[1][0]].name for n in graph.nodes
+                if n.kind == "op" and is_grouped_mm(n.target)]
+        weights = [w for w, _ in model.named_parameters() if ".mlp.experts." in w] + used
+        start = time.perf_counter()
+        best = autoshard.plan(model, batch, world=world, time_limit=time_limit, verbose=False, mp_policy=policy)
+        rows = [("solver, mesh search", best, time.perf_counter() - start)]
+        mesh = best.mesh_shape
+        start = time.perf_counter()
+        whole = autoshard.plan(model, batch, mesh=mesh, pin={w: ("B",) * len(mesh) for w in weights},
+                               time_limit=time_limit, verbose=False, memory_budget=1e15, mp_policy=policy)
+        rows.append(("solver, experts pinned whole (B)", whole, time.perf_counter() - start))
+        start = time.perf_counter()
+        dp = autoshard.plan(model, batch, mesh=(world,), pin=autoshard.schemes.data_parallel(model, batch, (world,)),
+                            time_limit=time_limit, verbose=False, memory_budget=1e15, recompute="none",
+                            mp_policy=policy)
+        rows.append(("pure data parallel", dp, time.perf_counter() - start))
+        for label, plan, seconds in rows:
+            budget = best.memory["budget"]
+            print(f"{world:5d} {label:34s} {str(plan.mesh_shape):16s} {expert_degree(plan, plan.mesh_shape):7d} "
+                  f"{plan.cost * 1e3:8.1f} ms {plan.memory['total'] / 1e9:9.1f} GB "
+                  f"{'fits' if plan.memory['total'] <= budget else 'does not fit':12s} {seconds:8.0f} s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=None, help="default 1, or 32 with --world")
+    ap.add_argument("--world", type=int, action="append", default=None,
+                    help="plan the whole model with mesh search for this many devices (repeatable)")
     ap.add_argument("--mesh", action="append", default=None, help="a mesh shape such as 8 or 2,4 (repeatable)")
     ap.add_argument("--time-limit", type=float, default=120.0)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
+    if args.world:
+        return at_scale(args.world, args.layers or 32, args.time_limit)
+    args.layers = args.layers or 1
     meshes = [tuple(int(n) for n in m.split(",")) for m in (args.mesh or ["8", "2,4"])]
     model, batch = mixtral(args.layers)
     graph = capture(model, batch)
