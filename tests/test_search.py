@@ -11,9 +11,9 @@ from autoshard.passes.solve import MemoryBudgetError
 from models import GPT, TwoLayer
 
 
-def _gpt(world_batch=64):
+def _gpt(world_batch=64, layers=2):
     with torch.device("meta"):
-        model = GPT(vocab=1024, d=256, heads=4, layers=2, seq=128)
+        model = GPT(vocab=1024, d=256, heads=4, layers=layers, seq=128)
     idx = torch.zeros(world_batch, 128, dtype=torch.long, device="meta")
     return model, (idx, idx)
 
@@ -150,7 +150,8 @@ def test_a_plan_lifts_exactly_and_descent_only_improves_it():
 
 
 def test_a_four_axis_mesh_too_large_to_solve_whole_descends():
-    model, inputs = _gpt(world_batch=256)
+    # one block: four axes descend whatever the depth (8 one-axis solves either way), in 60% the time
+    model, inputs = _gpt(world_batch=256, layers=1)
     plan = autoshard.plan(model, inputs, mesh=(4, 4, 4, 4))
     assert plan.solver["status"].startswith("LOCAL_OPTIMUM") and plan.solver["gap"] is None
     assert "local optimum of one-axis descent" in str(plan)
