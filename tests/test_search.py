@@ -232,3 +232,31 @@ def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(m
     two_per_node = dataclasses.replace(autoshard.Cluster.preset("a100-80gb-nvlink-ib"), gpus_per_node=2)
     autoshard.plan(model, inputs, world=8, cluster=two_per_node)
     assert (4, 2) in calls and (2, 4) in calls
+
+
+def test_a_descent_out_of_time_keeps_its_best_plan(monkeypatch):
+    """A one-axis solve that the time limit stops with no plan ends the descent with the best plan
+    found so far, not with an error: the start is always a plan."""
+    from autoshard.passes import descend as descent
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    from autoshard.cost.price import Costs
+    from autoshard.passes.solve import NoPlanInTime, choice_cost
+    from autoshard.cluster import PRESETS
+    model, inputs = _gpt(world_batch=64)
+    graph = capture(model, inputs)
+    fine = (2, 4, 4)
+    fs = annotate(graph, fine)
+    costs = Costs(graph, fine, PRESETS["a100-80gb-nvlink-ib"], True)
+    start = {n.name: 0 for n in graph.nodes}
+    calls = []
+
+    def out_of_time(*args, **kwargs):
+        calls.append(1)
+        raise NoPlanInTime("the layout solver stopped without a plan (UNKNOWN) after 1 s")
+
+    monkeypatch.setattr(descent, "solve", out_of_time)
+    result = descent.descend(graph, fs, costs, start, time_limit=1.0)
+    assert calls == [1]
+    assert result.choice == start and "stopped by the time limit" in result.status
+    assert result.objective == pytest.approx(choice_cost(graph, fs, start, costs), rel=1e-9)

@@ -30,7 +30,7 @@ from autoshard.cost import memory
 from autoshard.passes import recompute
 from autoshard.passes.progress import phase
 from autoshard.cost.price import Costs
-from autoshard.passes.solve import MemoryBudgetError, Solution, choice_cost, solve
+from autoshard.passes.solve import MemoryBudgetError, NoPlanInTime, Solution, choice_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
@@ -143,7 +143,11 @@ def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds) -
                                             [strategies[name][i] for i in idx])
             hint = {name: idx.index(choice[name]) for name, idx in keep.items()}
             left = max(1.0, time_limit - (time.perf_counter() - start))
-            sol = solve(graph, sub, costs, left, budget, hint=hint)
+            try:
+                sol = solve(graph, sub, costs, left, budget, hint=hint)
+            except NoPlanInTime:   # out of time with the incumbent still the best plan: keep it
+                return Solution(choice, best, None, f"LOCAL_OPTIMUM ({steps} one-axis solves, stopped by the "
+                                f"time limit)", time.perf_counter() - start, again)
             steps += 1
             if sol.objective < best * (1 - 1e-9):
                 choice = {name: keep[name][i] for name, i in sol.choice.items()}

@@ -232,6 +232,10 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
     return x, objective, handles
 
 
+class NoPlanInTime(RuntimeError):
+    """The solver stopped at its time limit with no plan at all (not even a proof that none fits)."""
+
+
 class NoBetterPlan(Exception):
     """``solve(..., below=...)`` found no plan under the cost it was asked to beat: proven
     (``proven``), or none found within the time limit."""
@@ -303,7 +307,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     if status == cp_model.INFEASIBLE and memory_budget is not None:
         raise MemoryBudgetError(_memory_message(graph, strategies, costs, memory_budget, time_limit))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise RuntimeError(f"the layout solver stopped without a plan ({name}) after {time_limit:.0f} s; "
+        raise NoPlanInTime(f"the layout solver stopped without a plan ({name}) after {time_limit:.0f} s; "
                            "raise time_limit= or plan a smaller model")
     choice = _choice(graph, x, solver)
     again = handles.counts(solver.boolean_value)
