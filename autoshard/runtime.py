@@ -250,6 +250,35 @@ def _step(x, kind, axis, dim=None, dim2=None, groups=1, sizes=None, sizes2=None)
     return _Step.apply(x, *args) if x.requires_grad else _run(x, *args)
 
 
+class _CastGather(torch.autograd.Function):
+    """A parameter's share cast to a policy's ``dtype``, then gathered; backward reduce-scatters
+    the copy's gradient in the policy's ``reduce_dtype`` (else ``dtype``) and hands it back in the
+    master's dtype, as FSDP2 reduces a bf16 copy's gradient in fp32 into the fp32 gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, group, p, coord, dim, groups, sizes):
+        ctx.args, ctx.master = (group, p, coord, dim, groups, sizes), x.dtype
+        ctx.reduce = _mesh().reduce_dtype or dtype
+        return _run(x.to(dtype), "all_gather", group, p, coord, dim, None, groups, sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        group, p, coord, dim, groups, sizes = ctx.args
+        sizes, _ = dual_sizes("all_gather", sizes, None)
+        out = _run(g.to(ctx.reduce), "reduce_scatter", group, p, coord, dim, None, groups, sizes)
+        return (out.to(ctx.master),) + (None,) * 7
+
+
+def cast_all_gather(x, axis: int, dim: int, dtype: torch.dtype, groups: int = 1, sizes=None):
+    """``all_gather(x.to(dtype))`` with its gradient reduced in ``reduce_dtype``: a split
+    parameter's low-precision copy gathered outside the schedule's buckets (passes.schedule.fuse_cast_gathers)."""
+    m = _mesh()
+    args = (m.group(axis), m.size(axis), m.coord(axis), dim, groups, sizes)
+    if not x.requires_grad:
+        return _run(x.to(dtype), "all_gather", args[0], args[1], args[2], dim, None, groups, sizes)
+    return _CastGather.apply(x, dtype, *args)
+
+
 # the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups;
 # ``sizes``: the chunks of an uneven split of ``dim`` over the axis's ranks (``sizes2``: of ``dim2``)
 def all_gather(x, axis: int, dim: int, groups: int = 1, sizes=None):

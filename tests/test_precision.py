@@ -157,14 +157,15 @@ class _Collectives:
         runtime._all_gather, runtime._reduce_scatter = self.saved
 
 
-def fsdp_policy_case(reduce):
+def fsdp_policy_case(reduce, overlap=True):
     """FSDP on (4,) under a bf16 policy reducing in ``reduce``: the collectives one step runs,
     the gradients against one device, and whether each gradient is a bf16 number (as a
     reduction in bf16 leaves it)."""
     model, batch = _gpt()
     ref = copy.deepcopy(model)
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce)
-    pm = autoshard.parallelize(model, batch, mesh=(4,), pin=schemes.fsdp(model, batch, (4,)), mp_policy=policy)
+    pm = autoshard.parallelize(model, batch, mesh=(4,), pin=schemes.fsdp(model, batch, (4,)), mp_policy=policy,
+                               overlap=overlap)
     with _Collectives() as seen:
         pm(*batch).backward()
     copies = {n: p.to(BF16) for n, p in ref.named_parameters()}
@@ -200,6 +201,23 @@ def test_fsdp_policy_gathers_bf16_copies_in_buckets(world4):
     for res in runs["torch.bfloat16"]:   # reduced in bf16: every gradient a bf16 number
         assert all(res["in_bf16"].values()), res["in_bf16"]
     for res in runs["torch.float32"]:    # reduced in fp32: sums of bf16 terms, most not bf16 numbers
+        assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
+
+
+def test_fsdp_policy_reduces_in_reduce_dtype_without_the_schedule(world4):
+    """With ``overlap=False`` no bucket runs the gathers: each bf16 copy is still gathered in
+    bf16 and its gradient reduce-scattered in ``reduce_dtype`` (fp32 here), landing in the fp32
+    gradient, not rounded to bf16 on the way."""
+    for res in world4.run(fsdp_policy_case, torch.float32, False):
+        assert res["split"]
+        gathers = [c for c in res["calls"] if c[0] == "all_gather"]
+        scatters = [c for c in res["calls"] if c[0] == "reduce_scatter"]
+        assert "autoshard_runtime_cast_all_gather(" in res["program"]
+        assert any(dtype == BF16 for _, dtype, _ in gathers), res["calls"]
+        copies = res["program"].count("autoshard_runtime_cast_all_gather(")
+        assert sum(dtype == torch.float32 for _, dtype, _ in scatters) >= copies, res["calls"]
+        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+        assert not bad, bad
         assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
 
 

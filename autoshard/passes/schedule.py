@@ -132,6 +132,28 @@ def _gathered_share(n):
     return None
 
 
+def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every all-gather of a parameter's policy copy that no bucket runs (``overlap=False``, or
+    a gather the schedule leaves alone) becomes ``runtime.cast_all_gather``: the same gather in
+    the copy's bytes, its reduce-scatter in ``reduce_dtype`` as a bucket's is."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not runtime.all_gather or len(n.args) != 1:
+            continue
+        x = n.args[0]
+        if not (x.op == "call_function" and x.target is CAST and set(x.kwargs) == {"dtype"} and len(x.users) == 1
+                and x.args[0].op == "placeholder"):
+            continue
+        with g.inserting_before(n):
+            fused = g.call_function(runtime.cast_all_gather, (x.args[0],), {**n.kwargs, "dtype": x.kwargs["dtype"]})
+        fused.meta.update(n.meta)
+        n.replace_all_uses_with(fused)
+        g.erase_node(n)
+        g.erase_node(x)
+    gm.recompile()
+    return gm
+
+
 def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
     gathers = [(n, found) for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
                and "sizes" not in n.kwargs
