@@ -157,15 +157,15 @@ class _Collectives:
         runtime._all_gather, runtime._reduce_scatter = self.saved
 
 
-def fsdp_policy_case(reduce, overlap=True):
+def fsdp_policy_case(reduce, overlap=True, mesh=(4,), roles=None):
     """FSDP on (4,) under a bf16 policy reducing in ``reduce``: the collectives one step runs,
     the gradients against one device, and whether each gradient is a bf16 number (as a
     reduction in bf16 leaves it)."""
     model, batch = _gpt()
     ref = copy.deepcopy(model)
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce)
-    pm = autoshard.parallelize(model, batch, mesh=(4,), pin=schemes.fsdp(model, batch, (4,)), mp_policy=policy,
-                               overlap=overlap)
+    pm = autoshard.parallelize(model, batch, mesh=mesh, pin=schemes.fsdp(model, batch, mesh, **(roles or {})),
+                               mp_policy=policy, overlap=overlap)
     with _Collectives() as seen:
         pm(*batch).backward()
     copies = {n: p.to(BF16) for n, p in ref.named_parameters()}
@@ -219,6 +219,13 @@ def test_fsdp_policy_reduces_in_reduce_dtype_without_the_schedule(world4):
         bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
         assert not bad, bad
         assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
+    # hybrid sharding on (2, 2): each copy gathered on the shard axis after its master's
+    # gradient all-reduce on the other, reduced in fp32 on both
+    for res in world4.run(fsdp_policy_case, torch.float32, False, (2, 2), {"shard": 1}):
+        assert res["program"].count("autoshard_runtime_cast_all_gather(") > 20, res["program"]
+        assert all(dtype == torch.float32 for c, dtype, _ in res["calls"] if c == "reduce_scatter"), res["calls"]
+        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+        assert not bad, bad
 
 
 def test_fsdp_policy_gathers_priced_in_bf16_buckets():

@@ -132,6 +132,16 @@ def _gathered_share(n):
     return None
 
 
+def _master(x) -> bool:
+    """Whether ``x`` is a parameter's share as fed: its placeholder, or the placeholder through
+    the all-reduce of its gradient over the axes it is stored broadcast on (hybrid sharding)."""
+    if x.op == "call_function" and x.target is runtime.grad_sync:
+        x = x.args[0]
+    elif x.op == "call_function" and x.target is operator.getitem and x.args[0].target is runtime.grad_bucket:
+        return True
+    return x.op == "placeholder"
+
+
 def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Every all-gather of a parameter's policy copy that no bucket runs (``overlap=False``, or
     a gather the schedule leaves alone) becomes ``runtime.cast_all_gather``: the same gather in
@@ -142,7 +152,7 @@ def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         x = n.args[0]
         if not (x.op == "call_function" and x.target is CAST and set(x.kwargs) == {"dtype"} and len(x.users) == 1
-                and x.args[0].op == "placeholder"):
+                and _master(x.args[0])):
             continue
         with g.inserting_before(n):
             fused = g.call_function(runtime.cast_all_gather, (x.args[0],), {**n.kwargs, "dtype": x.kwargs["dtype"]})
