@@ -17,10 +17,18 @@ moved, so that communication overlaps compute.
                           reshard_after_forward, backward gathers a bucket again, once, when the
                           first of its parameters is needed.
 
-Only collectives a parameter alone feeds are moved; the layout conversions of activations stay
-where the rewriter put them, since compute waits for them anyway. The cost model prices this
-schedule: bucketed all-reduces share one launch and latency per bucket, and parameter
-collectives hide behind the compute of their phase (``passes.solve``).
+    activation step       every other collective between ops (the rewriter's conversions of
+                          activations, and of parameters no bucket took) starts right after its
+                          input is made and is waited on right before its first use; a gather
+                          only linears take computes this rank's own rows while it flies, and the
+                          conversions the plan chose to chunk run chunk by chunk
+                          (``passes.overdecompose``).
+
+The cost model prices this schedule: bucketed all-reduces share one launch and latency per
+bucket, and parameter collectives hide behind the compute of their phase (``cost.price``,
+``passes.solve``); what the activation steps hide is reported (``cost.overlap``), not yet priced.
+``fuse_cast_gathers``, run on every program whether scheduled or not, gathers a policy copy no
+bucket took by ``runtime.cast_all_gather``, so its gradient is still reduced in ``reduce_dtype``.
 """
 from __future__ import annotations
 
