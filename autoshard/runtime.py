@@ -272,11 +272,10 @@ class _CastGather(torch.autograd.Function):
 def cast_all_gather(x, axis: int, dim: int, dtype: torch.dtype, groups: int = 1, sizes=None):
     """``all_gather(x.to(dtype))`` with its gradient reduced in ``reduce_dtype``: a split
     parameter's low-precision copy gathered outside the schedule's buckets (passes.schedule.fuse_cast_gathers)."""
-    m = _mesh()
-    args = (m.group(axis), m.size(axis), m.coord(axis), dim, groups, sizes)
     if not x.requires_grad:
-        return _run(x.to(dtype), "all_gather", args[0], args[1], args[2], dim, None, groups, sizes)
-    return _CastGather.apply(x, dtype, *args)
+        return all_gather(x.to(dtype), axis, dim, groups, sizes)
+    m = _mesh()
+    return _CastGather.apply(x, dtype, m.group(axis), m.size(axis), m.coord(axis), dim, groups, sizes)
 
 
 # the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups;

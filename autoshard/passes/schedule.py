@@ -134,10 +134,14 @@ def _gathered_share(n):
     x = n.args[0]
     if x.op == "placeholder" and sum(u.target is not runtime.regather for u in x.users) == 1:
         return x, None
-    if (x.op == "call_function" and x.target is CAST and set(x.kwargs) == {"dtype"} and len(x.users) == 1
-            and x.args[0].op == "placeholder" and len(x.args[0].users) == 1):
+    if _copy(x) and x.args[0].op == "placeholder" and len(x.args[0].users) == 1:
         return x.args[0], x.kwargs["dtype"]
     return None
+
+
+def _copy(x) -> bool:
+    """Whether ``x`` is a cast a mixed-precision policy or autocast made, read by one node."""
+    return x.op == "call_function" and x.target is CAST and set(x.kwargs) == {"dtype"} and len(x.users) == 1
 
 
 def _master(x) -> bool:
@@ -145,30 +149,29 @@ def _master(x) -> bool:
     the all-reduce of its gradient over the axes it is stored broadcast on (hybrid sharding)."""
     if x.op == "call_function" and x.target is runtime.grad_sync:
         x = x.args[0]
-    elif x.op == "call_function" and x.target is operator.getitem and x.args[0].target is runtime.grad_bucket:
-        return True
     return x.op == "placeholder"
 
 
 def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
-    """Every all-gather of a parameter's policy copy that no bucket runs (``overlap=False``, or
-    a gather the schedule leaves alone) becomes ``runtime.cast_all_gather``: the same gather in
-    the copy's bytes, its reduce-scatter in ``reduce_dtype`` as a bucket's is."""
-    g = gm.graph
+    """Every synchronous all-gather of a parameter's policy copy (``overlap=False``: a scheduled
+    program has bucketed it or made it an asynchronous step) becomes ``runtime.cast_all_gather``:
+    the same gather in the copy's bytes, its reduce-scatter in ``reduce_dtype`` as a bucket's is."""
+    g, fused_any = gm.graph, False
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not runtime.all_gather or len(n.args) != 1:
             continue
         x = n.args[0]
-        if not (x.op == "call_function" and x.target is CAST and set(x.kwargs) == {"dtype"} and len(x.users) == 1
-                and _master(x.args[0])):
+        if not (_copy(x) and _master(x.args[0])):
             continue
+        fused_any = True
         with g.inserting_before(n):
             fused = g.call_function(runtime.cast_all_gather, (x.args[0],), {**n.kwargs, "dtype": x.kwargs["dtype"]})
         fused.meta.update(n.meta)
         n.replace_all_uses_with(fused)
         g.erase_node(n)
         g.erase_node(x)
-    gm.recompile()
+    if fused_any:
+        gm.recompile()
     return gm
 
 
