@@ -264,7 +264,6 @@ class _CastGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         group, p, coord, dim, groups, sizes = ctx.args
-        sizes, _ = dual_sizes("all_gather", sizes, None)
         out = _run(g.to(ctx.reduce), "reduce_scatter", group, p, coord, dim, None, groups, sizes)
         return (out.to(ctx.master),) + (None,) * 7
 
@@ -461,6 +460,8 @@ def _convert(x, src, dst, m: RankMesh, whole=None):
     the tensor's whole shape, which an uneven split's chunk sizes come from (None: every split
     is even)."""
     from autoshard.cost.comm import rank_sizes, transition
+    if whole is not None and pl.is_even(whole, src, m.shape) and pl.is_even(whole, dst, m.shape):
+        whole = None    # the even path: no chunk sizes to work out on every call
     if whole is None:   # every split even
         steps = transition(tuple(x.shape), src, dst, m.shape)
         sizes = [{}] * len(steps)
