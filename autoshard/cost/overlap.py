@@ -73,7 +73,7 @@ class Overlap:
 def activation_overlap(graph, strategies: dict, choice: dict, costs) -> list:
     """One ``Overlap`` for each conversion of an activation by collectives that the schedule
     starts early and waits on late, in the plan that picks ``choice`` (node name -> index) of
-    ``strategies``, priced as the solver prices it (``overlap_saving``)."""
+    ``strategies``: what each hides, reported in the plan's breakdown (the solver does not price it yet)."""
     out = []
     for n in graph.nodes:
         chosen = strategies[n.name][choice[n.name]]
@@ -126,10 +126,7 @@ def _readers(graph) -> dict:
     """value -> how many inputs of the graph's nodes read it."""
     readers = graph.cache.get("overlap.readers")
     if readers is None:
-        readers = graph.cache["overlap.readers"] = {}
-        for n in graph.nodes:
-            for v in n.inputs:
-                readers[v] = readers.get(v, 0) + 1
+        readers = graph.cache["overlap.readers"] = {v: len(u) for v, u in graph.users().items()}
     return readers
 
 

@@ -221,7 +221,7 @@ def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Op
             continue
         cs = annotate(graph, coarse)
         cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
-        cc.recompute = getattr(costs, "recompute", "none")
+        cc.recompute = recompute.mode_of(costs)
         try:
             sol = solve(graph, cs, cc, time_limit, budget)
         except MemoryBudgetError:

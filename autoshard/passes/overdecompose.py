@@ -76,7 +76,8 @@ def _chunk(g: fx.Graph, step: fx.Node, lin: fx.Node, kind: str, k: int, dim: int
             h = g.call_function(runtime.pending, ())
             tokens.append(g.call_function(runtime.step_start, (y, h, *args)))
             handles.append(h)
-    first = min(step.users, key=lambda u: list(g.nodes).index(u))
+    order = {n: i for i, n in enumerate(g.nodes)}
+    first = min(step.users, key=order.get)
     with g.inserting_before(first):
         waits = [g.call_function(runtime.step_wait, (t, h)) for t, h in zip(tokens, handles)]
         whole = g.call_function(torch.cat, (waits, dim))

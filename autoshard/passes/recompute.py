@@ -106,7 +106,7 @@ def _stack_blocks(graph) -> dict:
         for k in sorted(by_index):
             names = by_index[k]
             # a block the user checkpoints already recomputes (passes.checkpoint.user_regions)
-            if all(_repeatable(graph.by_name[m]) and graph.by_name[m].region is None for m in names):
+            if all(_repeatable(graph.by_name[m]) for m in names):
                 out[f"{container}.{k}"] = names
     graph.cache["recompute_blocks"] = out
     return out
