@@ -289,7 +289,7 @@ class _Pricer:
         if not steps:
             return {}
         fwd, bwd = self.steps_times(steps, meta, src, costs.gather_share(value) if prefetched else 1.0,
-                                    costs.reduced_itemsize(value, prefetched))
+                                    costs.reduced_itemsize(value, prefetched, steps))
         bwd = bwd if backward else []
         again = sum(fwd, q(0)) if backward and costs.regathered(value) else q(0)
         if prefetched:

@@ -185,8 +185,8 @@ def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
         phases.append(("backward", duals, bwd, len(duals) - 1, hidden))
         if costs.regathered(value):   # converted again for the backward, which waits for it
             phases.append(("backward", steps, fwd, 0, False))
-    # a prefetched gather's dual reduce-scatter runs in the policy's reduce dtype
-    reduced = costs.reduced_itemsize(value, hidden)
+    # a prefetched gather's dual reduce-scatter, or a policy copy's, runs in the policy's reduce dtype
+    reduced = costs.reduced_itemsize(value, hidden, steps)
     return [Collective(st.kind, phase, st.axes,
                        comm.step_bytes(st, reduced if phase == "backward" and sts is duals and i == bucketed
                                        else meta.itemsize), consumer.name, t, hid and i == bucketed)

@@ -21,8 +21,9 @@ Gradient reduction (``reduce_dtype``): a parameter's gradient arrives reduced in
 what the plan converts: a parameter stored broadcast is all-reduced where its master is fed to
 the program, so the runtime casts the gradient to ``reduce_dtype`` for that all-reduce
 (``runtime.grad_sync``, ``grad_bucket``); a parameter gathered after its cast (FSDP's bf16
-gather) gets the dual reduce-scatter of its copy's gradient, which a scheduled gather bucket
-runs in ``reduce_dtype`` too (``runtime.bucket_start``).
+gather) gets the dual reduce-scatter of its copy's gradient, which runs in ``reduce_dtype`` too
+(a scheduled gather bucket, ``runtime.bucket_start``; outside one, ``runtime.step_start``'s cast
+or ``runtime.cast_all_gather``).
 """
 from __future__ import annotations
 

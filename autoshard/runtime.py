@@ -325,8 +325,8 @@ class _StepStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, args):
-        ctx.h = h
-        h.work, h.finish = _launch(x, *args)
+        ctx.h, ctx.dtype = h, x.dtype
+        h.work, h.finish = _launch(x if h.dtype is None else x.to(h.dtype), *args)
         return x.new_empty(0)
 
     @staticmethod
@@ -335,13 +335,15 @@ class _StepStart(torch.autograd.Function):
         _wait(h.bwd_work)
         g = h.bwd_finish()
         h.bwd_work = h.bwd_finish = None
-        return g, None, None
+        return g.to(ctx.dtype), None, None
 
 
 class _StepWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, h, args):
         ctx.h, ctx.args = h, args
+        # a policy copy's gather: its gradient reduced in reduce_dtype (unset: the copy's own)
+        ctx.reduce = None if h.dtype is None else _mesh().reduce_dtype or h.dtype
         _wait(h.work)
         out = h.finish()
         h.work = h.finish = None
@@ -352,18 +354,23 @@ class _StepWait(torch.autograd.Function):
         kind, group, p, dim, dim2, groups, sizes, sizes2 = ctx.args
         sizes, sizes2 = dual_sizes(kind, sizes, sizes2)
         kind, dim, dim2 = dual_args(kind, dim, dim2)
+        if ctx.reduce is not None:
+            g = g.to(ctx.reduce)
         ctx.h.bwd_work, ctx.h.bwd_finish = _launch(g, kind, group, p, dim, dim2, groups, sizes, sizes2)
         return g.new_empty(0), None, None
 
 
-def step_start(x, h: "Pending", kind: str, axis, dim=None, dim2=None, groups: int = 1, sizes=None, sizes2=None):
+def step_start(x, h: "Pending", kind: str, axis, dim=None, dim2=None, groups: int = 1, sizes=None, sizes2=None,
+               dtype=None):
     """Start the collective step ``kind`` (one of ``COLLECTIVE_KINDS``) on ``x``; ``step_wait``
-    gives its result."""
+    gives its result. ``dtype``: an all-gather of a parameter's policy copy, ``x.to(dtype)``,
+    whose gradient is reduce-scattered in ``reduce_dtype`` and handed back in ``x``'s dtype (as
+    ``cast_all_gather``, started early)."""
     m = _mesh()
-    h.args = (kind, m.group(axis), m.size(axis), dim, dim2, groups, sizes, sizes2)
+    h.args, h.dtype = (kind, m.group(axis), m.size(axis), dim, dim2, groups, sizes, sizes2), dtype
     if x.requires_grad:
         return _StepStart.apply(x, h, h.args)
-    h.work, h.finish = _launch(x, *h.args)
+    h.work, h.finish = _launch(x if dtype is None else x.to(dtype), *h.args)
     return None
 
 
@@ -636,7 +643,7 @@ class Pending:
         self.late = None                        # a linear's (gradient, input) for weight_later
         # a gather bucket's, for gathering it again in backward (regather_member)
         self.shares = self.group = self.p = self.layout = self.again = None
-        self.dtype = None                       # a gather bucket's: the dtype its shares are gathered in
+        self.dtype = None                       # a gather bucket's or a cast step's: the dtype gathered in
         self.packs = 0
         self.copy_out = False
         self.kept: dict = {}                      # what outlives the call: a gradient bucket's buffer

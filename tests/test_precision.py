@@ -228,6 +228,26 @@ def test_fsdp_policy_reduces_in_reduce_dtype_without_the_schedule(world4):
         assert not bad, bad
 
 
+def test_hybrid_sharding_reduces_in_reduce_dtype_under_the_schedule(world4):
+    """Hybrid sharding on (2, 2) with the schedule: a copy whose master goes through its
+    gradient's all-reduce is not taken by a gather bucket; its gather is an activation step that
+    casts the master, started early and waited on late, its gradient reduce-scattered in fp32."""
+    for res in world4.run(fsdp_policy_case, torch.float32, True, (2, 2), {"shard": 1}):
+        assert res["split"]
+        program = res["program"]
+        casting = [line for line in program.splitlines()
+                   if "autoshard_runtime_step_start(" in line and "dtype = torch.bfloat16" in line]
+        assert len(casting) > 20, program
+        assert "autoshard_runtime_cast_all_gather(" not in program
+        gathers = [c for c in res["calls"] if c[0] == "all_gather"]
+        scatters = [c for c in res["calls"] if c[0] == "reduce_scatter"]
+        assert sum(dtype == BF16 for _, dtype, _ in gathers) >= len(casting), res["calls"]
+        assert scatters and all(dtype == torch.float32 for _, dtype, _ in scatters), res["calls"]
+        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
+        assert not bad, bad
+        assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
+
+
 def test_fsdp_policy_gathers_priced_in_bf16_buckets():
     """The plan prices FSDP's bf16 copies as the schedule runs them: each gather prefetched in
     its bucket at bf16 bytes, its reduce-scatter at ``reduce_dtype``'s."""
@@ -251,6 +271,25 @@ def test_fsdp_policy_gathers_priced_in_bf16_buckets():
     assert nbytes["reduce bf16"][fwd] == nbytes["reduce fp32"][fwd]
     assert 2 * nbytes["reduce bf16"][bwd] == nbytes["reduce fp32"][bwd]
     assert plans["reduce bf16"].breakdown["hidden_bwd"] < plans["reduce fp32"].breakdown["hidden_bwd"]
+
+
+def test_hybrid_sharding_copies_priced_at_reduce_dtype():
+    """Hybrid sharding's copies, gathered outside the buckets, are priced as they run: the
+    gather in bf16 bytes, its dual reduce-scatter in ``reduce_dtype``'s."""
+    model, batch = _gpt()
+    pins = schemes.fsdp(model, batch, (2, 2), shard=1)
+    parts = {}
+    for name, reduce in (("fp32", torch.float32), ("bf16", BF16)):
+        plan = autoshard.plan(model, batch, mesh=(2, 2), pin=pins, verbose=False,
+                              mp_policy=MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce))
+        parts[name] = {kind: [(c.node, c.bytes) for c in plan.collectives if c.kind == kind]
+                       for kind in ("all_gather", "reduce_scatter")}
+    assert parts["fp32"]["all_gather"] == parts["bf16"]["all_gather"]   # the copies, in bf16 either way
+    pairs = list(zip(parts["fp32"]["reduce_scatter"], parts["bf16"]["reduce_scatter"]))
+    assert len(pairs) == len(parts["bf16"]["reduce_scatter"]) and all(a[0] == b[0] for a, b in pairs)
+    halved = [a for a, b in pairs if a[1] == 2 * b[1]]
+    assert len(halved) > 20, pairs
+    assert all(a[1] == b[1] for a, b in pairs if a not in halved), pairs   # fp32 parameters' own gathers
 
 
 def test_bad_policy_says_what_to_pass():

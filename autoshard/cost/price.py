@@ -156,18 +156,20 @@ class Costs:
         steps, prefetched = self.conversion(value, src, dst)
         duals = comm.dual_steps(steps, mesh) if backward else []
         share = self.gather_share(value) if prefetched else 1.0
-        last = self.reduced_itemsize(value, prefetched)
+        last = self.reduced_itemsize(value, prefetched, steps)
         fwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == 0 else 1.0) for i, st in enumerate(steps)]
         bwd = [comm.step_time(st, last, mesh, links, share) if i == len(duals) - 1
                else comm.step_time(st, meta.itemsize, mesh, links) for i, st in enumerate(duals)]
         return steps, duals, fwd, bwd, prefetched
 
-    def reduced_itemsize(self, value, prefetched: bool) -> int:
-        """Bytes per element of a conversion's last backward step: a prefetched gather's dual
-        reduce-scatter runs in the policy's reduce dtype (``runtime.bucket_start``), other steps
-        in the value's dtype."""
+    def reduced_itemsize(self, value, prefetched: bool, steps=()) -> int:
+        """Bytes per element of a conversion's last backward step (``steps``: the conversion's):
+        the dual reduce-scatter of a prefetched gather (``runtime.bucket_start``), or of any
+        gather of a parameter's policy copy (``runtime.step_start``'s dtype, ``cast_all_gather``),
+        runs in the policy's reduce dtype, other steps in the value's dtype."""
         meta = self.graph.meta(value)
-        return grad_itemsize(self.graph, meta) if prefetched else meta.itemsize
+        copy_gathered = value[0] in self._copies and bool(steps) and steps[0].kind == "all_gather"
+        return grad_itemsize(self.graph, meta) if prefetched or copy_gathered else meta.itemsize
 
     def convert(self, value, src, dst, consumer: Node) -> Cost:
         dst = self.handed_over(value, src, dst, consumer)

@@ -27,8 +27,10 @@ moved, so that communication overlaps compute.
 The cost model prices this schedule: bucketed all-reduces share one launch and latency per
 bucket, and parameter collectives hide behind the compute of their phase (``cost.price``,
 ``passes.solve``); what the activation steps hide is reported (``cost.overlap``), not yet priced.
-``fuse_cast_gathers``, run on every program whether scheduled or not, gathers a policy copy no
-bucket took by ``runtime.cast_all_gather``, so its gradient is still reduced in ``reduce_dtype``.
+A policy copy no bucket took (a hybrid-sharded parameter's, whose master goes through its
+gradient's all-reduce first) is gathered by an activation step that casts (``step_start``'s
+``dtype``), and without the schedule by ``runtime.cast_all_gather`` (``fuse_cast_gathers``, run
+on every program): either way its gradient is reduce-scattered in ``reduce_dtype``.
 """
 from __future__ import annotations
 
@@ -146,10 +148,11 @@ def _copy(x) -> bool:
 
 def _master(x) -> bool:
     """Whether ``x`` is a parameter's share as fed: its placeholder, or the placeholder through
-    the all-reduce of its gradient over the axes it is stored broadcast on (hybrid sharding)."""
+    the all-reduce of its gradient over the axes it is stored broadcast on (hybrid sharding:
+    ``grad_sync``, or its gradient bucket once scheduled)."""
     if x.op == "call_function" and x.target is runtime.grad_sync:
         x = x.args[0]
-    return x.op == "placeholder"
+    return _from_parameter(x)
 
 
 def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
@@ -246,15 +249,20 @@ def _start_steps_early(g, start: _Cursor) -> None:
         x, first = n.args[0], min(n.users, key=order.get)
         kw = n.kwargs
         args = (kind, kw["axis"], kw.get("dim"), kw.get("dim2"), kw.get("groups", 1), kw.get("sizes"), kw.get("sizes2"))
+        cast = x if kind == "all_gather" and _copy(x) and _master(x.args[0]) else None
+        if cast is not None:   # a policy copy no bucket took (hybrid sharding): the step casts
+            x, kw = x.args[0], {"dtype": cast.kwargs["dtype"]}
+        else:
+            kw = {}
         if order[x] > prologue:
             with g.inserting_after(x):
                 h = g.call_function(runtime.pending, ())
             with g.inserting_after(h):
-                token = g.call_function(runtime.step_start, (x, h, *args))
+                token = g.call_function(runtime.step_start, (x, h, *args), kw)
         else:   # the input is ready at the program's start: start after what the other passes put there
             h = start.call(runtime.pending, ())
-            token = start.call(runtime.step_start, (x, h, *args))
-        even = args[4] == 1 and args[5] is None   # linear_gathered cuts the gathered rows evenly
+            token = start.call(runtime.step_start, (x, h, *args), kw)
+        even = args[4] == 1 and args[5] is None and cast is None   # linear_gathered cuts the gathered rows evenly
         linears = _gathered_linears(n, first, order) if kind == "all_gather" and even else []
         with g.inserting_before(first):
             # each linear's rows from this rank's own block, computed while the gather flies
@@ -269,6 +277,8 @@ def _start_steps_early(g, start: _Cursor) -> None:
             g.erase_node(u)
         n.replace_all_uses_with(wait)
         g.erase_node(n)
+        if cast is not None:
+            g.erase_node(cast)
 
 
 def _weights(linear):
