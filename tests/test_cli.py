@@ -118,3 +118,27 @@ def test_the_examples_factory_is_a_pair():
     assert isinstance(model, torch.nn.Module) and len(inputs) == 2
     json.dumps(cli.EXAMPLES)   # the help's examples name it
     assert "examples/gpt_factory.py:gpt2_small" in cli.EXAMPLES
+
+
+def test_the_readme_command_plans_the_examples_factory():
+    """The README's command line, from the repository root in a fresh process: the factory's file
+    is loaded by its path, and its own import of quickstart works."""
+    done = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/gpt_factory.py:gpt_tiny", "--mesh", "2,2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "mesh (2, 2)" in done.stdout, done.stdout
+
+
+def test_the_quickstart_trains_as_one_device():
+    """The demo's part 2: a tiny GPT on 4 gloo processes beside one device. The first loss (no
+    optimizer step yet) is the same; after Adam steps, last-bit gradient differences may move a
+    parameter by up to lr, so later losses agree to a looser bound."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import quickstart
+    from autoshard.launch import run_local
+    for losses, shares in run_local(quickstart.train, 4, 3):
+        (first, ref_first), *later = losses
+        assert abs(first - ref_first) <= 1e-5 * abs(ref_first), losses
+        assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in later), losses
+        assert set(shares) == {"emb.weight", "blocks.0.qkv.weight", "blocks.0.fc2.weight"}   # what the demo prints
+
