@@ -67,6 +67,41 @@ def test_pinned_hand_plans_cost_what_the_formulas_say():
     assert [(c.kind, c.bytes) for c in plan.collectives if c.phase == "forward"] == [("all_reduce", 4)]
 
 
+def test_default_bucket_is_the_smallest_whose_latency_is_five_percent():
+    """bucket_bytes left to its default: DDP's 25 MiB on the presets' fast links; on slower links
+    the smallest bucket whose launch and latency are 5% of its all-reduce, never below 1 MiB."""
+    from dataclasses import replace
+    from autoshard.cost import comm
+    model, x = _meta(lambda: TwoLayer(64, 256), 65536, 64)
+    preset = autoshard.Cluster.preset("a100-80gb-nvlink-ib")
+    assert autoshard.plan(model, x, mesh=(8,), pin=DP, verbose=False).schedule["bucket_bytes"] == 25 * 2**20
+    mid = replace(preset, intra_bandwidth=1e9, intra_latency=50e-6)    # 7.6 MB at 5%
+    low = replace(preset, intra_bandwidth=1e9, intra_latency=1e-6)     # under 1 MiB at 5%: 1 MiB
+    for cluster, expected in ((mid, None), (low, 2**20)):
+        bucket = autoshard.plan(model, x, mesh=(8,), pin=DP, cluster=cluster, verbose=False).schedule["bucket_bytes"]
+        fixed = comm.group_all_reduce_time(0, (0,), (8,), cluster)
+        share = fixed / comm.group_all_reduce_time(bucket, (0,), (8,), cluster)
+        if expected is None:
+            assert 2**20 < bucket < 25 * 2**20 and 0.04 < share <= 0.05, (bucket, share)
+        else:
+            assert bucket == expected and share < 0.05
+
+
+def test_gathers_in_one_bucket_pay_one_launch_and_latency():
+    """FSDP's parameters gathered in one bucket share its launch and latency (their shares sum to
+    one); in buckets of one byte each pays its own: the difference is the other gathers' fixed cost."""
+    fsdp = {"fc1.weight": ("S(0)",), "fc1.bias": ("S(0)",), "fc2.weight": ("S(0)",), "fc2.bias": ("S(0)",)}
+    model, x = _meta(lambda: TwoLayer(64, 256), 65536, 64)
+    alpha, _, launch = autoshard.Cluster.preset("a100-80gb-nvlink-ib").axis_links((8,))[0]
+    seconds = {}
+    for bucket in (25 * 2**20, 1):
+        plan = autoshard.plan(model, x, mesh=(8,), pin=fsdp, bucket_bytes=bucket, verbose=False)
+        gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward"]
+        assert len(gathers) == 4 and all(c.overlapped for c in gathers), plan.collectives
+        seconds[bucket] = sum(c.seconds for c in gathers)
+    assert seconds[1] - seconds[25 * 2**20] == pytest.approx(3 * (launch + 7 * alpha), rel=1e-6)
+
+
 def gpt_meta(layers=4, d=1024, heads=16, vocab=50304, seq=1024, batch=256):
     with torch.device("meta"):
         model = GPT(vocab=vocab, d=d, heads=heads, layers=layers, seq=seq)
