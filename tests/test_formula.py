@@ -81,6 +81,11 @@ def test_dims_name_what_stays_symbolic():
         plan.formula(dims=[64])
     with pytest.raises(ValueError, match="read from JSON"):
         autoshard.Plan.from_json(plan.to_json()).formula()
+    # a measured cluster's fitted rates have no closed form
+    from dataclasses import replace
+    measured = replace(autoshard.Cluster.preset("a100-80gb-nvlink-ib"), name="here", op_overhead=1e-5)
+    with pytest.raises(ValueError, match="was measured"):
+        autoshard.plan(model, inputs, mesh=(4,), cluster=measured, verbose=False).formula()
 
 
 def test_the_readmes_data_parallel_formula():

@@ -111,6 +111,23 @@ def test_policy_casts_inputs_and_outputs(world4):
         assert not bad, bad
 
 
+def test_inputs_cast_unless_the_policy_says_not():
+    """A floating input is cast to param_dtype by default, as FSDP2 does; with
+    cast_forward_inputs=False it reaches the model as given (here already bf16): one cast fewer,
+    the parameters' copies the same."""
+    torch.manual_seed(0)
+    model = MLP(d=32, hidden=64, depth=2)
+
+    def casts(x, cast_inputs):
+        policy = MixedPrecisionPolicy(param_dtype=BF16, cast_forward_inputs=cast_inputs)
+        plan = autoshard.plan(model, (x,), mesh=(2,), mp_policy=policy, verbose=False)
+        return sum("_to_copy" in n.op for n in plan.nodes.values())
+
+    params = sum(1 for _ in model.parameters())
+    assert casts(torch.randn(16, 32), True) == params + 1
+    assert casts(torch.randn(16, 32, dtype=BF16), False) == params
+
+
 def test_policy_priced_at_bf16():
     """The plan of a policy: matmuls at the cluster's 16-bit peak, activations' collectives at 2
     bytes, memory holding fp32 masters, fp32 gradients, Adam's state and bf16 copies."""
