@@ -202,20 +202,32 @@ def tiny_models():
     }
 
 
+# each tiny model's plan with mesh search at a4a720d, before the coarse bound (passes.coarse): its
+# estimated step (us) and the search's CPU seconds on the same 2-core machine, loaded by others
+BEFORE_TINY = {"T5 (encoder-decoder)": (10.059416209895807, 6.71), "Qwen2 (decoder)": (10.66961178723957, 4.86),
+               "OPT (decoder)": (3.595866651822915, 1.71), "ViT (vision)": (5.82892111903483, 1.54),
+               "Whisper (speech)": (13.113750706249991, 4.99)}
+
+
 def tiny(args):
     print(f"\n== tiny HuggingFace models, mesh search at world 8 beside the fixed mesh (8,) ==")
+    print("times: wall (CPU) seconds of plan(), capture included")
     for name, build in tiny_models().items():
         torch.manual_seed(0)
         model, inputs = build()
         times = {}
         for label, kw in (("search", dict(world=8)), ("fixed (8,)", dict(mesh=(8,)))):
             CLOCK.reset()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             plan = autoshard.plan(model, inputs, cluster=CLUSTER, verbose=False, **kw)
-            times[label] = (time.perf_counter() - start, phases(), plan)
-        (ts, ps, plan), (tf, _, fixed) = times["search"], times["fixed (8,)"]
-        print(f"{name}: search {ts:.2f} s -> {plan.mesh_shape} {plan.cost * 1e6:.2f} us; fixed (8,) {tf:.2f} s "
-              f"{fixed.cost * 1e6:.2f} us\n    search phases (s): {ps}")
+            times[label] = (time.perf_counter() - start, time.process_time() - cpu, phases(), plan)
+        (ts, cs, ps, plan), (tf, cf, _, fixed) = times["search"], times["fixed (8,)"]
+        step, cpu = BEFORE_TINY[name]
+        fates = ", ".join(f"{tuple(c['mesh'])} {c['status'].split(':')[0]}" for c in plan.mesh_candidates)
+        print(f"{name}: search {ts:.2f} s ({cs:.2f} CPU) -> {plan.mesh_shape} {plan.cost * 1e6:.4f} us; "
+              f"fixed (8,) {tf:.2f} s ({cf:.2f} CPU) {fixed.cost * 1e6:.4f} us\n"
+              f"    before (a4a720d): {step:.4f} us, search {cpu:.2f} s CPU; now / before: step {plan.cost * 1e6 / step:.6f}\n"
+              f"    search phases (s): {ps}\n    meshes: {fates}")
 
 
 def main():

@@ -32,6 +32,7 @@ import time
 import warnings
 
 from autoshard.passes.annotate import annotate
+from autoshard.passes.coarse import coarse_bound
 from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
 from autoshard.passes.progress import Progress
 from autoshard.cost.price import Costs
@@ -168,68 +169,92 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
         progress.update(f"{step}; {done} of {len(cands.entries)} meshes done"
                         + (f", best {best[1]} {best[0].cost * 1e3:.3f} ms per step" if best else ""))
 
-    # phase 1: one and two axes, bounded and solved whole
-    small = [m for m in cands.entries if len(m) <= EXACT_AXES]
-    for mesh in small:
+    def bound(mesh):
+        """The mesh's lower bound in its entry: a mesh that refines the best plan's must beat it
+        by TIE, and its coarse bound (passes.coarse, a fraction of the program) may say that
+        it cannot before its own relaxation is priced and built."""
         work = cands.work(mesh)
         if work is None:
-            continue
+            return
         entry = cands.entries[mesh]
         twin = cands.twin(mesh)
-        entry["bound"] = cands.entries[twin]["bound"] if twin else lower_bound(graph, *work, budget)
+        if twin:
+            entry["bound"], entry["status"] = cands.entries[twin]["bound"], cands.entries[twin]["status"]
+            report(f"bounded {mesh} (as {twin}, its axes reordered)")
+            return
+        below = _to_beat(results, mesh, cluster)
+        if below is not None:
+            entry["bound"] = coarse_bound(graph, *work)
+            if entry["bound"] >= below * (1 - 1e-9):
+                entry["status"] = f"pruned: its coarse bound is no better than the best plan's (within {100 * TIE:g}%)"
+                report(f"pruned {mesh}")
+                return
+        entry["bound"] = lower_bound(graph, *work, budget)
         entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
-        report(f"bounded {mesh}" + (f" (as {twin}, its axes reordered)" if twin else ""))
-    # best bound first, twice: first each mesh's plan among its LP's support (a blink; it proves
-    # most meshes within GAP_LIMIT), then the whole program of the meshes left unproven: the
-    # best of them as any solve, the others that might still win for at most EFFORT
-    # deterministic seconds each
-    order = sorted((m for m in small if cands.entries[m]["status"] == "bounded"),
-                   key=lambda m: (cands.entries[m]["bound"], len(m)))
-    unproven = []
-    for first in (True, False):
-        for mesh in order if first else unproven:
-            entry = cands.entries[mesh]
-            # the best plan so far, unproven, is solved whole as the mesh to refine; the others
-            # only for a plan that beats it, with a bounded effort
-            best = not first and (not results or min(results, key=lambda r: r[0].cost)[1] == mesh)
-            below = None if best else _to_beat(results, mesh, cluster)
-            effort = 0 if first else None if best else EFFORT
-            if below is not None and entry["bound"] >= below * (1 - 1e-9):
-                entry["status"] = f"pruned: its lower bound is no better than the best plan's (within {100 * TIE:g}%)"
-                continue
-            strategies, costs = entry["_work"]
-            try:   # time_limit: per solve
-                solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort,
-                                 support=first)
-            except MemoryBudgetError as e:
-                entry["status"] = "does not fit in memory"
-                errors.append(e)
-                continue
-            except NoBetterPlan as e:
-                if first:
-                    unproven.append(mesh)
-                    continue
-                if entry["cost"] is not None:   # its plan of the first round stands
-                    entry["status"] += f"; no better plan in {EFFORT:g} deterministic s"
-                    continue
-                entry["status"] = (f"pruned: no plan on it beats the best plan's by {100 * TIE:g}% "
-                                   + ("(proven)" if e.proven else f"(none found in {EFFORT:g} deterministic s)"))
-                continue
-            before = next((r for r in results if r[1] == mesh), None)
-            if before is not None and before[0].cost <= solution.objective:
-                # its plan of the first round stands: a whole solve stopped by the time limit
-                # may end above it (GPT-3 175B's search lost its (128, 8) plan of 60.66 s so)
-                entry["status"] += "; the whole solve found no better plan"
-                continue
-            results[:] = [r for r in results if r[1] != mesh]   # its plan of the first round, bettered
-            results.append(_record(graph, strategies, solution, costs, entry, mesh))
-            if first and solution.gap is not None and solution.gap > GAP_LIMIT:
+        report(f"bounded {mesh}")
+
+    def attempt(mesh, first):
+        """Solve the mesh: in the first round, its plan among its LP's support (a blink; it
+        proves most meshes within GAP_LIMIT); in the second, the whole program of a mesh left
+        unproven, the best of them as any solve, the others that might still win for at most
+        EFFORT deterministic seconds each."""
+        entry = cands.entries[mesh]
+        # the best plan so far, unproven, is solved whole as the mesh to refine; the others
+        # only for a plan that beats it, with a bounded effort
+        best = not first and (not results or min(results, key=lambda r: r[0].cost)[1] == mesh)
+        below = None if best else _to_beat(results, mesh, cluster)
+        effort = 0 if first else None if best else EFFORT
+        if below is not None and entry["bound"] >= below * (1 - 1e-9):
+            entry["status"] = f"pruned: its lower bound is no better than the best plan's (within {100 * TIE:g}%)"
+            return
+        strategies, costs = entry["_work"]
+        try:   # time_limit: per solve
+            solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort,
+                             support=first)
+        except MemoryBudgetError as e:
+            entry["status"] = "does not fit in memory"
+            errors.append(e)
+            return
+        except NoBetterPlan as e:
+            if first:
                 unproven.append(mesh)
-                entry["status"] = f"solved ({100 * solution.gap:.2f}% from its bound)"
-            elif effort:
-                entry["status"] = ("solved" if solution.gap is not None and solution.gap <= GAP_LIMIT else
-                                   f"solved ({100 * solution.gap:.2f}% from its bound after {EFFORT:g} deterministic s)")
-            report(f"solved {mesh}")
+                return
+            if entry["cost"] is not None:   # its plan of the first round stands
+                entry["status"] += f"; no better plan in {EFFORT:g} deterministic s"
+                return
+            entry["status"] = (f"pruned: no plan on it beats the best plan's by {100 * TIE:g}% "
+                               + ("(proven)" if e.proven else f"(none found in {EFFORT:g} deterministic s)"))
+            return
+        before = next((r for r in results if r[1] == mesh), None)
+        if before is not None and before[0].cost <= solution.objective:
+            # its plan of the first round stands: a whole solve stopped by the time limit
+            # may end above it (GPT-3 175B's search lost its (128, 8) plan of 60.66 s so)
+            entry["status"] += "; the whole solve found no better plan"
+            return
+        results[:] = [r for r in results if r[1] != mesh]   # its plan of the first round, bettered
+        results.append(_record(graph, strategies, solution, costs, entry, mesh))
+        if first and solution.gap is not None and solution.gap > GAP_LIMIT:
+            unproven.append(mesh)
+            entry["status"] = f"solved ({100 * solution.gap:.2f}% from its bound)"
+        elif effort:
+            entry["status"] = ("solved" if solution.gap is not None and solution.gap <= GAP_LIMIT else
+                               f"solved ({100 * solution.gap:.2f}% from its bound after {EFFORT:g} deterministic s)")
+        report(f"solved {mesh}")
+
+    # phase 1: one and two axes, bounded and solved whole, best bound first: the one-axis mesh
+    # first, so that its plan can prune a two-axis mesh by its coarse bound; then the meshes
+    # the first round left unproven
+    unproven: list = []
+    small = [m for m in cands.entries if len(m) <= EXACT_AXES]
+    for axes in range(1, EXACT_AXES + 1):
+        for mesh in small:
+            if len(mesh) == axes:
+                bound(mesh)
+        for mesh in sorted((m for m in small if len(m) == axes and cands.entries[m]["status"] == "bounded"),
+                           key=lambda m: cands.entries[m]["bound"]):
+            attempt(mesh, True)
+    for mesh in list(unproven):
+        attempt(mesh, False)
 
     # phase 2: refine the best two-axis mesh (one axis is refined by the two-axis meshes
     # already), one axis split at a time, while refining pays. Only where a second axis paid:
