@@ -2,6 +2,7 @@
 
     python benchmarks/plan_scale.py              # 96-layer GPT (d=2048) at world 1024, mesh search
     python benchmarks/plan_scale.py --tiny       # tiny HuggingFace models at world 8, mesh search
+    python benchmarks/plan_scale.py --tiny --first-call   # and parallelize's first call on 8 gloo processes
     python benchmarks/plan_scale.py --llama      # Llama-3-style, dim 2048, 16 layers, fixed mesh (8, 8)
 
 Everything runs on the meta device, with no process group. The phases are those of
@@ -228,11 +229,43 @@ def tiny(args):
               f"fixed (8,) {tf:.2f} s ({cf:.2f} CPU) {fixed.cost * 1e6:.4f} us\n"
               f"    before (a4a720d): {step:.4f} us, search {cpu:.2f} s CPU; now / before: step {plan.cost * 1e6 / step:.6f}\n"
               f"    search phases (s): {ps}\n    meshes: {fates}")
+    if args.first_call:
+        first_calls()
+
+
+def first_call(name):
+    """On each rank: parallelize the tiny model (mesh search at the group's size) and time its
+    first call, which captures, plans (rank 0, the others wait for its plan), shards, rewrites
+    and runs forward; rank 0's wall and CPU seconds, and planning's part of them (its phases
+    but capture)."""
+    import torch.distributed as dist
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model, inputs = tiny_models()[name]()
+    pm = autoshard.parallelize(model, world=dist.get_world_size(), cluster=CLUSTER, verbose=False)
+    CLOCK.reset()
+    start, cpu = time.perf_counter(), time.process_time()
+    pm(**inputs)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, sum(v for k, v in CLOCK.seconds.items() if k != "capture"), pm.plan.mesh_shape
+
+
+def first_calls(world=8):
+    from autoshard.launch import LocalWorld
+    print(f"\n== the first call of parallelize at world {world} (gloo, {world} processes on this machine): "
+          "rank 0's seconds ==")
+    with LocalWorld(world, timeout_s=600.0) as group:
+        for name in tiny_models():
+            wall, cpu, planning, mesh = group.run(first_call, name)[0]
+            print(f"{name}: first call {wall:.2f} s ({cpu:.2f} CPU), of which planning {planning:.2f} s "
+                  f"({100 * planning / wall:.0f}%); mesh {mesh}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny HuggingFace models at world 8")
+    ap.add_argument("--first-call", action="store_true",
+                    help="with --tiny: also time parallelize's first call on 8 local gloo processes")
     ap.add_argument("--llama", action="store_true", help="the Llama-3-style model on the fixed mesh (8, 8)")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
     ap.add_argument("--time-limit", type=float, default=60.0)
