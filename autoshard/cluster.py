@@ -39,7 +39,8 @@ class Cluster:
     # optimizer step unpriced, every op charged its tensors' bytes
     op_overhead: float = 0.0         # seconds one op costs to launch in the emitted forward program
     backward_overhead: float = 0.0   # seconds one autograd node costs in backward
-    collectives: tuple = ()          # ((kind, size, stride, alpha, beta), ...): t = alpha + ring bytes / beta
+    collectives: tuple = ()          # ((kind, size, stride, alpha, beta[, points]), ...): t = alpha + ring
+                                     # bytes / beta, or through the points ((ring bytes, seconds), ...)
     optimizer: tuple = ()            # AdamW's step: (seconds per step, per parameter tensor, per parameter byte)
     overlap: float = 1.0             # the fraction of a scheduled collective that compute beside it hides
     kernels: tuple = ()              # ((family, forward rate, backward rate), ...) of cost.compute.FAMILY,
@@ -59,13 +60,17 @@ class Cluster:
         for field in ("op_overhead", "backward_overhead"):
             check_number(f"Cluster.{field}", getattr(self, field), low=0, hint="seconds per launch, not negative")
         # tuples, also when read back from JSON's lists, so a saved cluster loads equal
-        rows = tuple(tuple(r) for r in self.collectives)
+        rows = tuple(tuple(r[:5]) + (tuple(tuple(pt) for pt in r[5]),) if len(r) == 6 else tuple(r)
+                     for r in self.collectives)
         for row in rows:
-            if (len(row) != 5 or row[0] not in COLLECTIVE_KINDS or not all(isinstance(v, int) for v in row[1:3])
-                    or row[1] < 2 or row[2] < 1 or not 0 <= row[3] < math.inf or not 0 < row[4] < math.inf):
-                raise ValueError(f"Cluster.collectives holds (kind, size, stride, alpha, beta) rows: a kind of "
-                                 f"{COLLECTIVE_KINDS}, a group of size >= 2 ranks stride >= 1 apart, latency "
-                                 f">= 0 s and bandwidth > 0 bytes/s; got {row}")
+            if (len(row) not in (5, 6) or row[0] not in COLLECTIVE_KINDS
+                    or not all(isinstance(v, int) for v in row[1:3])
+                    or row[1] < 2 or row[2] < 1 or not 0 <= row[3] < math.inf or not 0 < row[4] < math.inf
+                    or len(row) == 6 and not _points(row[5])):
+                raise ValueError(f"Cluster.collectives holds (kind, size, stride, alpha, beta) rows, and "
+                                 f"optionally the ((bytes sent, seconds), ...) points they were fitted to: a "
+                                 f"kind of {COLLECTIVE_KINDS}, a group of size >= 2 ranks stride >= 1 apart, "
+                                 f"latency >= 0 s, bandwidth > 0 bytes/s, points of growing bytes; got {row}")
         if len({r[:3] for r in rows}) != len(rows):
             raise ValueError("Cluster.collectives holds one row per (kind, size, stride)")
         object.__setattr__(self, "collectives", rows)
@@ -99,8 +104,8 @@ class Cluster:
         """This machine, measured (``autoshard.measure``). Inside an initialized process group
         every rank must call it (it runs collectives): each collective kind's latency and
         bandwidth on every group shape a mesh axis of this world can take, matmul FLOP/s in fp32
-        and bf16, memory bandwidth, op launch overhead and AdamW's step; rank 0's figures are
-        returned on every rank. Outside a process group, this process's compute only, with the
+        and bf16, memory bandwidth, op launch overhead and AdamW's step; every rank returns the
+        same figures, agreed over the ranks (``autoshard.measure``). Outside a process group, this process's compute only, with the
         links of ``base`` (a Cluster or preset name, default the default preset). ``repeats``:
         measure that many times and keep each figure's median. Seconds on a CPU at world 2-4."""
         from autoshard.measure import measure
@@ -146,7 +151,7 @@ class Cluster:
         return Link(self.inter_latency, self.inter_bandwidth / sharing, self.collective_overhead, fits)
 
     def _fits(self, mesh_shape, axes, strides) -> Optional[dict]:
-        """kind -> (alpha, beta) measured on groups of the shape ``axes`` form: their size, ranks
+        """kind -> (alpha, beta[, points]) measured on groups of the shape ``axes`` form: their size, ranks
         the innermost axis's stride apart (exact for one axis or a run of neighbouring axes; for
         others, the measured shape of that size with the nearest stride). None where nothing of
         that size was measured."""
@@ -158,10 +163,17 @@ class Cluster:
         if not rows:
             return None
         near = min({r[2] for r in rows}, key=lambda s: (abs(math.log(s / stride)), s))
-        return {r[0]: (r[3], r[4]) for r in rows if r[2] == near}
+        return {r[0]: tuple(r[3:]) for r in rows if r[2] == near}
 
     def matmul_flops(self, itemsize: int) -> float:
         return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops
+
+
+def _points(points) -> bool:
+    """Whether ``points`` are ((bytes, seconds), ...) pairs, bytes growing, each finite and >= 0."""
+    return (len(points) >= 1 and all(len(pt) == 2 and all(isinstance(v, (int, float)) and 0 <= v < math.inf
+                                                            for v in pt) for pt in points)
+            and all(a[0] < b[0] for a, b in zip(points, points[1:])))
 
 
 class Link(tuple):

@@ -2,17 +2,20 @@
 
 Inside an initialized process group every rank takes part: the collectives need them all, and
 each rank times its compute while the others do, so the figures carry the contention a real step
-has. Every rank returns the same Cluster: the links as rank 0 timed them, the compute figures of
-the slowest rank (the lowest rate, the longest time), since every step waits for the slowest
-rank at its collectives. What is measured, and what it is fitted to:
+has. Every rank returns the same Cluster: each link figure the median of the ranks' timings, the
+compute figures of the slowest rank (the lowest rate, the longest time), since every step waits
+for the slowest rank at its collectives. What is measured, and what it is fitted to:
 
     collectives   each kind the plans use (all_gather, reduce_scatter, all_reduce, all_to_all) on
                   every group a mesh axis of this world can form: ``size`` ranks ``stride`` apart
                   (axes are laid out innermost last, so an axis's groups are such), every group
-                  of a shape running at once, as one axis's groups do in a step. The seconds of
-                  one call at several sizes are fitted by least squares (in relative error) to
+                  of a shape running at once, as one axis's groups do in a step, each call as
+                  the emitted program makes it (with its copies). The seconds of one call at
+                  several sizes are fitted by least squares (in relative error) to
                   t = alpha + sent / beta, ``sent`` the bytes a ring sends per rank
-                  (``cost.comm.ring_bytes``), so beta is a bus bandwidth comparable across kinds
+                  (``cost.comm.ring_bytes``), so beta is a bus bandwidth comparable across kinds;
+                  the timed points are kept too, and price a collective between them
+                  (``cost.comm.fitted_time``)
     kernels       forward and backward rates of each kernel family of ``cost.compute.FAMILY``, in
                   the cost model's own count of the forward's work (FLOPs of linear layers of
                   several shapes and of causal attention; bytes of gelu, layer norm, softmax and
@@ -27,8 +30,8 @@ rank at its collectives. What is measured, and what it is fitted to:
                   (few small tensors, many small ones, few large ones out of cache)
     overlap       how much of an all-reduce started before a run of matmuls as long as it, and
                   waited for after them, the matmuls hide: (alone + alone - together) / alone,
-                  within [0, 1]. On a CPU the collective's copies and the compute share the
-                  cores, and it hides nothing
+                  within [0, 1], the median of several trials on each rank and of the ranks'.
+                  On a CPU the collective's copies and the compute share the cores
 
 Each figure is a mean over a window of calls, not the best of short bursts: on a machine whose
 cores are shared, a burst often runs unhindered while a training step gets only its share.
@@ -54,14 +57,16 @@ from autoshard.cost.comm import ring_bytes
 
 aten = torch.ops.aten
 
-# bytes per rank: a norm's statistics to a layer's activations
-COLLECTIVE_BYTES = (1 << 12, 1 << 18, 1 << 20, 1 << 22)
+# bytes per rank: a norm's statistics to a layer's activations and a gather bucket's share
+COLLECTIVE_BYTES = (1 << 12, 1 << 18, 1 << 20, 1 << 22, 1 << 23)
 TOKENS = 1024                 # rows of the timed kernels: a small model's batch on one rank
 LINEARS = ((256, 1024), (1024, 256), (256, 2048))   # (in, out) features of the timed matmuls
 STREAM_BYTES = 1 << 22        # tensors of the streaming ops: a layer's activations
 LAUNCH_OPS = 120              # ops in the launch-timing program
 WINDOW = 0.03                 # seconds of calls per timed point: several scheduler slices (CFS: ~3 ms)
 COLLECTIVE_CALLS = 4          # calls per timed collective point, after one warm-up
+COLLECTIVE_ROWS = 8           # rows of a timed collective's (rows, columns) tensor, exchanged on columns
+OVERLAP_TRIALS = 5            # trials of the overlap, of which the median is kept
 OVERLAP_BYTES = 1 << 22       # the all-reduce the overlap is timed with: a layer's activations
 # AdamW's parameter sets (tensors, elements each): few small, many small, few large (16 MB: with
 # their gradients and moments out of a CPU's cache, as a model's are)
@@ -105,7 +110,7 @@ def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Clust
     changes = dict(
         name=name or f"measured: {backend}, {world} rank{'s' if world > 1 else ''} on {socket.gethostname()}",
         efficiency=1.0, memory=figures.pop("memory"),
-        collectives=tuple(sorted((k, p, s, a, b) for (k, p, s), (a, b) in links.items())),
+        collectives=tuple(sorted((k, p, s) + fit for (k, p, s), fit in links.items())),
         **figures)
     changes["collective_overhead"] = changes["op_overhead"]   # the runtime's Python around each call
     if grouped:
@@ -113,7 +118,7 @@ def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Clust
         if overall is not None and figures_per_node >= world:
             # groups the table does not hold (other worlds, axes that are not a stride run) get
             # the whole world's all-gather figures: one host, one kind of link
-            alpha, beta = overall
+            alpha, beta = overall[:2]
             changes.update(intra_latency=alpha / (world - 1), intra_bandwidth=beta,
                            inter_latency=alpha / (world - 1), inter_bandwidth=beta * world)
     return base.with_(**changes)
@@ -145,10 +150,16 @@ def median(clusters) -> Cluster:
 
 
 def _slowest(every: list) -> dict:
-    """The compute figures of the slowest rank: each rate's lowest, each time's longest."""
+    """The compute figures of the slowest rank: each rate's lowest, each time's longest. The
+    figures fitted from a few timings (the optimizer's three parts, each collective's latency,
+    bandwidth and points, the overlap) are the ranks' medians: each rank's own fit is noisy,
+    and the worst of each part of it, taken apart, is worse than any rank ever was."""
     out = {key: min(f[key] for f in every) for key in RATES}
     out.update({key: max(f[key] for f in every) for key in TIMES})
-    out["optimizer"] = tuple(max(v) for v in zip(*(f["optimizer"] for f in every)))
+    out["optimizer"] = _median([f["optimizer"] for f in every])
+    for key in ("links", "overlap"):
+        if key in every[0]:
+            out[key] = _median([f[key] for f in every])
     out["kernels"] = tuple((row[0],) + tuple(min(r[k] for r in rows) for k in (1, 2))
                            for row, rows in zip(every[0]["kernels"], zip(*(f["kernels"] for f in every))))
     return out
@@ -391,7 +402,11 @@ def group_shapes(world: int) -> dict:
 
 
 def _links(device) -> dict:
-    """{"links": {(kind, size, stride): (alpha, beta)}} for every group shape of this world."""
+    """{"links": {(kind, size, stride): (alpha, beta)}} for every group shape of this world. Each
+    call runs as the emitted program runs a conversion step (``runtime._launch`` on a dim the
+    collective does not exchange, with the copies that puts the cut on dim 0 and back), so the
+    fitted bandwidth carries those copies too: on a CPU they cost as much as the bytes sent."""
+    from autoshard.runtime import _launch
     world = dist.get_world_size()
     table = {}
     for (size, stride), lists in group_shapes(world).items():
@@ -403,25 +418,31 @@ def _links(device) -> dict:
         for kind in COLLECTIVE_KINDS:
             xs, ts = [], []
             for nbytes in COLLECTIVE_BYTES:
-                n = max(size, nbytes // 4 // size * size)   # divisible into the group's blocks
-                x = torch.randn(n, device=device)
-                # each call writes a fresh tensor, as the emitted program's do (an all-reduce
-                # reduces a copy of its input): a new buffer costs gloo more than a reused one
-                call = {"all_gather": lambda: _all_gather(x.new_empty(n * size), x, group=group),
-                        "reduce_scatter": lambda: _reduce_scatter(x.new_empty(n // size), x, group=group),
-                        "all_reduce": lambda: dist.all_reduce(x.clone(), group=group),
-                        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=group)}[kind]
-                xs.append(ring_bytes(kind, 4.0 * n, size))
+                rows = size * max(1, COLLECTIVE_ROWS // size)             # both dims divisible into
+                cols = max(size, nbytes // 4 // rows // size * size)       # the group's blocks
+                x = torch.randn(rows, cols, device=device)
+                # a fresh output each call, as the program's steps make (a new buffer costs gloo
+                # more than a reused one)
+                dim, dim2 = (1, 0) if kind == "all_to_all" else (1, None)
+
+                def call(x=x, kind=kind, dim=dim, dim2=dim2):
+                    work, finish = _launch(x, kind, group, size, dim, dim2)
+                    work.wait()
+                    finish()
+
+                xs.append(ring_bytes(kind, 4.0 * x.numel(), size))
                 ts.append(_timed_together(call, device, COLLECTIVE_CALLS, barrier))
             alpha, slope = fit_line(xs, ts)
-            table[(kind, size, stride)] = (alpha, 1.0 / slope)
+            table[(kind, size, stride)] = (alpha, 1.0 / slope, tuple(zip(xs, ts)))
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
     return {"links": table, "overlap": _overlap(device)}
 
 
 def _overlap(device) -> float:
-    """The fraction of an all-reduce that matmuls run beside it hide (see the module docstring)."""
+    """The fraction of an all-reduce that matmuls run beside it hide (see the module docstring):
+    the median over ``OVERLAP_TRIALS`` trials, each timing the all-reduce alone, the matmuls
+    alone and both at once back to back, every rank together, so that the three see one load."""
     x = torch.randn(OVERLAP_BYTES // 4, device=device)
     a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
     reduce = lambda: dist.all_reduce(x.clone())   # noqa: E731
@@ -440,7 +461,10 @@ def _overlap(device) -> float:
         compute()
         work.wait()
 
-    dist.barrier()
-    work = _timed(compute, device, window=0.0)
-    together = _timed_together(both, device, COLLECTIVE_CALLS, dist.barrier)
-    return min(1.0, max(0.0, (alone + work - together) / min(alone, work)))
+    trials = []
+    for _ in range(OVERLAP_TRIALS):
+        alone = _timed_together(reduce, device, 2, dist.barrier)
+        work = _timed_together(compute, device, 2, dist.barrier)
+        together = _timed_together(both, device, 2, dist.barrier)
+        trials.append((alone + work - together) / min(alone, work))
+    return min(1.0, max(0.0, statistics.median(trials)))

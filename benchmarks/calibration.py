@@ -22,8 +22,12 @@ measurement, Spearman >= 0.9.
 
     python benchmarks/calibration.py                  # world 2: d=256, 4 blocks, vocab 4096, 8 x 128 tokens
     python benchmarks/calibration.py --world 4        # adds 2-D meshes: tensor_2d, hybrid FSDP, Megatron x data
+    python benchmarks/calibration.py --model mlp      # the residual MLP of vs_torch.py (256 -> 512, 4 blocks)
+    python benchmarks/calibration.py --save run.json  # also keep the clusters, plans and step times ...
+    python benchmarks/calibration.py --load run.json  # ... and price them again, on the cost model of now
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -45,6 +49,7 @@ from autoshard.cost.price import Costs  # noqa: E402
 from autoshard.passes.solve import Solution  # noqa: E402
 from autoshard.plan import make_plan  # noqa: E402
 from plan_gpt import GPT  # noqa: E402
+from vs_torch import ResMLP  # noqa: E402
 
 # (label, scheme, mesh, roles) per world: every scheme whose splits this GPT divides
 HAND = {
@@ -56,8 +61,11 @@ HAND = {
 
 def make(args):
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq)
     g = torch.Generator().manual_seed(1)
+    if args.model == "mlp":   # vs_torch.py's residual MLP, at its sizes
+        model = ResMLP(256, 512, args.layers, 64)
+        return model, (torch.randn(128, 256, generator=g), torch.randint(0, 64, (128,), generator=g))
+    model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq)
     inputs = tuple(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2))
     return model, inputs
 
@@ -167,16 +175,39 @@ def describe(cluster) -> str:
     lines.append("  kernels, forward / backward: " + ", ".join(
         f"{family} {f / 1e9:.1f}/{b / 1e9:.1f} {'GFLOP/s' if family in FLOP_FAMILIES else 'GB/s'}"
         for family, f, b in cluster.kernels) + f"; overlap {cluster.overlap:.2f}")
-    for kind, size, stride, alpha, beta in cluster.collectives:
+    for kind, size, stride, alpha, beta, *_ in cluster.collectives:
         lines.append(f"  {kind:<15} {size} ranks {stride} apart: alpha {alpha * 1e6:7.1f} us, "
                      f"beta {beta / 1e9:5.2f} GB/s")
     return "\n".join(lines)
+
+
+def run(args, model, inputs, graph):
+    """Measure, plan and run: (plans, the clusters measured in the rounds, each rank's step times)."""
+    with LocalWorld(args.world) as world:
+        measured = world.run(measure_job)
+        cluster = measured[0][0]
+        print(f"cluster measured in {max(t for _, t in measured):.2f} s; the plans made on the median of three "
+              "measurements")
+        print(describe(cluster) + "\n")
+        plans = [("autoshard", autoshard.plan(model, inputs, world=args.world, cluster=cluster))]
+        for scheme, mesh, roles in HAND[args.world]:
+            label = f"{scheme}" + (f" [{','.join(f'{k}={v}' for k, v in roles.items())}]" if roles else "")
+            try:
+                pins = schemes.SCHEMES[scheme](model, inputs, mesh, graph=graph, **roles)
+            except ValueError as e:   # a scheme this model has no place for (sequence parallel on an MLP)
+                print(f"{label} on {mesh}: not planned ({str(e)[:100]})")
+                continue
+            plans.append((label, autoshard.plan(model, inputs, mesh=mesh, cluster=cluster, pin=pins)))
+        results = world.run(steps_job, [p.to_json() for _, p in plans], args)
+    return plans, results[0][0], [r[1] for r in results]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2, choices=sorted(HAND))
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                    help="the GPT (its sizes below) or vs_torch.py's residual MLP (256 -> 512, 64 classes, batch 128)")
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
@@ -186,29 +217,36 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12, help="rounds: timed steps per plan")
     ap.add_argument("--phases", action="store_true", help="also forward, backward and optimizer times")
+    ap.add_argument("--save", help="write the plans, the clusters measured and the step times here (JSON)")
+    ap.add_argument("--load", help="run nothing: price the plans of a --save run again, on the cost model of now")
     args = ap.parse_args()
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        keep = ("phases",)
+        args = argparse.Namespace(**dict(saved["args"], **{k: getattr(args, k) for k in keep}, load=args.load,
+                                         save=None))
 
-    print(f"GPT d={args.d}, {args.layers} blocks, {args.heads} heads, vocab {args.vocab}, batch {args.batch} x "
-          f"{args.seq} tokens; {args.world} gloo processes, one thread each; AdamW; median of {args.steps} rounds "
-          f"after {args.warmup} of warm-up, plans taking turns\n")
-    with LocalWorld(args.world) as world:
-        measured = world.run(measure_job)
-        cluster = measured[0][0]
-        print(f"cluster measured in {max(t for _, t in measured):.2f} s; the plans made on the median of three "
-              "measurements")
-        print(describe(cluster) + "\n")
-
-        model, inputs = make(args)
-        graph = capture(model, inputs)
-        plans = [("autoshard", autoshard.plan(model, inputs, world=args.world, cluster=cluster))]
-        for scheme, mesh, roles in HAND[args.world]:
-            pins = schemes.SCHEMES[scheme](model, inputs, mesh, graph=graph, **roles)
-            label = f"{scheme}" + (f" [{','.join(f'{k}={v}' for k, v in roles.items())}]" if roles else "")
-            plans.append((label, autoshard.plan(model, inputs, mesh=mesh, cluster=cluster, pin=pins)))
-
-        results = world.run(steps_job, [p.to_json() for _, p in plans], args)
-    clusters = results[0][0]
-    times = [r[1] for r in results]
+    what = (f"residual MLP 256 -> 512, {args.layers} blocks, 64 classes, batch 128" if args.model == "mlp" else
+            f"GPT d={args.d}, {args.layers} blocks, {args.heads} heads, vocab {args.vocab}, batch {args.batch} x "
+            f"{args.seq} tokens")
+    print(f"{what}; {args.world} gloo processes, one thread each; AdamW; median of {args.steps} rounds "
+          f"after {args.warmup} of warm-up, plans taking turns" + (f" (as saved in {args.load})" if args.load else "")
+          + "\n")
+    model, inputs = make(args)
+    graph = capture(model, inputs)
+    if args.load:
+        plans = [(label, autoshard.Plan.from_json(text)) for label, text in saved["plans"]]
+        clusters = [autoshard.Cluster(**c) for c in saved["clusters"]]
+        times = saved["times"]
+    else:
+        plans, clusters, times = run(args, model, inputs, graph)
+    if args.save:
+        from dataclasses import asdict
+        with open(args.save, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("save", "load")},
+                       "plans": [(label, p.to_json()) for label, p in plans],
+                       "clusters": [asdict(c) for c in clusters], "times": times}, f)
     print(f"measured again before each round; the median of each figure over the {len(clusters)} rounds:")
     print(describe(measure.median(clusters)) + "\n")
 

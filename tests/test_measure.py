@@ -71,10 +71,14 @@ def test_measured_on_every_rank_alike_and_sane(measured):
     assert 0 < c.op_overhead < 1e-3 and 0 < c.backward_overhead < 1e-3        # microseconds, not seconds
     assert len(c.optimizer) == 3 and all(math.isfinite(v) and v >= 0 for v in c.optimizer) and sum(c.optimizer) > 0
     assert 0 <= c.overlap <= 1
-    assert {(k, p, s) for k, p, s, _, _ in c.collectives} == {(k, 2, 1) for k in COLLECTIVE_KINDS}
-    for kind, _, _, alpha, beta in c.collectives:
+    assert {(k, p, s) for k, p, s, *_ in c.collectives} == {(k, 2, 1) for k in COLLECTIVE_KINDS}
+    for kind, _, _, alpha, beta, points in c.collectives:
         assert 0 <= alpha < 0.1, (kind, alpha)                    # below 100 ms a call
         assert 1e6 < beta < 1e12, (kind, beta)                    # 1 MB/s to 1 TB/s
+        # every size timed, as bytes a ring sends per rank (half of each size at world 2)
+        assert [x for x, _ in points] == pytest.approx([comm.ring_bytes(kind, n, 2) for n in measure.COLLECTIVE_BYTES],
+                                                       rel=0.05)
+        assert all(0 < t < 1.0 for _, t in points)
 
 
 def test_measured_cluster_round_trips_json(measured, tmp_path):
@@ -155,6 +159,31 @@ def test_collectives_priced_by_their_fits():
     assert comm.step_time(step, 4, (2,), PRESET.axis_links((2,))) == pytest.approx(launch + alpha + n / beta)
     # a group shape that was not measured falls back to the formula
     assert FAKE.axis_links((4,))[0].fits == {}
+
+
+def test_collectives_priced_through_their_points():
+    # t = 1 ms at 1 MB, 3 ms at 2 MB (slower per byte past a cache), fitted line: 0.5 ms + 1 GB/s
+    points = ((1e6, 1e-3), (2e6, 3e-3))
+    fit = (5e-4, 1e9, points)
+    assert comm.fitted_time(fit, 1e6, 0.0) == pytest.approx(1e-3)
+    assert comm.fitted_time(fit, 1.5e6, 0.0) == pytest.approx(2e-3)             # between two points
+    assert comm.fitted_time(fit, 3e6, 0.0) == pytest.approx(5e-3)               # the last slope on
+    assert comm.fitted_time(fit, 5e5, 0.0) == pytest.approx(7.5e-4)             # from the latency
+    # in a bucket: a share of launch and latency, the bytes' time whole
+    assert comm.fitted_time(fit, 2e6, 1e-4, share=0.5) == pytest.approx(0.5 * (1e-4 + 5e-4) + 3e-3 - 5e-4)
+    # a tensor that is a quarter of its bucket pays a quarter of the bucket's time at its size
+    assert comm.fitted_time(fit, 5e5, 0.0, scale=4.0) == pytest.approx((5e-3 - 5e-4) / 4)
+    # a point faster than a smaller one (noise) is taken as the smaller one's time
+    assert comm.fitted_time((5e-4, 1e9, ((1e6, 2e-3), (2e6, 1e-3))), 2e6, 0.0) == pytest.approx(2e-3)
+    # a cluster carries them, through JSON, to its links and so to every step
+    c = FAKE.with_(collectives=tuple((k, 2, 1) + fit for k in COLLECTIVE_KINDS))
+    assert Cluster(**dict(vars(c), collectives=[[*r[:5], [list(p) for p in r[5]]] for r in c.collectives])) == c
+    links = c.axis_links((2,))
+    step = comm.Step("all_gather", 0, 0, None, (1024, 256))   # 1 MiB in, 1 MiB sent at world 2
+    assert comm.step_time(step, 4, (2,), links) == pytest.approx(8e-6 + comm.fitted_time(fit, 2**20, 0.0))
+    assert comm.all_reduce_time(2**20, 2, links[0]) == pytest.approx(8e-6 + comm.fitted_time(fit, 2**20, 0.0))
+    with pytest.raises(ValueError, match="points"):
+        FAKE.with_(collectives=(("all_gather", 2, 1, 1e-5, 1e9, ((2e6, 1e-3), (1e6, 2e-3))),))
 
 
 def _costs(cluster, mesh=(2,)):

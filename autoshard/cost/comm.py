@@ -290,12 +290,13 @@ def ring_bytes(kind: str, nbytes: float, p: int) -> float:
     return (p - 1) / p * nbytes                    # reduce_scatter (T = input), all_to_all
 
 
-def step_time(step: Step, itemsize: int, mesh_shape, links, share: float = 1.0) -> float:
+def step_time(step: Step, itemsize: int, mesh_shape, links, share: float = 1.0, scale: float = 1.0) -> float:
     """alpha-beta time of one step on its axis (or group of axes), plus the launch overhead of a
     collective; local steps are free of communication. ``links``: ``Cluster.axis_links``. A
     link measured on groups of this shape (``Cluster.measure``) prices the step by its kind's
     fitted latency and bandwidth; otherwise a ring takes p-1 latency steps. ``share`` < 1 when
-    the tensor travels in a bucket with others: it pays that part of the launch and latency."""
+    the tensor travels in a bucket with others: it pays that part of the launch and latency;
+    ``scale``: the bucket's bytes over the tensor's (``fitted_time``)."""
     if not step.is_collective:
         return 0.0
     p = step.size(mesh_shape)
@@ -306,13 +307,36 @@ def step_time(step: Step, itemsize: int, mesh_shape, links, share: float = 1.0) 
     alpha, beta, overhead = link
     fit = _fit(link, step.kind)
     if fit is not None:
-        return share * (overhead + fit[0]) + ring_bytes(step.kind, n, p) / fit[1]
+        return fitted_time(fit, ring_bytes(step.kind, n, p), overhead, share, scale)
     return share * (overhead + (p - 1) * alpha) + ring_bytes(step.kind, n, p) / beta
 
 
 def _fit(link, kind: str):
-    """(alpha, beta) of ``kind`` measured on the link's groups, or None."""
+    """(alpha, beta[, points]) of ``kind`` measured on the link's groups, or None."""
     return getattr(link, "fits", {}).get(kind)
+
+
+def fitted_time(fit, sent: float, overhead: float, share: float = 1.0, scale: float = 1.0) -> float:
+    """Seconds of a measured collective sending ``sent`` bytes per rank: its launch and latency
+    (``share`` of them in a bucket), and the time its bytes take. With the points it was timed
+    at (``Cluster.measure``), that time is read off them, linearly between two, and past the
+    last at the slope of the last two: a CPU's collectives slow down per byte as they outgrow
+    its caches (gloo's all-gather of 8 MB per rank at world 4 takes three times its 4 MB one),
+    which one straight line fitted over all sizes misses at the sizes that carry the bytes.
+    ``scale``: the collective sends ``scale`` times ``sent`` (a bucket of which this tensor is a
+    part), and this tensor pays its part of that time."""
+    alpha, beta = fit[0], fit[1]
+    points = fit[2] if len(fit) > 2 else ()
+    if not points:
+        return share * (overhead + alpha) + sent / beta
+    whole = scale * sent
+    xs, ts = [0.0], [alpha]
+    for x, t in points:
+        xs.append(x)
+        ts.append(max(t, ts[-1]))   # never faster for more bytes
+    i = next((k for k in range(1, len(xs)) if whole <= xs[k]), len(xs) - 1)
+    slope = (ts[i] - ts[i - 1]) / (xs[i] - xs[i - 1])
+    return share * (overhead + alpha) + (ts[i - 1] - alpha + slope * (whole - xs[i - 1])) / scale
 
 
 def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
@@ -325,7 +349,7 @@ def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
     alpha, beta, overhead = link
     fit = _fit(link, "all_reduce")
     if fit is not None:
-        return share * (overhead + fit[0]) + ring_bytes("all_reduce", nbytes, p) / fit[1]
+        return fitted_time(fit, ring_bytes("all_reduce", nbytes, p), overhead, share)
     ring = share * 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
     tree = share * 2 * math.ceil(math.log2(p)) * alpha + 2 * nbytes / beta
     return share * overhead + min(ring, tree)

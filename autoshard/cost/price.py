@@ -43,6 +43,7 @@ class Costs:
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
         self._copies = param_copies(graph)   # a parameter's low-precision copy, which its bucket gathers
         self._gather_shares = gather_shares(graph, self.bucket_bytes, self._copies)
+        self._gather_scales = gather_scales(graph, self.bucket_bytes, self._copies)
 
     def gather_share(self, value) -> float:
         """The part of its gather bucket's launch and latency a prefetched parameter pays."""
@@ -156,9 +157,12 @@ class Costs:
         steps, prefetched = self.conversion(value, src, dst)
         duals = comm.dual_steps(steps, mesh) if backward else []
         share = self.gather_share(value) if prefetched else 1.0
+        # the bucket's bytes over the parameter's: a measured collective is priced at the bucket's size
+        scale = self._gather_scales.get(value[0], 1.0) if prefetched else 1.0
         last = self.reduced_itemsize(value, prefetched, steps)
-        fwd = [comm.step_time(st, meta.itemsize, mesh, links, share if i == 0 else 1.0) for i, st in enumerate(steps)]
-        bwd = [comm.step_time(st, last, mesh, links, share) if i == len(duals) - 1
+        fwd = [comm.step_time(st, meta.itemsize, mesh, links, share, scale) if i == 0
+               else comm.step_time(st, meta.itemsize, mesh, links) for i, st in enumerate(steps)]
+        bwd = [comm.step_time(st, last, mesh, links, share, scale) if i == len(duals) - 1
                else comm.step_time(st, meta.itemsize, mesh, links) for i, st in enumerate(duals)]
         return steps, duals, fwd, bwd, prefetched
 
@@ -201,6 +205,27 @@ def gather_shares(graph: Graph, cap: int, copies: Optional[dict] = None) -> dict
     alone, still pay their count's part rather than almost nothing. A parameter with a
     low-precision copy (``copies``: ``param_copies``) travels as the copy, in its bytes and at
     its use; the parameter's name gets the same part."""
+    return _per_member(graph, cap, copies, lambda b, size: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1))
+
+
+def gather_scales(graph: Graph, cap: int, copies: Optional[dict] = None) -> dict:
+    """Each parameter's gather bucket's bytes over its own (``gather_shares``' buckets): a
+    measured collective slower per byte as it grows (``cost.comm.fitted_time``) is priced at the
+    size it runs at, the bucket's, each member paying its bytes' part."""
+    return _per_member(graph, cap, copies, lambda b, size: b["bytes"] / max(size, 1))
+
+
+def _per_member(graph: Graph, cap: int, copies: Optional[dict], part) -> dict:
+    """{name: part(its bucket, its bytes)} of every member of a gather bucket, and of each
+    parameter whose copy is one."""
+    out = {name: part(b, size) for b in gather_buckets(graph, cap, copies) for name, size in b["members"]}
+    out.update({param: out[copy] for copy, param in (copies or {}).items() if copy in out})
+    return out
+
+
+def gather_buckets(graph: Graph, cap: int, copies: Optional[dict] = None) -> list:
+    """The gather buckets the schedule forms (``gather_shares``): [{"dtype", "members": [(name,
+    bytes), ...], "bytes"}, ...]."""
     copies = copies or {}
     first: dict = {}
     for i, n in enumerate(graph.nodes):
@@ -220,10 +245,7 @@ def gather_shares(graph: Graph, cap: int, copies: Optional[dict] = None) -> dict
             buckets.append(b)
         b["members"].append((n.name, size))
         b["bytes"] += size
-    shares = {name: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1)
-              for b in buckets for name, size in b["members"]}
-    shares.update({param: shares[copy] for copy, param in copies.items() if copy in shares})
-    return shares
+    return buckets
 
 
 def param_copies(graph: Graph) -> dict:
