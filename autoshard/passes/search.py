@@ -7,13 +7,17 @@ fastest links). The search runs in two phases:
 
 1. Meshes of one and two axes, exactly. Each gets a lower bound, the LP relaxation of its
    integer program; they are solved best bound first, and one whose bound is no better than the
-   best plan found is pruned without solving.
+   best plan found is pruned without solving. The one-axis mesh is bounded and solved first, so
+   that each two-axis mesh can be bounded by a coarse program first (passes.coarse, its layouts
+   only whole or not whole, a fraction of its own), and pruned there when even that shows it
+   cannot beat the one-axis plan: the tiny models whose best plan keeps activations whole on
+   every mesh, whose two-axis programs are never priced.
 2. Refinement, up to 4 axes. Each axis of the best two-axis mesh is split in two in every way
    ((64, 4) -> (8, 8, 4), (64, 2, 2), ...); its plan lifts onto each refinement exactly and
    improves there by one-axis descent (passes.descend). The best refinement becomes the mesh to
    refine next, while refining still pays. When no two-axis mesh beats the best one-axis plan by
    more than ``TIE`` (by its plan or its lower bound), splitting an axis did not pay and
-   refinement is not tried at all: the tiny models whose every mesh ties at data parallel's cost.
+   refinement is not tried at all: the tiny models whose every mesh ties at replicated compute's cost.
 
 The simplest mesh among equals wins: of the meshes whose plans come within ``TIE`` of the
 cheapest, the one with the fewest axes, then the one whose largest axis stays inside a node (the
