@@ -206,6 +206,44 @@ def test_the_coarse_bound_is_below_the_relaxation_and_tight_where_activations_st
                 assert coarse < relaxed * (1 - TIE), (mesh, coarse, relaxed)
 
 
+def test_the_coarse_program_prices_no_class_above_its_members_in_the_solvers_table():
+    # the coarse bound holds only while each class costs no more than every node strategy and
+    # every conversion it stands for, as the solver prices them (passes.solve._table)
+    from autoshard.passes import coarse
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    from autoshard.cost.price import Costs
+    from autoshard.cost.step import DRAG, PARTS
+    from autoshard.passes.solve import _table
+    weight = {"hidden_fwd": DRAG, "hidden_bwd": DRAG}
+    model, inputs = _gpt()
+    graph = capture(model, inputs)
+    strategies = annotate(graph, (2, 4), {})
+    costs = Costs(graph, (2, 4), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True)
+    table = _table(graph, strategies, costs)
+    nodes, edges = coarse._coarse(graph, strategies, costs)
+
+    def seconds(vec):
+        return sum(weight.get(part, 1.0) * x for part, x in zip(PARTS, vec))
+
+    def cls(node, layout):
+        return layout if node.kind == "param" else coarse._whole(layout)
+
+    least = {name: classes for name, _, classes in nodes}
+    for n, times, vecs, _ in table.nodes:
+        for st, vec in zip(strategies[n.name], vecs):
+            key = (tuple(coarse._whole(a) for a in st.inputs), tuple(cls(n, a) for a in st.outputs))
+            assert least[n.name][key] <= seconds(vec) + 1e-15, (n.name, st)
+    priced = {(u, out, v, slot): prices for u, out, v, slot, _, prices in edges}
+    checked = 0
+    for u, value, v, slot, times, src, dst, pairs in table.edges:
+        prices = priced[table.rep[value[0]], value[1], table.rep[v.name], slot]
+        for (a, b), (vec, _) in pairs.items():
+            assert prices[cls(u, a), coarse._whole(b)] <= seconds(vec) + 1e-15, (u.name, v.name, a, b)
+            checked += seconds(vec) > 0
+    assert checked > 1000   # conversions that cost something, each priced no lower by its classes
+
+
 def test_the_simplest_mesh_among_equals():
     node = autoshard.Cluster(gpus_per_node=8)
 
