@@ -28,6 +28,7 @@ from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, fuse_cast_gathers, schedule
+from autoshard.passes.axonn_start import axonn_start
 from autoshard.passes.search import search
 from autoshard.passes.descend import lifted_starts, solve_mesh
 from autoshard.passes.progress import shown
@@ -172,6 +173,13 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     return plan_graph(graph, mesh_shape, *args, recompute=recompute)
 
 
+def _axonn_start(graph: Graph, world: int, cluster: Cluster, budget: float):
+    """(mesh, pins by node) of AxoNN's best-ranked grid, for the mesh search to descend from
+    (``passes.axonn_start``); None where it has none."""
+    got = axonn_start(graph, world, cluster, budget)
+    return None if got is None else (got[0], resolve_pins(graph, got[1], len(got[0])))
+
+
 # what parallelize passes on to the planner: plan's keyword options
 PLAN_OPTIONS = [n for n, p in inspect.signature(plan).parameters.items() if p.kind is p.KEYWORD_ONLY and n != "world"]
 
@@ -195,7 +203,8 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
 
     with shown(verbose):   # the search's progress on stderr
         plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-                      reshard=reshard_after_forward, recompute=recompute)
+                      reshard=reshard_after_forward, recompute=recompute,
+                      seed=None if pin else lambda: _axonn_start(graph, world, cluster, budget))
     plan.memory["budget"] = budget
     plan.schedule["precision"] = graph.precision
     return plan

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import sympy
 
 from autoshard import placement as pl
 from autoshard.cost import comm, compute
 from autoshard.cost.compute import BACKWARD_FACTOR
+from autoshard.cost.overlap import edge_price
 from autoshard.cost.step import DRAG
 
 PARTS = ("step", "compute", "communication", "exposed")
@@ -342,7 +343,11 @@ def formula(plan, dims=None, part: str = "step", nodes=None) -> tuple:
             continue
         total = _plus(total, pr.node(n, chosen[n.name]))
         for slot, value in enumerate(n.inputs):
-            total = _plus(total, pr.convert(value, chosen[value[0]].outputs[value[1]], chosen[n.name].inputs[slot], n))
+            src, dst = chosen[value[0]].outputs[value[1]], chosen[n.name].inputs[slot]
+            total = _plus(total, pr.convert(value, src, dst, n))
+            # what the schedule hides of it (cost.overlap), a figure of the whole plan's layouts
+            hidden = asdict(edge_price(costs, value, src, dst, n, slot))
+            total = _plus(total, {k: Q(sympy.Float(v), v) for k, v in hidden.items() if v})
     zero = q(0)
     cf, cb = total.get("compute_fwd", zero), total.get("compute_bwd", zero)
     hf, hb, blocking = total.get("hidden_fwd", zero), total.get("hidden_bwd", zero), total.get("comm", zero)

@@ -5,6 +5,7 @@ machine. ``make_plan`` turns a solved graph into one.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -14,7 +15,7 @@ from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.memory import rank_memory
-from autoshard.cost.overlap import activation_overlap, added
+from autoshard.cost.overlap import added, edge_overlap
 from autoshard.cost.step import Cost
 from autoshard import explain, summary
 from autoshard.passes import recompute
@@ -211,7 +212,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     """The chosen strategy of every node, with the collectives and costs it implies. What
     ``Plan.explain`` needs (each node's alternatives, priced) is worked out when first asked for."""
     mesh = costs.mesh_shape
-    nodes, params, colls = {}, {}, []
+    nodes, params, colls, overlaps = {}, {}, [], []
     total = Cost()
     for n in graph.nodes:
         strat = strategies[n.name][solution.choice[n.name]]
@@ -219,8 +220,11 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][solution.choice[value[0]]].outputs[value[1]]
             dst = strat.inputs[slot]
-            cost = cost + costs.convert(value, src, dst, n)
-            colls += conversion_collectives(graph, costs, value, src, dst, n)
+            # what the schedule hides of it, and how it chunks it (cost.overlap)
+            o = edge_overlap(costs, value, src, dst, n, slot)
+            cost = cost + costs.convert(value, src, dst, n) + (o.delta if o is not None else Cost())
+            colls += _as_run(conversion_collectives(graph, costs, value, src, dst, n), o)
+            overlaps += [o] if o is not None else []
         colls += own_collectives(graph, costs, n, strat)
         total = total + cost
         nodes[n.name] = NodeChoice(
@@ -240,11 +244,11 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
     memory["activations"] += peak - freed
     memory["total"] += peak - freed
-    # what the schedule hides of the activations' collectives, and which it chunks (cost.overlap);
-    # recomputed blocks run in checkpointed submodules, which the schedule pass leaves as they are
-    overlaps = [] if any((solution.recompute or {}).values()) else activation_overlap(
-        graph, strategies, solution.choice, costs)
-    chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1]
+    # the conversions the schedule chunks; recomputed blocks run in checkpointed submodules,
+    # which the schedule pass leaves as they are (the step still counts what their
+    # conversions would hide: the solver priced them so)
+    chunks = [] if any((solution.recompute or {}).values()) else [
+        [o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1]
     plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
                 input_shapes, memory, breakdown(total, overlaps),
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
@@ -254,11 +258,19 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     return plan
 
 
+def _as_run(colls: list, o) -> list:
+    """A conversion's collectives as the schedule runs them: where it chunks the conversion
+    (``o``, its ``cost.overlap.Overlap``), each phase's step takes the k chunks' seconds."""
+    if o is None or o.chunks == 1:
+        return colls
+    return [dataclasses.replace(c, seconds=o.fwd if c.phase == "forward" else o.bwd) for c in colls]
+
+
 def breakdown(total: Cost, overlaps: list) -> dict:
     """The step's parts (``cost.step.Cost``); in seconds its ``compute``, the communication it
     waits for (``exposed``, with the overlap's drag) and the communication hidden behind compute
     (``hidden``); and what the schedule hides of the activations' collectives, the chunks'
-    drag deducted (``activations_hidden``), which the estimate does not yet count (``cost.overlap``)."""
+    drag deducted (``activations_hidden``), which the step counts (``cost.overlap``)."""
     overflow = max(0.0, total.hidden_fwd - total.compute_fwd) + max(0.0, total.hidden_bwd - total.compute_bwd)
     return asdict(total) | {"compute": total.compute, "exposed": total.exposed,
                             "hidden": total.hidden_fwd + total.hidden_bwd - overflow,

@@ -254,6 +254,12 @@ def roles(model, example_inputs, *, graph: Optional[Graph] = None) -> dict:
     return {l.weight: l.kind for l in _find_blocks(graph).linears}
 
 
+def linear_layers(graph: Graph) -> list:
+    """Every linear layer of the graph (a matmul by a parameter) with its role (``kind``:
+    column, row or other), its weight's shape and the activation it multiplies (``x``)."""
+    return _find_blocks(graph).linears
+
+
 @dataclass
 class _Layout:
     """What the schemes need from the captured graph."""
@@ -267,7 +273,8 @@ class _Layout:
 
 
 def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layout:
-    check_module("model", model)
+    if graph is None:   # a scheme reads the model through its graph only (None with graph=: the planner's own)
+        check_module("model", model)
     mesh = check_mesh(mesh, MAX_AXES)
     graph = graph if graph is not None else capture(model, example_inputs)
     params = {n.fqn: n.outputs[0].shape for n in graph.nodes if n.kind == "param"}

@@ -105,8 +105,7 @@ def chunk_lines(plan, shown: int = 4) -> list:
     """Which conversions the schedule overdecomposes, and into how many chunks (``cost.overlap``)."""
     chunks = plan.schedule.get("chunks") or []
     saved = plan.breakdown.get("activations_hidden", 0.0)
-    hides = (f"activation collectives started early hide {fmt_s(saved)} of the step, which the estimate "
-             "does not yet count" if saved > 0 else "")
+    hides = f"activation collectives started early hide {fmt_s(saved)} of the step" if saved > 0 else ""
     if not chunks:
         return [f"  {hides}"] if hides else []
     by_k: dict = {}

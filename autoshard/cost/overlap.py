@@ -29,19 +29,24 @@ concatenation. k is the candidate in ``CHUNKS`` that gives the lowest step, 1 wh
 more than it hides. Only ``Cluster.overlap`` of what overlaps is hidden (none on a CPU whose cores
 the compute takes), and what is hidden pays ``cost.step.DRAG`` like every overlapped collective.
 
-``activation_overlap`` prices the chosen plan: one ``Overlap`` per conversion, with the change
-(``delta``) to its price as a blocking conversion (``cost.price.Costs.convert``). ``plan`` writes
-the chunks it chose into ``plan.schedule["chunks"]``, which the schedule pass carries out, and
-what they hide into ``plan.breakdown["activations_hidden"]``. The estimated step and the solver
-still price activation conversions blocking: fed into the solver (every conversion's price less
-its ``delta``, computed from its layouts alone, as ``edge_overlap`` does), the mesh search's
-descent reached other local optima, some worse than before (a 7.3B block on 256 A100s: 52.2 ms
-against 50.7), and AxoNN's hand layout beat the plan it found by 3%.
+Every price of a plan adds ``edge_price``, a conversion's ``Overlap.delta`` (its change against
+the conversion priced blocking, ``cost.price.Costs.convert``), to the conversion's own: the
+solver's program (``passes.solve._pairs``), ``choice_cost``, ``plan.cost``, ``explain`` and
+``formula``. It is a function of the conversion's layouts alone (the covering compute is that of
+the producer's and the consumer's least-computing strategies with them, of every strategy the
+graph offers on the mesh, pins aside), so a whole solve, a descent's step, the LP bound and a
+pinned plan price one choice alike. Each covering compute is counted for one conversion: a
+linear's weight gradient covers the dual of the step before it (the schedule makes it there), so
+a chunk pipeline's backward counts the chunks' input gradients only, and a conversion of several
+steps has only its last step's dual covered by it. ``plan`` writes the chunks it chose into
+``plan.schedule["chunks"]``, which the schedule pass carries out, and what the conversions hide
+into ``plan.breakdown["activations_hidden"]``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -53,6 +58,10 @@ from autoshard.cost.step import DRAG, Cost
 
 CHUNKS = (1, 2, 4, 8)
 CHUNKED_KINDS = ("all_reduce", "reduce_scatter")
+_OVERLAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Costs -> {edge and layouts: Overlap}
+_LEAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Costs -> {(node, side): {layout: strategy}}
+_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Costs -> {shape and layouts: step times}
+_KINDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Costs -> {edge: edge_kind}
 _LINEAR = torch.ops.aten.linear.default
 
 
@@ -70,38 +79,84 @@ class Overlap:
     delta: Cost            # its price against the conversion priced blocking: exposed, hidden, drag
 
 
-def activation_overlap(graph, strategies: dict, choice: dict, costs) -> list:
-    """One ``Overlap`` for each conversion of an activation by collectives that the schedule
-    starts early and waits on late, in the plan that picks ``choice`` (node name -> index) of
-    ``strategies``: what each hides, reported in the plan's breakdown (the solver does not price it yet)."""
-    out = []
-    for n in graph.nodes:
-        chosen = strategies[n.name][choice[n.name]]
-        for slot, value in enumerate(n.inputs):
-            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            o = edge_overlap(costs, value, src, chosen.inputs[slot], n, slot, strategies[value[0]], strategies[n.name])
-            if o is not None:
-                out.append(o)
-    return out
+def edge_price(costs, value, src, dst, consumer, slot: int) -> Cost:
+    """What the schedule changes of converting ``value`` from ``src`` to ``dst`` for
+    ``consumer``'s input ``slot`` against its blocking price (``Costs.convert``): its
+    ``Overlap.delta``, nothing where the schedule does not start it early. Every price of a
+    plan adds it to the conversion's (the solver's program, ``passes.solve._pairs``;
+    ``choice_cost``, ``plan.cost``, ``explain``, ``formula``), so a plan is chosen by what it
+    hides and reports the step it was chosen by."""
+    o = _cached(costs, value, src, dst, consumer, slot)
+    return o.delta if o is not None else Cost()
 
 
-def edge_overlap(costs, value, src, dst, consumer, slot: int, producers: list, consumers: list):
+def overlaps(costs, value, consumer, slot: int) -> bool:
+    """Whether converting ``value`` for ``consumer``'s input ``slot`` may hide anything: an
+    activation's between two ops, taken by a linear or made by one that nothing else reads
+    (only such compute is counted beside it). Where not, ``edge_price`` is nothing whatever
+    the layouts."""
+    graph = costs.graph
+    producer = graph.by_name[value[0]]
+    if producer.kind != "op" or consumer.kind != "op" or memory.in_region(graph, value, consumer):
+        return False
+    taken = consumer.target is _LINEAR and slot == 0
+    return taken or (producer.target is _LINEAR and _readers(graph).get(value) == 1)
+
+
+def edge_overlap(costs, value, src, dst, consumer, slot: int):
     """The ``Overlap`` of converting ``value`` from ``src`` to ``dst`` for ``consumer``'s input
     ``slot``; None where the schedule does not start it early (a parameter's, or none of its
     steps a collective). The compute beside it is that of the producer's and the consumer's
-    least-computing strategies (of ``producers``, ``consumers``) with these layouts: what a
-    conversion's layouts alone guarantee."""
-    graph = costs.graph
-    producer = graph.by_name[value[0]]
-    if producer.kind != "op" or consumer.kind != "op":
+    least-computing strategies with these layouts, of every strategy the graph offers them on
+    this mesh, pins aside: what a conversion's layouts alone guarantee, the same for a pinned
+    plan, a descent's step and a whole solve."""
+    o = _cached(costs, value, src, dst, consumer, slot)
+    return None if o is None else dataclasses.replace(o, producer=value[0], consumer=consumer.name)
+
+
+def edge_kind(costs, value, consumer, slot: int):
+    """What a conversion's ``Overlap`` depends on besides its tensor's shape and layouts: its
+    producer's and consumer's ops, shapes and strategy lists, whether the value has other
+    readers, whether the linears' weight gradients are made later; None where it is never
+    started early (``overlaps``). Edges of a model's blocks share it, and so their prices."""
+    cache = _KINDS.setdefault(costs, {})
+    key = (value, consumer.name, slot)
+    if key not in cache:
+        graph = costs.graph
+        full = _full(costs)
+
+        def side(n):
+            return (n.target, id(full[n.name]), tuple(graph.meta(v) for v in n.inputs), n.requires_grad,
+                    n.region is not None, n.target is _LINEAR and _weight_grad_later(graph, n))
+        cache[key] = (side(graph.by_name[value[0]]), value[1], _readers(graph).get(value) == 1, side(consumer),
+                      slot, value[0] in costs._copies) if overlaps(costs, value, consumer, slot) else None
+    return cache[key]
+
+
+def _cached(costs, value, src, dst, consumer, slot: int):
+    """The ``Overlap`` of one edge kind (``edge_kind``) converting its tensor's shape from
+    ``src`` to ``dst``, worked out for the first edge of that kind (its names those of that edge)."""
+    kind = edge_kind(costs, value, consumer, slot)
+    if kind is None:
         return None
-    e = _edge(costs, consumer, slot, value, src, dst,
-              lambda: _least(costs, consumer, consumers, lambda st: st.inputs[slot] == dst))
+    cache = _OVERLAPS.setdefault(costs, {})
+    key = (kind, costs.graph.meta(value), src, dst)
+    if key not in cache:
+        # no collective, nothing to hide: its blocking price (cached) says so at once
+        moves = costs.convert(value, src, dst, consumer).communication > 0
+        cache[key] = _overlap(costs, value, src, dst, consumer, slot) if moves else None
+    return cache[key]
+
+
+def _overlap(costs, value, src, dst, consumer, slot: int):
+    """``edge_overlap`` of a conversion between two ops, worked out: its k of least step."""
+    producer = costs.graph.by_name[value[0]]
+    e = _edge(costs, consumer, slot, value, src, dst, lambda: _least(costs, consumer, ("in", slot), dst))
     if e is None:
         return None
-    strat = _least(costs, producer, producers, lambda st: st.outputs[value[1]] == src)
     best = None
-    for k, dim, drag_f, drag_b, c_f, c_b, d_f, d_b in _chunkings(costs, e, strat, costs.node(producer, strat)):
+    made = lambda: _least(costs, producer, ("out", value[1]), src)   # noqa: E731
+    for k, dim, drag_f, drag_b, c_f, c_b, d_f, d_b in _chunkings(costs, e, made):
         o = _price(e, k, dim, e["cover_fwd"], e["cover_bwd"], drag_f, drag_b, c_f, c_b, d_f, d_b,
                    costs.cluster.overlap)
         if best is None or added(o) < added(best) - 1e-15:
@@ -109,17 +164,32 @@ def edge_overlap(costs, value, src, dst, consumer, slot: int, producers: list, c
     return best
 
 
-_LEAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # Costs -> {key: strategy}
-
-
-def _least(costs, node, strategies: list, fits):
-    """The strategy of ``node`` (of ``strategies``) that ``fits`` and computes least."""
+def _least(costs, node, side: tuple, layout):
+    """The strategy of ``node`` that computes least of those that take (``side`` ("in", slot))
+    or make (("out", index)) a tensor in ``layout``, of every strategy the graph offers it on
+    this mesh (``passes.annotate``, no pins)."""
     cache = _LEAST.setdefault(costs, {})
-    key = (node.name, id(strategies), tuple(i for i, st in enumerate(strategies) if fits(st)))
+    key = (node.name, side)
     if key not in cache:
-        cache[key] = min((st for st in strategies if fits(st)), key=lambda st: costs.node(node, st).compute,
-                         default=strategies[0])
-    return cache[key]
+        least: dict = {}
+        for st in _full(costs)[node.name]:
+            at = st.inputs[side[1]] if side[0] == "in" else st.outputs[side[1]]
+            c = costs.node(node, st).compute
+            if at not in least or c < least[at][0]:
+                least[at] = (c, st)
+        cache[key] = {at: st for at, (_, st) in least.items()}
+    return cache[key][layout]
+
+
+def _full(costs) -> dict:
+    """Every strategy the graph offers each node on the mesh, pins aside (``passes.annotate``)."""
+    cache = _LEAST.setdefault(costs, {})
+    if "strategies" not in cache:
+        from autoshard.passes.annotate import annotate
+        with warnings.catch_warnings():   # the planner has warned of ops without a rule already
+            warnings.simplefilter("ignore")
+            cache["strategies"] = annotate(costs.graph, costs.mesh_shape)
+    return cache["strategies"]
 
 
 def _readers(graph) -> dict:
@@ -144,11 +214,9 @@ def _edge(costs, n, slot, value, src, dst, strat):
     compute: an activation's, not made again in backward."""
     graph = costs.graph
     producer = graph.by_name[value[0]]
-    if producer.kind != "op" or n.kind == "output" or memory.in_region(graph, value, n):
-        return None
     meta = graph.meta(value)
     backward = costs.training and meta.floating and producer.requires_grad
-    steps, duals, fwd, bwd, prefetched = costs.step_times(value, src, costs.handed_over(value, src, dst, n), backward)
+    steps, duals, fwd, bwd, prefetched = _step_times(costs, value, src, costs.handed_over(value, src, dst, n), backward)
     if prefetched or not any(st.is_collective for st in steps):
         return None
     e = {"consumer": n, "slot": slot, "value": value, "steps": steps, "duals": duals, "fwd": fwd, "bwd": bwd,
@@ -164,10 +232,28 @@ def _edge(costs, n, slot, value, src, dst, strat):
         e["cover_fwd"], e["cover_bwd"] = c.compute_fwd / p, c.compute_bwd / 2 / p
     # the linear's weight gradient, made while the dual of its input's last step flies (AxoNN's
     # backward: passes.schedule._weight_grads_later), where its weight is a parameter
-    weight = graph.by_name[n.inputs[1][0]] if len(n.inputs) > 1 else None
-    if duals and weight is not None and weight.kind == "param" and weight.requires_grad:
-        e["cover_bwd"] += c.compute_bwd / 2
+    if duals and _weight_grad_later(graph, n):
+        # it flies beside the dual of the last step only, the first of backward
+        e["cover_bwd"] += c.compute_bwd / 2 if len(duals) == 1 else min(c.compute_bwd / 2, bwd[0])
     return e
+
+
+def _weight_grad_later(graph, linear) -> bool:
+    """Whether the schedule makes a linear's weight gradient while the dual of a step before it
+    flies (``passes.schedule._weight_grads_later``): where its weight is a parameter. That half
+    of its backward is then no cover for anything else."""
+    weight = graph.by_name[linear.inputs[1][0]] if len(linear.inputs) > 1 else None
+    return weight is not None and weight.kind == "param" and weight.requires_grad
+
+
+def _step_times(costs, value, src, dst, backward: bool) -> tuple:
+    """``Costs.step_times``, once per tensor shape and layouts: the edges of a model's blocks
+    convert the same shapes between the same layouts over and over."""
+    cache = _STEPS.setdefault(costs, {})
+    key = (costs.graph.meta(value), value[0] in costs._copies, src, dst, backward)
+    if key not in cache:
+        cache[key] = costs.step_times(value, src, dst, backward)
+    return cache[key]
 
 
 def chunk_dim(shape, steps, k: int):
@@ -181,10 +267,10 @@ def chunk_dim(shape, steps, k: int):
     return None
 
 
-def _chunkings(costs, e, strat, whole):
+def _chunkings(costs, e, strat):
     """(k, dim, forward drag, backward drag, chunk compute forward and backward, chunk steps'
     seconds forward and backward) for every k the conversion can run in, its producer running
-    ``strat`` at ``whole`` (its Cost); k = 1 first."""
+    ``strat()``; k = 1 first."""
     d_f, d_b = sum(e["fwd"]), sum(e["bwd"])
     yield 1, -1, 0.0, 0.0, 0.0, 0.0, d_f, d_b
     graph, value, steps = costs.graph, e["value"], e["steps"]
@@ -193,6 +279,8 @@ def _chunkings(costs, e, strat, whole):
             and steps[0].kind in CHUNKED_KINDS and steps[0].groups == 1):
         return
     mesh, cluster = costs.mesh_shape, costs.cluster
+    strat = strat()
+    whole = costs.node(producer, strat)
     metas = [graph.meta(v) for v in producer.inputs]
     ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
     out = pl.local_shape(producer.outputs[0].shape, strat.outputs[0], mesh)
@@ -216,7 +304,9 @@ def _chunkings(costs, e, strat, whole):
         s_f = comm.step_time(chunk, meta.itemsize, mesh, costs.links)
         s_b = sum(comm.step_time(st, meta.itemsize, mesh, costs.links) for st in comm.dual_steps([chunk], mesh)) \
             if e["duals"] else 0.0
-        yield k, dim, drag_f, drag_b, c_f, c_b, k * s_f, k * s_b
+        # what covers the pipeline in backward: a chunk's input gradient only, where its
+        # weight's is made later, beside another step
+        yield k, dim, drag_f, drag_b, c_f, c_b / 2 if _weight_grad_later(graph, producer) else c_b, k * s_f, k * s_b
 
 
 def _price(e, k, dim, cover_f, cover_b, drag_f, drag_b, c_f, c_b, d_f, d_b, hide: float) -> Overlap:

@@ -37,6 +37,7 @@ import warnings
 
 from autoshard.passes.annotate import annotate
 from autoshard.passes.coarse import coarse_bound
+from autoshard.passes.axonn_start import descend_from_pins
 from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
 from autoshard.passes.progress import Progress
 from autoshard.cost.price import Costs
@@ -158,9 +159,10 @@ def _simplest(results: list, cluster):
 
 
 def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False, recompute: str = "none"):
+           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False, recompute: str = "none", seed=None):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
-    pins for a mesh (None: the pins do not fit that mesh)."""
+    pins for a mesh (None: the pins do not fit that mesh). ``seed()``: (mesh, pins by node) of
+    a layout to descend from as well (``passes.axonn_start``), or None."""
     start = time.perf_counter()
     cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard, recompute)
     progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
@@ -293,6 +295,12 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
                         grown.append(got)
         frontier = sorted(grown, key=lambda r: r[0].cost)[:BEAM]
 
+    # AxoNN's own best-ranked grid, which no refinement reaches (passes.axonn_start)
+    got = _descend_from_seed(cands, graph, seed() if seed else None, time_limit, budget, results)
+    if got is not None:
+        results[:] = [r for r in results if r[1] != got[1]] + [got]
+        report(f"descended on {got[1]} from AxoNN's layout")
+
     for w in cands.warned.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     tried = [e.pop("_work") for e in cands.entries.values() if "_work" in e]
@@ -357,6 +365,29 @@ def _better(a, b):
     if a is None or (b is not None and b[0].cost < a[0].cost):
         return b
     return a
+
+
+def _descend_from_seed(cands, graph, seed, time_limit, budget, results):
+    """The plan descended from ``seed`` (mesh, pins by node) on its mesh, unpinned, where it
+    beats the mesh's plan so far; else None. A mesh of up to ``EXACT_AXES`` axes was solved
+    whole already."""
+    if seed is None or seed[0] not in cands.entries or len(seed[0]) <= EXACT_AXES:
+        return None
+    mesh, pins = seed
+    work = cands.work(mesh)
+    if work is None or cands.pins_for(mesh):   # the user's pins lay out the plan
+        return None
+    strategies, costs = work
+    try:
+        solution = descend_from_pins(graph, strategies, costs, pins, time_limit, budget)
+    except (ValueError, RuntimeError):   # the pins cannot hold on this mesh's shapes, or no plan in time
+        return None
+    before = next((r for r in results if r[1] == mesh), None)
+    if solution is None or (before is not None and before[0].cost <= solution.objective):
+        return None
+    got = _record(graph, strategies, solution, costs, cands.entries[mesh], mesh)
+    cands.entries[mesh]["status"] += ", descended from AxoNN's layout"
+    return got
 
 
 def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors):

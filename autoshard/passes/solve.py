@@ -19,7 +19,8 @@ The integer program (built by ``_build``, solved by ``solve``):
 node_cost is compute (forward, plus backward when training), the collectives an op's lowering
 issues, and for a parameter stored broadcast its bucketed gradient all-reduce (on a measured
 cluster also each launch, and a parameter's optimizer step over its share); convert is the
-conversion's forward plus its dual backward (cost.comm); both are priced by
+conversion's forward plus its dual backward (cost.comm), less what the schedule hides of an
+activation's beside compute (cost.overlap.edge_price); both are priced by
 ``cost.price.Costs``. Parameter collectives that the schedule
 pass overlaps are "hidden" parts: they cost only what their phase's compute does not cover. An
 edge whose producer or consumer has a single layout adds its cost straight onto the other side's
@@ -43,7 +44,7 @@ from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from autoshard import placement as pl
-from autoshard.cost import memory
+from autoshard.cost import memory, overlap
 from autoshard.cost.price import Costs
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph
@@ -183,16 +184,24 @@ def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
     us, vs = strategies[u.name], strategies[v.name]
     graph = costs.graph
     backward = (costs.training and graph.meta(value).floating and v.kind != "output" and u.requires_grad)
+    # a conversion the schedule may run beside compute is priced by its edge's kind too (cost.overlap)
     key = (value if u.kind == "param" else graph.meta(value), value[1], slot, backward, v.kind,
-           v.requires_grad, id(us), id(vs))
+           v.requires_grad, id(us), id(vs), overlap.edge_kind(costs, value, v, slot))
     hit = costs._pairs.get(key)
     if hit is not None and hit[0] is us and hit[1] is vs:
         return hit[2]
     src = _groups(us, lambda st: st.outputs[value[1]])
     dst = _groups(vs, lambda st: st.inputs[slot])
-    pairs = {(a, b): (_vec(costs.convert(value, a, b, v)), costs.kept(value, a, b, v)) for a in src for b in dst}
+    pairs = {(a, b): (_vec(_convert(costs, value, a, b, v, slot)), costs.kept(value, a, b, v))
+             for a in src for b in dst}
     costs._pairs[key] = (us, vs, (src, dst, pairs))
     return src, dst, pairs
+
+
+def _convert(costs: Costs, value, src, dst, v, slot) -> Cost:
+    """A conversion's price: blocking (``Costs.convert``), less what the schedule hides of it
+    (``cost.overlap.edge_price``)."""
+    return costs.convert(value, src, dst, v) + overlap.edge_price(costs, value, src, dst, v, slot)
 
 
 def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
@@ -463,7 +472,7 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
         total = total + costs.node(n, strat)
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            total = total + costs.convert(value, src, strat.inputs[slot], n)
+            total = total + _convert(costs, value, src, strat.inputs[slot], n, slot)
     return total.step
 
 
