@@ -25,6 +25,7 @@ from ortools.linear_solver import pywraplp
 from autoshard import placement as pl
 from autoshard.cost.step import DRAG
 from autoshard.passes.progress import phase
+from autoshard.passes import solve
 from autoshard.passes.repeat import tie_repeated
 
 UNIT = 1e6   # GLOP counts microseconds: it loses precision at picoseconds
@@ -60,8 +61,9 @@ def _classes(node, strats, costs) -> dict:
 
 
 def _convert(costs, value, src, dst, consumer, slot: int):
-    """A conversion's price as the solver has it (``passes.solve._pairs``)."""
-    return costs.convert(value, src, dst, consumer)
+    """A conversion's price as the solver has it (``passes.solve._pairs``): blocking, less what
+    the schedule hides of it."""
+    return solve._convert(costs, value, src, dst, consumer, slot)
 
 
 def coarse_bound(graph, strategies: dict, costs) -> float:
