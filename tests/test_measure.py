@@ -235,6 +235,19 @@ def test_measured_cluster_changes_the_price_and_counts_the_optimizer():
     assert again.breakdown["comm"] < fake.breakdown["comm"] and again.breakdown["hidden_bwd"] > 0
 
 
+def test_ranks_agree_on_the_median_of_their_figures():
+    # three ranks' figures: one caught by a burst of other work; device memory is the least
+    ranks = [{"op_overhead": t, "memory": m, "kernels": (("norm", r, r / 2),), "overlap": o,
+              "links": {("all_gather", 2, 1): (a, 1e9, ((1e6, a + 1e-3), (2e6, a + 3e-3)))}}
+             for t, m, r, o, a in ((1e-5, 8e9, 2e9, 0.0, 1e-4), (9e-4, 6e9, 5e7, 0.9, 5e-3), (2e-5, 8e9, 3e9, 0.3, 2e-4))]
+    agreed = measure._agreed(ranks)
+    assert agreed["op_overhead"] == 2e-5 and agreed["memory"] == 6e9 and agreed["overlap"] == 0.3
+    assert agreed["kernels"] == (("norm", 2e9, 1e9),)
+    alpha, beta, points = agreed["links"][("all_gather", 2, 1)]
+    assert (alpha, beta) == (2e-4, 1e9) and [x for x, _ in points] == [1e6, 2e6]
+    assert [t for _, t in points] == pytest.approx([1.2e-3, 3.2e-3])
+
+
 def test_median_of_measurements():
     slow = FAKE.with_(op_overhead=3e-5, optimizer=(4e-4, 5e-5, 3e-9),
                       collectives=tuple((k, 2, 1, 9e-4, 5e8) for k in COLLECTIVE_KINDS))
