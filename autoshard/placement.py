@@ -108,8 +108,9 @@ def chunk_sizes(n: int, p: int) -> tuple:
 
 def _cut(shape, pl, mesh_shape, pick):
     """Cut ``shape`` axis by axis, outermost first (DTensor's order); ``pick(sizes, axis)`` chooses
-    the chunk kept. None where a blocked split does not divide, a dim is split both blocked and
-    not (or in different blocks), or some rank would hold an empty chunk."""
+    the chunk kept (None: the first, the largest, without listing every rank's). None where a
+    blocked split does not divide, a dim is split both blocked and not (or in different blocks),
+    or some rank would hold an empty chunk."""
     out = list(shape)
     groups: dict = {}
     for a, (p, n) in enumerate(zip(pl, mesh_shape)):
@@ -121,17 +122,18 @@ def _cut(shape, pl, mesh_shape, pick):
                     return None
                 out[p.dim] //= n
                 continue
-            sizes = chunk_sizes(out[p.dim], n)
-            if min(sizes) == 0:
+            # chunk_sizes' first chunk (the largest), and its last: size - (n - 1) c, empty below 1
+            c = -(-out[p.dim] // n)
+            if out[p.dim] - (n - 1) * c <= 0:
                 return None
-            out[p.dim] = pick(sizes, a)
+            out[p.dim] = c if pick is None else pick(chunk_sizes(out[p.dim], n), a)
     return tuple(out)
 
 
 def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]):
     """The largest shape one rank holds (every rank's, where each split divides evenly): what
     compute, memory and collectives are priced by. None where no rank's shape exists (``_cut``)."""
-    return _cut(shape, pl, mesh_shape, lambda sizes, a: sizes[0])
+    return _cut(shape, pl, mesh_shape, None)
 
 
 def rank_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]):

@@ -243,21 +243,6 @@ def floor(table, costs, again: bool = True, light: bool = False) -> float:
     return total
 
 
-def most_freed(table, costs, light: bool = False) -> float:
-    """The most bytes recomputing every block can free under any layout: each op's largest
-    output and each conversion's largest result it would not keep (``light``: cheap ops only)."""
-    total = 0.0
-    for g in groups(costs.graph, table.rep):
-        ops, k = set(g.ops), len(g.blocks)
-        for n, _, _, nbytes in table.nodes:
-            if n.name in g.inner and not (light and heavy(n)):
-                total += k * max(nbytes)
-        for u, _, v, _, _, _, _, pairs in table.edges:
-            if v.name in ops and _in_region(u):
-                total += k * max((kept for _, kept in pairs.values()), default=0)
-    return total
-
-
 def _weights(k: int) -> list:
     """Binary weights summing to ``k``: any count 0..k is a subset's sum."""
     out, w = [], 1
@@ -292,20 +277,23 @@ def add_terms(model, table, x, placed, costs, sums, unit, integer, scale, budget
     peak = model.int_var(0, max(f[2].most for _, f in forms.values()) or 1) if budgeted else None
     if peak is not None:
         mem[peak] = 1
-    for name, (g, (fc, fm, d)) in forms.items():
-        k = len(g.blocks)
-        if mode in ("blocks", SELECTIVE):
-            for part, f in (("compute_bwd", fc), ("comm", fm)):
-                for var, c in f.terms.items():
-                    sums.coef[part][var] = sums.coef[part].get(var, 0) + k * c
-                sums.const[part] += k * f.const
-            for var, c in d.terms.items():
-                mem[var] = mem.get(var, 0) - k * c
-            const -= k * d.const
+    if mode in ("blocks", SELECTIVE):
+        cost, (freed, less) = every_block(forms)
+        for part, (terms, c) in cost.items():
+            for var, k in terms.items():
+                sums.coef[part][var] = sums.coef[part].get(var, 0) + k
+            sums.const[part] += c
+        for var, c in freed.items():
+            mem[var] = mem.get(var, 0) + c
+        const += less
+        for g, (_, _, d) in forms.values():
             if peak is not None:   # peak >= D(x)
                 model.at_least(_minus({peak: 1}, d.terms), d.const)
-            by_group.append((g, [(k, None)]))
-            continue
+            by_group.append((g, [(len(g.blocks), None)]))
+        by_group += [(Group([SELECTIVE], [], set()), [(1, None)])] if mode == SELECTIVE else []   # ``chosen``
+        return (mem, const), Handles(by_group)
+    for name, (g, (fc, fm, d)) in forms.items():
+        k = len(g.blocks)
         rs = []
         for w in _weights(k):
             r = model.bool_var()
@@ -326,9 +314,26 @@ def add_terms(model, table, x, placed, costs, sums, unit, integer, scale, budget
         by_group.append((g, rs))
         for _, r in rs:   # a start that fits the budget where anything does: every block recomputed
             model.hint(r, True)
-    if mode == SELECTIVE:   # the counts say which kind (``chosen``)
-        by_group.append((Group([SELECTIVE], [], set()), [(1, None)]))
     return (mem, const), Handles(by_group)
+
+
+def every_block(forms) -> tuple:
+    """Every block of every class recomputed (``"blocks"``, ``"selective"``: ``_forms``' light
+    ones), linear in the layouts: ({part: (terms, constant)} the cost adds, (terms, constant)
+    the memory loses, negative); the peak of one block back is the caller's."""
+    cost = {"compute_bwd": ({}, 0), "comm": ({}, 0)}
+    freed, less = {}, 0
+    for g, (fc, fm, d) in forms.values():
+        k = len(g.blocks)
+        for part, f in (("compute_bwd", fc), ("comm", fm)):
+            terms, c = cost[part]
+            for var, x in f.terms.items():
+                terms[var] = terms.get(var, 0) + k * x
+            cost[part] = (terms, c + k * f.const)
+        for var, x in d.terms.items():
+            freed[var] = freed.get(var, 0) - k * x
+        less -= k * d.const
+    return cost, (freed, less)
 
 
 def _minus(base: dict, terms: dict) -> dict:

@@ -139,6 +139,18 @@ class _Table:
     rep: dict     # node name -> the name of the node whose variables it shares
     nodes: list   # (node, times, cost vector per strategy, bytes per strategy)
     edges: list   # (u, value, v, slot, times, src groups, dst groups, {(a, b): (cost vector, kept bytes)})
+    magnitude: Optional[float] = None   # seconds: every cost summed, times its count (``_units``)
+
+
+def _units(table: _Table) -> tuple:
+    """The ``INTEGER_UNITS`` to try in turn, less those in which the sum of every cost the
+    program holds passes 2^62, which CP-SAT's check for overflow refuses for certain (GPT-3
+    175B's picoseconds: each of its programs was built twice)."""
+    if table.magnitude is None:
+        total = sum(times * sum(sum(map(abs, vec)) for vec in vecs) for _, times, vecs, _ in table.nodes)
+        table.magnitude = total + sum(edge[4] * sum(sum(map(abs, vec)) for vec, _ in edge[7].values())
+                                      for edge in table.edges)
+    return tuple(u for u in INTEGER_UNITS if table.magnitude * u <= 2 ** 62) or INTEGER_UNITS[-1:]
 
 
 TABLES_KEPT = 4   # a descent builds a new strategies dict per step; keep the last few tables only
@@ -215,6 +227,7 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
         kept: dict = {}
         placed: list = []
         _edge_vars(model, table, x, sums, kept, placed)
+        model.layout, model.exposed = (x, placed), {}
         integer = unit in INTEGER_UNITS
         scale = 1 if integer else 1e-9   # the LP counts gigabytes
         again, handles = recompute.add_terms(model, table, x, placed, costs, sums, unit, integer, scale,
@@ -231,12 +244,12 @@ def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
             exposed = model.int_var(0, sums.most(hidden))
             # exposed - hidden + compute >= 0
             terms, const = _plus(({exposed: 1}, 0), sums.terms(hidden, scale=-1), sums.terms(work))
-            model.at_least(terms, -const)
+            model.exposed[ph] = model.at_least(terms, -const)   # _switch moves the backward's
             objective = _plus(objective, ({exposed: 1}, 0), sums.terms(hidden, scale=DRAG))
         if memory_budget is not None:
             limit = int(memory_budget) if integer else memory_budget * scale
             terms, const = _plus(_memory_terms(table, x, scale), _kept_terms(kept, scale), again)
-            model.budget_ct = model.at_most(terms, limit - const)   # _looser moves its bound
+            model.budget_ct = model.at_most(terms, limit - const)   # _switch moves its bound
             model.budget_row = (terms, limit - const)
     return x, objective, handles
 
@@ -284,7 +297,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
                 return Solution(quick.choice, quick.objective, min(relaxed, quick.objective), "FEASIBLE",
                                 time.perf_counter() - start, quick.recompute)
             hint = quick.choice if quick is not None else None
-    for unit in INTEGER_UNITS:
+    for unit in _units(_table(graph, strategies, costs)):
         model = _CpSat()
         try:
             x, objective, handles = _build(model, graph, strategies, costs, memory_budget, unit)
@@ -347,7 +360,13 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             return solve(graph, strategies, costs, time_limit, memory_budget, below=below, effort=effort,
                          support=support)
     found, beaten, proven = [], False, dict(bounds)   # proven: each mode's bound, its solve's where it ran
-    for mode in sorted(bounds, key=bounds.get):
+    # best bound first; but the mode whose plan led when this mesh was solved before first of
+    # all: the others then only for a plan that beats it, at a bounded effort (a mesh search's
+    # second look at the 96-layer GPT's (512, 2) spent a minute on a plan without recomputation,
+    # whose bound is lower, before the plan with the cheap ops recomputed that led)
+    led = costs._relaxed.get(("led", id(strategies)))
+    led = led[1] if led is not None and led[0] is strategies else None
+    for mode in sorted(bounds, key=lambda m: (m != led, bounds[m])):
         best = min((sol.objective for sol in found), default=math.inf)
         if math.isinf(bounds[mode]) or bounds[mode] >= best * (1 - GAP_LIMIT):
             continue   # nothing fits in this mode, or it cannot beat the plan found
@@ -371,18 +390,23 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
         with recompute.mode(costs, "blocks"):   # every block recomputed is the least memory there is
             solve(graph, strategies, costs, time_limit, memory_budget)
         raise RuntimeError("the layout solver found no plan with or without recomputation in time; raise time_limit=")
-    for sol in list(found):   # each layout with the fewest blocks recomputed that fit it
-        if sol.recompute.get(recompute.SELECTIVE):
-            continue   # its layout counts on every block's cheap ops made again
+    # each layout with the fewest whole blocks recomputed that fit it: a layout chosen with every
+    # block's cheap ops run again too (a 6-layer GPT on (4,) under a tight budget: 2 whole blocks,
+    # 9% below the cheap ops of all 6, where "blocks"' bound let its own program be skipped)
+    for sol in list(found):
         again = recompute.best_counts(graph, strategies, sol.choice, costs, memory_budget)
         if again != sol.recompute:
             extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
             found.append(Solution(sol.choice, choice_cost(graph, strategies, sol.choice, costs, extra), None,
                                   "FEASIBLE", 0.0, again))
     best = min(found, key=lambda sol: sol.objective)
-    # 0: a mesh search's first look, the best as it is; and with no block recomputed in any plan
-    # found, the choice has no layout to start a count from
-    counted = any(any(sol.recompute.values()) for sol in found if not sol.recompute.get(recompute.SELECTIVE))
+    led = recompute.SELECTIVE if best.recompute.get(recompute.SELECTIVE) else \
+        "blocks" if any(best.recompute.values()) else "none"
+    costs._relaxed[("led", id(strategies))] = (strategies, led)
+    # 0: a mesh search's first look, the best as it is; and where the best plan recomputes no
+    # whole block, the choice has no count to start from (the 96-layer GPT, whose best runs
+    # every block's cheap ops again)
+    counted = led == "blocks"
     if counted and effort == 0:
         # a plan recomputing some blocks may beat every mode's bound: the bound of any plan, so
         # that a mesh search solves the choice when it comes back to this mesh
@@ -403,12 +427,14 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
 
 def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
     """recompute mode -> seconds none of its plans under the budget beats, for the linear modes
-    ``"auto"`` chooses among (``"selective"``: ``_looser``). ``"none"``'s LP relaxation first: where the budget is slack at its
+    ``"auto"`` chooses among. ``"none"``'s LP relaxation first: where the budget is slack at its
     optimum it binds nothing, and ``"none"`` is the only mode (recomputation only adds). Else
     ``"blocks"``'s floor (``recompute.floor``, no program); its LP relaxation only where nothing
     fits without recomputation (GPT-3 175B), to tell whether anything fits at all: elsewhere
     ``solve`` in that mode, when the floor lets it beat the best plan, has the relaxation as its
-    first step anyway. inf: nothing fits in that mode. A mesh search bounds each mesh with the
+    first step anyway; and ``"selective"``'s LP relaxation. Both are ``"none"``'s program with
+    its coefficients moved (``_switch``), not programs of their own. inf: nothing fits in that
+    mode. A mesh search bounds each mesh with the
     least of them: the weak relaxation of the whole choice (a fractional block recomputed frees
     its memory at a fraction of its forward) would bound every mesh of the 96-layer GPT at its
     cost without a budget, and prune none."""
@@ -422,25 +448,10 @@ def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
     if math.isinf(out["none"]):
         with recompute.mode(costs, "blocks"):
             out["blocks"] = max(out["blocks"], _relaxation(graph, strategies, costs, memory_budget)[0])
-    # a plan recomputing every block's cheap ops costs no less than its layout without, and
-    # that layout fits the budget plus what they free: "none"'s LP with the budget moved
-    out[recompute.SELECTIVE] = max(recompute.floor(table, costs, light=True), _looser(
-        graph, strategies, costs, memory_budget, recompute.most_freed(table, costs, light=True)))
+    with recompute.mode(costs, recompute.SELECTIVE):
+        out[recompute.SELECTIVE] = max(recompute.floor(table, costs, light=True),
+                                       _relaxation(graph, strategies, costs, memory_budget)[0])
     return out
-
-
-def _looser(graph, strategies, costs, memory_budget, more: float) -> float:
-    """A bound of ``"none"``'s LP relaxation with ``more`` bytes of budget, without solving it
-    again: the LP's optimum is convex in the budget, so it lies above its tangent at the budget,
-    whose slope is the budget row's dual value (seconds per byte the budget saves)."""
-    with recompute.mode(costs, "none"):
-        bound = _relaxation(graph, strategies, costs, memory_budget)[0]
-        hit = costs._relaxed[(id(strategies), memory_budget, "none")]
-    ct = getattr(hit[2] if len(hit) > 2 else None, "budget_ct", None)
-    if ct is None or hit[1][1] is None:   # no optimum to read a dual value from (inf: nothing fits)
-        return bound if math.isinf(bound) else 0.0
-    price = abs(ct.dual_value()) / 1e6 * 1e-9   # the LP counts microseconds and gigabytes
-    return max(0.0, bound - price * more)
 
 
 class _Watch(cp_model.CpSolverSolutionCallback):
@@ -477,6 +488,10 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
 
 
 SUPPORT = 1e-6   # an LP weight above this puts the strategy in the relaxation's support
+# CP-SAT's deterministic seconds for the plan among the support: a blink where the relaxation is
+# tight, but a minute without proof where the budget binds (the 96-layer GPT's (512, 2) without
+# recomputation), which the whole program, hinted with its best, does better with
+SUPPORT_EFFORT = 5.0
 
 
 def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights) -> Optional[Solution]:
@@ -498,7 +513,7 @@ def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
     hint = {name: max(range(len(idx)), key=lambda k: weights[rep[name]][idx[k]]) for name, idx in index.items()
             if rep[name] in weights}
     try:
-        found = solve(graph, sub, costs, time_limit, memory_budget, hint=hint)
+        found = solve(graph, sub, costs, time_limit, memory_budget, hint=hint, effort=SUPPORT_EFFORT)
     except (MemoryBudgetError, RuntimeError):
         return None
     return Solution({name: index[name][i] for name, i in found.choice.items()}, found.objective, None,
@@ -521,11 +536,28 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     hit = costs._relaxed.get(key)
     if hit is not None and hit[0] is strategies:
         return hit[1]
-    lp = _LP()
-    x, objective, _ = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
-    lp.minimize(*objective)
+    mode = recompute.mode_of(costs)
+    base = costs._relaxed.get(("lp", id(strategies), memory_budget))
+    fresh = not (base is not None and base[0] is strategies and mode in _SWITCHED)
+    if fresh:
+        lp = _LP()
+        _, objective, _ = _build(lp, graph, strategies, costs, memory_budget, unit=1e6)
+        lp.minimize(*objective)
+        if mode == "none" and memory_budget is not None:   # the program the other linear modes move
+            lp.mode, lp.delta, lp.peak = "none", None, None
+            costs._relaxed[("lp", id(strategies), memory_budget)] = (strategies, lp)
+    else:
+        lp = base[1]
+        _switch(lp, _table(graph, strategies, costs), costs, mode)
+    x = lp.layout[0]
     with phase("solve"):
         status = lp.solver.Solve()
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE):
+            # the dual simplex loses its way on some programs that nothing fits (GPT-3 175B
+            # without recomputation: ABNORMAL on every mesh, so no bound pruned any); the
+            # primal simplex proves them infeasible in a tenth of a second
+            lp.solver.SetSolverSpecificParametersAsString(PRIMAL)
+            status = lp.solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         out = (math.inf, None)
     elif status != pywraplp.Solver.OPTIMAL:
@@ -533,7 +565,7 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     else:
         weights = {name: [v.solution_value() for v in vs] for name, vs in x.items() if vs is not None}
         out = (lp.solver.Objective().Value() / 1e6, weights)
-        row = getattr(lp, "budget_row", None)
+        row = getattr(lp, "budget_row", None) if fresh else None   # a moved program's row has moved
         if row is not None and sum(c * v.solution_value() for v, c in row[0].items()) < row[1] * (1 - 1e-6):
             # the budget is slack at the optimum: the LP without it has the same optimum (convex),
             # so a later ask without a budget need not be solved again
@@ -543,6 +575,54 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     while len(costs._relaxed) > 3 * TABLES_KEPT:
         costs._relaxed.pop(next(iter(costs._relaxed)))
     return out
+
+
+_SWITCHED = ("none", "blocks", recompute.SELECTIVE)   # the linear modes, one program between them
+
+
+def _switch(lp, table, costs, mode: str) -> None:
+    """Turn ``lp``, the LP relaxation built without recomputation under a budget, into
+    ``mode``'s (any of ``_SWITCHED``) in place: every block's forward again onto the objective
+    (and onto the backward's compute, which the exposed communication's row subtracts), what it
+    frees off the budget row, one block's back on it (the peak). Only coefficients and bounds
+    move, so a mesh's linear modes cost one program's build, not three."""
+    if lp.mode == mode:
+        return
+    if lp.delta is not None:
+        _move(lp, lp.delta, -1)   # back to "none"
+    lp.mode, lp.delta = mode, None
+    if mode == "none":
+        return
+    x, placed = lp.layout
+    forms = recompute._forms(table, x, placed, costs, 1e6, False, 1e-9, light=mode == recompute.SELECTIVE)
+    if lp.peak is None:
+        lp.peak = lp.solver.NumVar(0.0, lp.solver.infinity(), "")
+    # peak >= D(x) for each class of blocks: rows of their own, dropped (lower bound -inf) on the way back
+    rows = [lp.at_least(recompute._minus({lp.peak: 1}, d.terms), d.const) for _, (_, _, d) in forms.values()]
+    lp.delta = (recompute.every_block(forms), rows)
+    _move(lp, lp.delta, 1)
+
+
+def _move(lp, delta, sign: int) -> None:
+    """Add (``sign`` 1) or take back (-1) ``_switch``'s change of coefficients."""
+    (cost, (freed, less)), rows = delta
+    objective, budget, exposed = lp.solver.Objective(), lp.budget_ct, lp.exposed.get("bwd")
+    for part, (terms, const) in cost.items():
+        for var, c in terms.items():
+            objective.SetCoefficient(var, objective.GetCoefficient(var) + sign * c)
+        objective.SetOffset(objective.offset() + sign * const)
+    if exposed is not None:   # exposed - hidden + compute >= 0
+        terms, const = cost["compute_bwd"]
+        for var, c in terms.items():
+            exposed.SetCoefficient(var, exposed.GetCoefficient(var) + sign * c)
+        exposed.SetLb(exposed.lb() - sign * const)
+    for var, b in freed.items():
+        budget.SetCoefficient(var, budget.GetCoefficient(var) + sign * b)
+    budget.SetUb(budget.ub() - sign * less)
+    budget.SetCoefficient(lp.peak, 1.0 if sign > 0 else 0.0)
+    if sign < 0:
+        for row in rows:
+            row.SetLb(-lp.solver.infinity())
 
 
 class _CpSat:
@@ -582,6 +662,9 @@ def _weighted(terms: dict):
     return cp_model.LinearExpr.weighted_sum(list(terms), list(terms.values()))
 
 
+DUAL, PRIMAL = "use_dual_simplex: true use_preprocessing: false", "use_dual_simplex: false use_preprocessing: false"
+
+
 class _LP:
     """The same calls on a linear program (GLOP): every variable continuous. Constraints are
     set coefficient by coefficient, several times faster than the natural API's expressions."""
@@ -590,7 +673,7 @@ class _LP:
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
         # the dual simplex without presolve: on a tiny T5 at mesh (4, 2) (157k columns) 2.7 s
         # against 17.7 s with the defaults, the same objective
-        self.solver.SetSolverSpecificParametersAsString("use_dual_simplex: true use_preprocessing: false")
+        self.solver.SetSolverSpecificParametersAsString(DUAL)
 
     def bool_var(self):
         return self.solver.NumVar(0.0, 1.0, "")
@@ -611,7 +694,7 @@ class _LP:
         self._row(0.0, 0.0, [(v, 1.0) for v in lhs] + [(v, -1.0) for v in rhs])
 
     def at_least(self, terms: dict, bound):
-        self._row(float(bound), self.solver.infinity(), terms.items())
+        return self._row(float(bound), self.solver.infinity(), terms.items())
 
     def at_most(self, terms: dict, bound):
         return self._row(-self.solver.infinity(), float(bound), terms.items())
