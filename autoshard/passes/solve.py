@@ -377,6 +377,9 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             try:   # once a mode has a plan, another only for a plan that beats it, for a bounded effort
                 cap = effort if not found else min(effort if effort is not None else recompute.EFFORT, recompute.EFFORT)
                 target = below if not found else min(b for b in (below, best) if b is not None)
+                # "blocks"' plan whatever it costs: its layout with the fewest whole blocks that fit
+                # may beat what every block recomputed does not (GPT-3 175B's (64, 16))
+                target = None if mode == "blocks" else target
                 found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=target, effort=cap,
                                    support=support))
                 proven[mode] = max(proven[mode], found[-1].bound or 0.0)
