@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import measure
+from autoshard import placement as pl
 from autoshard.cluster import COLLECTIVE_KINDS, Cluster
 from autoshard.cost import comm
 from autoshard.passes.annotate import annotate
@@ -184,6 +185,24 @@ def test_collectives_priced_through_their_points():
     assert comm.all_reduce_time(2**20, 2, links[0]) == pytest.approx(8e-6 + comm.fitted_time(fit, 2**20, 0.0))
     with pytest.raises(ValueError, match="points"):
         FAKE.with_(collectives=(("all_gather", 2, 1, 1e-5, 1e9, ((2e6, 1e-3), (1e6, 2e-3))),))
+
+
+def test_a_bucketed_gradient_moves_at_the_buckets_rate():
+    """A small parameter's gradient rides in a bucket: it pays its share of the launch and
+    latency, and its bytes at the rate of a bucket's size read off the timed points, not the small
+    sizes' rate (which carries their latency: 50 small tensors would otherwise each pay most of
+    a collective)."""
+    # all-reduces: 1.3 ms for 4 KB (latency-bound), 20 ms for 16 MB
+    points = ((4e3, 1.3e-3), (16e6, 20e-3))
+    c = FAKE.with_(collectives=tuple((k, 2, 1, 1e-3, 1e9, points) for k in COLLECTIVE_KINDS))
+    graph, strategies, costs = _costs(c)
+    bias = next(n for n in graph.nodes if n.kind == "param" and len(n.outputs[0].shape) == 1)
+    strat = next(s for s in strategies[bias.name] if all(isinstance(p, pl.Broadcast) for p in s.outputs[0]))
+    (_, nbytes, seconds), = costs.grad_syncs(bias, strat)
+    share = nbytes / costs.bucket_bytes
+    whole = comm.fitted_time((1e-3, 1e9, points), costs.bucket_bytes, 0.0) - 1e-3   # a full bucket's bytes
+    assert seconds == pytest.approx(share * (c.collective_overhead + 1e-3) + whole * share, rel=1e-6)
+    assert seconds < 0.01 * comm.fitted_time((1e-3, 1e9, points), nbytes, 0.0)
 
 
 def _costs(cluster, mesh=(2,)):

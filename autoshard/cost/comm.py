@@ -339,30 +339,32 @@ def fitted_time(fit, sent: float, overhead: float, share: float = 1.0, scale: fl
     return share * (overhead + alpha) + (ts[i - 1] - alpha + slope * (whole - xs[i - 1])) / scale
 
 
-def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0) -> float:
+def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0, scale: float = 1.0) -> float:
     """The faster of a ring all-reduce (2(p-1) latency steps, 2(p-1)/p of the tensor sent) and a
     tree (2 log2 p steps, the whole tensor up and down), as NCCL picks by size: small tensors
     (a loss's sum, a norm's statistics) pay log p latency, not p. ``share`` < 1 when the tensor
     rides in a bucket with others and pays only that part of the bucket's launch and latency.
     A measured link (``Cluster.measure``) prices it by the fitted latency and bandwidth of the
-    all-reduce its groups ran, whatever algorithm the backend chose."""
+    all-reduce its groups ran, whatever algorithm the backend chose; ``scale`` as in
+    ``fitted_time`` (a bucket's member moves its bytes at the bucket's rate)."""
     alpha, beta, overhead = link
     fit = _fit(link, "all_reduce")
     if fit is not None:
-        return fitted_time(fit, ring_bytes("all_reduce", nbytes, p), overhead, share)
+        return fitted_time(fit, ring_bytes("all_reduce", nbytes, p), overhead, share, scale)
     ring = share * 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
     tree = share * 2 * math.ceil(math.log2(p)) * alpha + 2 * nbytes / beta
     return share * overhead + min(ring, tree)
 
 
-def group_all_reduce_time(nbytes: int, axes: Sequence[int], mesh_shape, cluster, share: float = 1.0) -> float:
+def group_all_reduce_time(nbytes: int, axes: Sequence[int], mesh_shape, cluster, share: float = 1.0,
+                          scale: float = 1.0) -> float:
     """All-reduce over the ranks of several axes at once (a gradient bucket's group): one
     collective on one communicator spanning them, as the runtime issues it
     (``runtime.RankMesh.group``), so NCCL runs it flat over the whole group, on the group's own
-    links (``Cluster.group_link``); ``share`` as in ``all_reduce_time``."""
+    links (``Cluster.group_link``); ``share`` and ``scale`` as in ``all_reduce_time``."""
     axes = sorted(axes)
     p = math.prod(mesh_shape[a] for a in axes)
-    return all_reduce_time(nbytes, p, cluster.group_link(mesh_shape, axes), share)
+    return all_reduce_time(nbytes, p, cluster.group_link(mesh_shape, axes), share, scale)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ class Costs:
     def grad_syncs(self, node: Node, strat) -> list:
         """(axes, bytes, seconds) of the gradient all-reduce of a parameter stored broadcast, over
         every axis it is broadcast on at once (the schedule pass's bucket groups): bucketed, so
-        its launch and latency are shared with the bucket in proportion to size."""
+        its launch and latency are shared with the bucket in proportion to size, and its bytes
+        move at a full bucket's rate (on a measured cluster, the rate read off the timed points at
+        the bucket's size: a small tensor's own size would charge it the small sizes' latency)."""
         mesh = self.mesh_shape
         if node.kind != "param" or not (self.training and node.requires_grad):
             return []
@@ -62,7 +64,8 @@ class Costs:
         meta = node.outputs[0]
         nbytes = math.prod(pl.local_shape(meta.shape, strat.outputs[0], mesh)) * grad_itemsize(self.graph, meta)
         share = min(1.0, nbytes / self.bucket_bytes)
-        return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share))]
+        scale = 1.0 / share if nbytes else 1.0
+        return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share, scale))]
 
     def scheduled(self, fwd: float, bwd: float) -> Cost:
         """Collectives the schedule overlaps with forward and backward compute (``fwd``, ``bwd``
