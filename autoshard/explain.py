@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 
 from autoshard import placement as pl
-from autoshard.cost.overlap import edge_price
+from autoshard.cost.overlap import conversion_price
 from autoshard.cost.step import Cost
 from autoshard.summary import fmt_axes, fmt_bytes, fmt_s
 
@@ -30,14 +30,13 @@ def _local(graph, strategies, choice, costs, users, n, s) -> tuple:
     cost, mem = costs.node(n, s), costs.memory(n, s)
     for slot, value in enumerate(n.inputs):
         src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-        cost = cost + costs.convert(value, src, s.inputs[slot], n) + edge_price(costs, value, src, s.inputs[slot], n, slot)
+        cost = cost + conversion_price(costs, value, src, s.inputs[slot], n, slot)
         mem += costs.kept(value, src, s.inputs[slot], n)
     for k in range(len(n.outputs)):
         for name, slot in users.get((n.name, k), []):
             consumer = graph.by_name[name]
             dst = strategies[name][choice[name]].inputs[slot]
-            cost = (cost + costs.convert((n.name, k), s.outputs[k], dst, consumer)
-                    + edge_price(costs, (n.name, k), s.outputs[k], dst, consumer, slot))
+            cost = cost + conversion_price(costs, (n.name, k), s.outputs[k], dst, consumer, slot)
             mem += costs.kept((n.name, k), s.outputs[k], dst, consumer)
     return cost, mem
 

@@ -90,6 +90,12 @@ def edge_price(costs, value, src, dst, consumer, slot: int) -> Cost:
     return o.delta if o is not None else Cost()
 
 
+def conversion_price(costs, value, src, dst, consumer, slot: int) -> Cost:
+    """A conversion's price in every plan: blocking (``Costs.convert``), less what the schedule
+    hides of it (``edge_price``)."""
+    return costs.convert(value, src, dst, consumer) + edge_price(costs, value, src, dst, consumer, slot)
+
+
 def overlaps(costs, value, consumer, slot: int) -> bool:
     """Whether converting ``value`` for ``consumer``'s input ``slot`` may hide anything: an
     activation's between two ops, taken by a linear or made by one that nothing else reads

@@ -42,8 +42,9 @@ class Costs:
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
         self._copies = param_copies(graph)   # a parameter's low-precision copy, which its bucket gathers
-        self._gather_shares = gather_shares(graph, self.bucket_bytes, self._copies)
-        self._gather_scales = gather_scales(graph, self.bucket_bytes, self._copies)
+        buckets = gather_buckets(graph, self.bucket_bytes, self._copies)   # as the schedule forms them
+        self._gather_shares = gather_shares(buckets, self._copies)
+        self._gather_scales = gather_scales(buckets, self._copies)
 
     def gather_share(self, value) -> float:
         """The part of its gather bucket's launch and latency a prefetched parameter pays."""
@@ -200,34 +201,35 @@ class Costs:
         return self._conv[key]
 
 
-def gather_shares(graph: Graph, cap: int, copies: Optional[dict] = None) -> dict:
+def gather_shares(buckets: list, copies: dict) -> dict:
     """Each parameter's part of the launch and latency of the gather bucket it travels in when
-    its neighbours are gathered too (``passes.schedule``: parameters in use order, one dtype, up
-    to ``cap`` gathered bytes, one collective per bucket). Half is shared by count and half by
+    its neighbours are gathered too (``buckets``: ``gather_buckets``, as ``passes.schedule``
+    forms them, one collective per bucket). Half is shared by count and half by
     bytes: a whole bucket pays one launch and latency, and a few small tensors of it, gathered
     alone, still pay their count's part rather than almost nothing. A parameter with a
     low-precision copy (``copies``: ``param_copies``) travels as the copy, in its bytes and at
     its use; the parameter's name gets the same part."""
-    return _per_member(graph, cap, copies, lambda b, size: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1))
+    return _per_member(buckets, copies, lambda b, size: 0.5 / len(b["members"]) + 0.5 * size / max(b["bytes"], 1))
 
 
-def gather_scales(graph: Graph, cap: int, copies: Optional[dict] = None) -> dict:
-    """Each parameter's gather bucket's bytes over its own (``gather_shares``' buckets): a
+def gather_scales(buckets: list, copies: dict) -> dict:
+    """Each parameter's gather bucket's bytes over its own (``buckets``: ``gather_buckets``): a
     measured collective slower per byte as it grows (``cost.comm.fitted_time``) is priced at the
     size it runs at, the bucket's, each member paying its bytes' part."""
-    return _per_member(graph, cap, copies, lambda b, size: b["bytes"] / max(size, 1))
+    return _per_member(buckets, copies, lambda b, size: b["bytes"] / max(size, 1))
 
 
-def _per_member(graph: Graph, cap: int, copies: Optional[dict], part) -> dict:
-    """{name: part(its bucket, its bytes)} of every member of a gather bucket, and of each
-    parameter whose copy is one."""
-    out = {name: part(b, size) for b in gather_buckets(graph, cap, copies) for name, size in b["members"]}
-    out.update({param: out[copy] for copy, param in (copies or {}).items() if copy in out})
+def _per_member(buckets: list, copies: dict, part) -> dict:
+    """{name: part(its bucket, its bytes)} of every member of the gather ``buckets``
+    (``gather_buckets``), and of each parameter whose copy (``copies``) is one."""
+    out = {name: part(b, size) for b in buckets for name, size in b["members"]}
+    out.update({param: out[copy] for copy, param in copies.items() if copy in out})
     return out
 
 
 def gather_buckets(graph: Graph, cap: int, copies: Optional[dict] = None) -> list:
-    """The gather buckets the schedule forms (``gather_shares``): [{"dtype", "members": [(name,
+    """The gather buckets the schedule forms (parameters in use order, one dtype, up to ``cap``
+    gathered bytes): [{"dtype", "members": [(name,
     bytes), ...], "bytes"}, ...]."""
     copies = copies or {}
     first: dict = {}

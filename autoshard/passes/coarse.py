@@ -23,9 +23,9 @@ import math
 from ortools.linear_solver import pywraplp
 
 from autoshard import placement as pl
+from autoshard.cost.overlap import conversion_price
 from autoshard.cost.step import DRAG
 from autoshard.passes.progress import phase
-from autoshard.passes import solve
 from autoshard.passes.repeat import tie_repeated
 
 UNIT = 1e6   # GLOP counts microseconds: it loses precision at picoseconds
@@ -58,12 +58,6 @@ def _classes(node, strats, costs) -> dict:
         for i, a in enumerate(st.outputs):
             c[2][i].add(a)
     return out
-
-
-def _convert(costs, value, src, dst, consumer, slot: int):
-    """A conversion's price as the solver has it (``passes.solve._pairs``): blocking, less what
-    the schedule hides of it."""
-    return solve._convert(costs, value, src, dst, consumer, slot)
 
 
 def coarse_bound(graph, strategies: dict, costs) -> float:
@@ -129,7 +123,7 @@ def _coarse(graph, strategies, costs) -> tuple:
         # every price is a time, never negative: where both sides have a layout in common, the
         # least conversion is none
         prices = {(a, b): 0.0 if srcs & dsts else
-                  min(_seconds(_convert(costs, value, s, d, v, slot)) for s in srcs for d in dsts)
+                  min(_seconds(conversion_price(costs, value, s, d, v, slot)) for s in srcs for d in dsts)
                   for a, srcs in made.items() for b, dsts in taken.items()}
         edges.append((u, out, v_rep, slot, count, prices))
     return nodes, edges

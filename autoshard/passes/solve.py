@@ -204,16 +204,10 @@ def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
         return hit[2]
     src = _groups(us, lambda st: st.outputs[value[1]])
     dst = _groups(vs, lambda st: st.inputs[slot])
-    pairs = {(a, b): (_vec(_convert(costs, value, a, b, v, slot)), costs.kept(value, a, b, v))
+    pairs = {(a, b): (_vec(overlap.conversion_price(costs, value, a, b, v, slot)), costs.kept(value, a, b, v))
              for a in src for b in dst}
     costs._pairs[key] = (us, vs, (src, dst, pairs))
     return src, dst, pairs
-
-
-def _convert(costs: Costs, value, src, dst, v, slot) -> Cost:
-    """A conversion's price: blocking (``Costs.convert``), less what the schedule hides of it
-    (``cost.overlap.edge_price``)."""
-    return costs.convert(value, src, dst, v) + overlap.edge_price(costs, value, src, dst, v, slot)
 
 
 def _build(model, graph, strategies, costs, memory_budget, unit=PICO):
@@ -486,7 +480,7 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
         total = total + costs.node(n, strat)
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            total = total + _convert(costs, value, src, strat.inputs[slot], n, slot)
+            total = total + overlap.conversion_price(costs, value, src, strat.inputs[slot], n, slot)
     return total.step
 
 
