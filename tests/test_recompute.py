@@ -122,6 +122,53 @@ def test_recomputation_replays_dropout_masks(world4):
     assert max(world4.run(dropout_case)) == 0.0
 
 
+class _Block(torch.nn.Module):
+    """A residual block normalised by ``norm``, and counting its calls in a buffer if ``counts``."""
+
+    def __init__(self, norm, counts):
+        super().__init__()
+        self.fc, self.norm, self.counts = torch.nn.Linear(16, 16), norm(16), counts
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.counts:
+            self.calls.add_(1)
+        return x + torch.relu(self.norm(self.fc(x)))
+
+
+def _stack(norm=torch.nn.LayerNorm, counts=False):
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(_Block(norm, counts) for _ in range(4)))
+    return torch.nn.Sequential(blocks, torch.nn.Linear(16, 1)), (torch.randn(8, 16),)
+
+
+def state_case():
+    """A stack whose blocks write their state (batch norm's running statistics, a counter
+    updated in place) runs with ``recompute="blocks"`` as on one device: no block recomputes, where
+    the same stack without state recomputes all four."""
+    out = {}
+    for name, kw in (("plain", {}), ("batch norm", {"norm": torch.nn.BatchNorm1d}), ("counter", {"counts": True})):
+        model, batch = _stack(**kw)
+        ref = copy.deepcopy(model)
+        pm = autoshard.parallelize(model, batch, mesh=(4,), recompute="blocks", verbose=False)
+        for _ in range(2):
+            pm(*batch).sum().backward()
+            ref(*batch).sum().backward()
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pm.state_dict().items()}
+        out[name] = (pm.plan.recompute.get("blocks", []),
+                     max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+                     max((p.grad.full_tensor() - r.grad).abs().max().item()
+                         for p, r in zip(pm.parameters(), ref.parameters())))
+    return out
+
+
+def test_blocks_that_write_state_never_recompute(world4):
+    for out in world4.run(state_case):
+        assert len(out["plain"][0]) == 4, out
+        assert out["batch norm"][0] == [] and out["counter"][0] == [], out
+        assert all(state < 1e-5 and grad < 1e-5 for _, state, grad in out.values()), out
+
+
 def memory_case():
     """The most memory a training step holds at once, without and with recomputation."""
     out = {}

@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from torch.export.graph_signature import OutputKind
+
 from autoshard.cost import comm
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.repeat import _block_of
@@ -100,22 +102,35 @@ def _stack_blocks(graph) -> dict:
         if b is not None:
             found.setdefault(b[0], {}).setdefault(b[1], []).append(n.name)
     out = {}
+    written = _written_buffers(graph)
     for container, by_index in found.items():
         if len(by_index) < 2:
             continue
         for k in sorted(by_index):
             names = by_index[k]
             # a block the user checkpoints already recomputes (passes.checkpoint.user_regions)
-            if all(_repeatable(graph.by_name[m]) for m in names):
+            if all(_repeatable(graph.by_name[m], written) for m in names):
                 out[f"{container}.{k}"] = names
     graph.cache["recompute_blocks"] = out
     return out
 
 
-def _repeatable(node) -> bool:
-    """Whether running the op again changes nothing (no mutation, no running statistics), and
-    the user's own checkpoint does not already run it again (``Node.region``)."""
+def _written_buffers(graph) -> set:
+    """The names of the buffer nodes whose buffer the step writes (export's BUFFER_MUTATION
+    outputs, which the parallel module copies in after the call): a checkpointed block fed such
+    a buffer would find it changed when backward runs the block again."""
+    targets = {s.target for s in graph.exported.graph_signature.output_specs
+               if s.kind == OutputKind.BUFFER_MUTATION}
+    return {n.name for n in graph.nodes if n.kind == "buffer" and n.fqn in targets}
+
+
+def _repeatable(node, written: set) -> bool:
+    """Whether running the op again changes nothing (no mutation, no running statistics, no
+    read of a buffer the step writes), and the user's own checkpoint does not already run it
+    again (``Node.region``)."""
     if getattr(node, "region", None) is not None:
+        return False
+    if any(v[0] in written for v in node.inputs if v is not None):
         return False
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
