@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import sympy
 

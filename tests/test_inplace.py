@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autoshard
 from autoshard import schemes
