@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard.passes.annotate import UnknownOpWarning
-from autoshard.rules.validate import signatures
+from autoshard.check.validate import signatures
 from cases import step_on_the_same_gradients
 from models_cnn import RESNET_TP, UNET_TP, ResNet, UNet
 

@@ -19,7 +19,7 @@ from autoshard.api import plan_graph
 from autoshard.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.passes.capture import TensorMeta, capture
-from autoshard.rules.validate import signatures
+from autoshard.check.validate import signatures
 from cases import run_each, step_on_the_same_gradients
 from models_hf import MODELS as BUILDERS
 from models_hf import megatron_pins

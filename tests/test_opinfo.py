@@ -1,5 +1,5 @@
 """Every SBP rule signature checked on PyTorch's OpInfo sample inputs (issue 4), on p=2 and p=4
-ranks simulated in one process by ``autoshard.rules.opinfo``."""
+ranks simulated in one process by ``autoshard.check.opinfo``."""
 from __future__ import annotations
 
 import functools
@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
-from autoshard.rules import opinfo
-from autoshard.rules.validate import op_name, validate
+from autoshard.check import opinfo
+from autoshard.check.validate import op_name, validate
 
 aten = torch.ops.aten
 WORLDS = (2, 4)

@@ -1,5 +1,5 @@
 """Every SBP rule signature checked numerically (DESIGN.md section 7), on p=2 and p=4 ranks
-simulated in one process by ``autoshard.rules.validate``, plus literal rule outputs."""
+simulated in one process by ``autoshard.check.validate``, plus literal rule outputs."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ import torch
 from autoshard.passes import rewrite
 from autoshard.placement import B, P, S
 from autoshard.rules import Sig
-from autoshard.rules.validate import (check_signature, default_cases, main, op_name, signatures,
+from autoshard.check.validate import (check_signature, default_cases, main, op_name, signatures,
                                       uncovered_families, validate)
 
 aten = torch.ops.aten

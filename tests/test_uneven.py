@@ -282,7 +282,7 @@ def test_merging_an_uneven_dim_is_refused():
 def test_a_two_dim_mask_covers_two_dims_of_index_put():
     """x[mask] = v with an (8, 6) boolean mask indexes dims 0 and 1 of x (v broadcast over the
     true entries): only dim 2 splits. Taken for one dim, the mask let dim 1 split."""
-    from autoshard.rules import validate
+    from autoshard.check import validate
     x, hit = torch.randn(8, 6, 4, dtype=torch.float64), torch.arange(48).reshape(8, 6) % 3 == 0
     args = (x, [hit], torch.randn(4, dtype=torch.float64))
     sigs = validate.signatures(aten.index_put.default, args)

@@ -1,6 +1,6 @@
 """Every SBP rule checked on the sample inputs of PyTorch's OpInfo database (issue 4).
 
-``autoshard.rules.validate`` checks each signature a rule offers on simulated ranks; this module
+``autoshard.check.validate`` checks each signature a rule offers on simulated ranks; this module
 gives it cases from ``op_db``, PyTorch's own table of sample inputs per operator, instead of
 hand-written ones. OpInfo entries are torch-level functions (``torch.add``,
 ``torch.nn.functional.linear``, ``Tensor.view``); the rules are keyed by aten overloads
@@ -41,7 +41,7 @@ undoes the freeze of the ``torch.backends`` flags that importing torch's test ut
 overload's schema (``OpOverload._schema``, no public equivalent) is read by ``_checkable`` and
 ``_binds`` only.
 
-Command line: ``python -m autoshard.rules.opinfo [-p 2 4] [-v]`` prints the report per ``p`` and
+Command line: ``python -m autoshard.check.opinfo [-p 2 4] [-v]`` prints the report per ``p`` and
 exits 1 on any failure.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 
 from autoshard.rules.registry import RULES
-from autoshard.rules.validate import Report, _map_tensors, op_name, tensor_inputs, validate
+from autoshard.check.validate import Report, _map_tensors, op_name, tensor_inputs, validate
 
 aten = torch.ops.aten
 
@@ -179,7 +179,7 @@ def _opinfo_samples(names: set, wanted: set, seed: int) -> Iterator[_Sample]:
         from torch.utils._python_dispatch import TorchDispatchMode
     except ImportError as e:
         raise RuntimeError(
-            "autoshard.rules.opinfo needs PyTorch's OpInfo database "
+            "autoshard.check.opinfo needs PyTorch's OpInfo database "
             "(torch.testing._internal.common_methods_invocations), which this torch cannot import: "
             f"{e}. It needs the test-only package expecttest: pip install expecttest") from e
     if not frozen:  # torch's test utilities freeze the torch.backends flags of the whole process
@@ -348,7 +348,7 @@ def format_report(col: Collection, rep: Report, verbose: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m autoshard.rules.opinfo",
+    ap = argparse.ArgumentParser(prog="python -m autoshard.check.opinfo",
                                  description="check every SBP rule signature on PyTorch's OpInfo samples")
     ap.add_argument("-p", type=int, nargs="+", default=[2, 4], help="mesh axis sizes to simulate (default 2 4)")
     ap.add_argument("-v", "--verbose", action="store_true", help="per-op counts and skipped signatures")

@@ -34,7 +34,7 @@ signature is checked. The grouped expert matmul on a rank's rows or experts
 the rows of a split tensor taken at a whole index (``experts.gather_rows``, by all-to-all) are
 checked by tests/test_moe.py in a real group.
 
-Command line: ``python -m autoshard.rules.validate [-p 2 4] [-v]`` checks the built-in cases
+Command line: ``python -m autoshard.check.validate [-p 2 4] [-v]`` checks the built-in cases
 (``default_cases()``), prints the report per ``p`` and exits 1 on any failure.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import placement as pl
+from autoshard.passes import rewrite
 from autoshard.placement import B, Broadcast, Partial, Split
 from autoshard.rules.registry import RULES, OpCtx, Sig, rule_for
 from autoshard.rules.conv import batch_norm_axes
@@ -216,8 +217,7 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
         return "dropout draws from the generator all ranks share (runtime.dropout)"
     if count_axes(target, fx_args, fx_kwargs, [(q,) for q in sig.inputs]):
         return "mean cross_entropy over a split batch all-reduces its count (runtime.cross_entropy_mean)"
-    from autoshard.passes.rewrite import lower_grouped_mm, lowering_for  # late, as in check_signature
-    if lowering_for(target) is lower_grouped_mm and any(
+    if rewrite.lowering_for(target) is rewrite.lower_grouped_mm and any(
             isinstance(q, Split) and q.dim == 0 for q in sig.inputs[:2]):
         return "an expert matmul on a rank's rows or experts reads its coordinate (experts.grouped_mm)"
     if target == aten.index.Tensor and sig.inputs[0] == Split(0) and fx_args[1][0] is not None:
@@ -259,7 +259,6 @@ def signatures(target, args, kwargs=None, whole_out=None) -> list:
 def check_signature(target, args, kwargs, sig: Sig, p: int, seed: int = 0,
                     fx_args=None, fx_kwargs=None, whole_out=None) -> tuple:
     """-> ("ok" | "n/a" | "skip" | "fail", message)."""
-    from autoshard.passes import rewrite  # late: rewrite imports the runtime and cost model
 
     ins = tensor_inputs(args, kwargs)
     if fx_args is None:
@@ -726,7 +725,7 @@ def default_cases(seed: int = 0) -> list:
 # ---- command line -----------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m autoshard.rules.validate",
+    ap = argparse.ArgumentParser(prog="python -m autoshard.check.validate",
                                  description="check every SBP rule signature numerically on simulated ranks")
     ap.add_argument("-p", type=int, nargs="+", default=[2, 4], help="mesh axis sizes to simulate (default 2 4)")
     ap.add_argument("-v", "--verbose", action="store_true", help="per-op counts and skipped signatures")
