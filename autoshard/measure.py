@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.cluster import COLLECTIVE_KINDS, Cluster
+from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.cost.comm import ring_bytes
 
 aten = torch.ops.aten
@@ -63,6 +64,7 @@ STREAM_BYTES = 1 << 22        # tensors of the streaming ops: a layer's activati
 LAUNCH_OPS = 120              # ops in the launch-timing program
 WINDOW = 0.03                 # seconds of calls per timed point: several scheduler slices (CFS: ~3 ms)
 COLLECTIVE_CALLS = 4          # calls per timed collective point, after one warm-up
+LARGE_CALLS = 2               # at 4 MB or more: a call takes tens of ms, two already span several slices
 COLLECTIVE_ROWS = 8           # rows of a timed collective's (rows, columns) tensor, exchanged on columns
 OVERLAP_TRIALS = 5            # trials of the overlap, of which the median is kept
 OVERLAP_BYTES = 1 << 22       # the all-reduce the overlap is timed with: a layer's activations
@@ -422,12 +424,24 @@ def _links(device) -> dict:
                     finish()
 
                 xs.append(ring_bytes(kind, 4.0 * x.numel(), size))
-                ts.append(_timed_together(call, device, COLLECTIVE_CALLS, barrier))
+                ts.append(_timed_together(call, device, _calls(nbytes), barrier))
+            if kind == "all_reduce":
+                # also a full gradient bucket, as the bucket runs it (in place, on a buffer kept
+                # from call to call): priced past the points above at their last slope, gloo's
+                # all-reduce of 26 MB at world 4 took a fifth longer than that
+                flat = torch.randn(BUCKET_BYTES // 4, device=device)
+                xs.append(ring_bytes(kind, 4.0 * flat.numel(), size))
+                ts.append(_timed_together(lambda flat=flat: dist.all_reduce(flat, group=group), device,
+                                          _calls(BUCKET_BYTES), barrier))
             alpha, slope = fit_line(xs, ts)
             table[(kind, size, stride)] = (alpha, 1.0 / slope, tuple(zip(xs, ts)))
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
     return {"links": table, "overlap": _overlap(device)}
+
+
+def _calls(nbytes: int) -> int:
+    return COLLECTIVE_CALLS if nbytes < 1 << 22 else LARGE_CALLS
 
 
 def _overlap(device) -> float:

@@ -25,3 +25,64 @@ def bucket_bytes_for(cluster, mesh_shape) -> int:
         return BUCKET_BYTES
     want = fixed * (1 - LATENCY_SHARE) / LATENCY_SHARE / per_byte
     return int(min(BUCKET_BYTES, max(MIN_BUCKET_BYTES, want)))
+
+
+def backward_left(graph, cluster, world: int, training: bool) -> list:
+    """Per node of ``graph`` (by its index): the backward compute seconds still to run once
+    backward has gone back through it, that is the backward of the ops before it: each op's
+    kernel on its whole shapes shared by the ``world`` ranks (whatever the plan, they split the
+    work between them), and its own autograd node's launch."""
+    from autoshard.cost import compute
+    left, total = [], 0.0
+    for n in graph.nodes:
+        left.append(total)
+        if not (training and n.kind == "op" and n.requires_grad):
+            continue
+        metas = [graph.meta(v) for v in n.inputs]
+        ins, outs = [tuple(m.shape) for m in metas], [tuple(m.shape) for m in n.outputs]
+        itemsize = max([m.itemsize for m in metas + list(n.outputs) if m.floating] or [4])
+        overhead = cluster.backward_overhead if cluster.measured else 0.0
+        total += (compute.backward_time(n.target, ins, outs, itemsize, cluster) - overhead) / world + overhead
+    return left
+
+
+def first_uses(graph) -> dict:
+    """{value name: the index of the first node that reads it}."""
+    first: dict = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.inputs:
+            first.setdefault(v[0], i)
+    return first
+
+
+def grad_buckets(graph, cap: int) -> list:
+    """The gradient buckets the schedule forms (``passes.schedule._bucket_gradients``), every
+    trainable parameter taken as all-reduced: filled in the order gradients complete (the reverse
+    of first use) up to ``cap`` bytes; [{"members": [(name, bytes), ...], "bytes"}, ...]."""
+    from autoshard.precision import grad_itemsize
+    first = first_uses(graph)
+    params = sorted((n for n in graph.nodes if n.kind == "param" and n.requires_grad and n.name in first),
+                    key=lambda n: -first[n.name])
+    buckets: list = []
+    for n in params:
+        size = n.outputs[0].numel * grad_itemsize(graph, n.outputs[0])
+        if not buckets or (buckets[-1]["bytes"] and buckets[-1]["bytes"] + size > cap):
+            buckets.append({"members": [], "bytes": 0})
+        buckets[-1]["members"].append((n.name, size))
+        buckets[-1]["bytes"] += size
+    return buckets
+
+
+def covered(buckets: list, first: dict, left: list, seconds) -> dict:
+    """{member name: the part of its bucket's backward collective that backward compute can run
+    beside}: a bucket's collective starts once backward is back at its earliest-used member
+    (``first``: ``first_uses``) and only the compute still to run then (``left``:
+    ``backward_left``) can hide it, against its ``seconds(bucket)``; the last bucket, which the
+    first layers' gradients close, has none left and waits in full, as DDP's does."""
+    out = {}
+    for b in buckets:
+        t = seconds(b)
+        start = min(first[name] for name, _ in b["members"])
+        part = min(1.0, left[start] / t) if t > 0 else 1.0
+        out.update({name: part for name, _ in b["members"]})
+    return out

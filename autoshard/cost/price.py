@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
-from autoshard.cost.buckets import bucket_bytes_for
+from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import Cost
 from autoshard.outputs import kept_split
 from autoshard.rules.moe import computed_shapes
@@ -45,6 +45,26 @@ class Costs:
         buckets = gather_buckets(graph, self.bucket_bytes, self._copies)   # as the schedule forms them
         self._gather_shares = gather_shares(buckets, self._copies)
         self._gather_scales = gather_scales(buckets, self._copies)
+        # on a measured machine, what of each bucket's backward collective compute can run beside
+        self._grad_cover, self._dual_cover = self._backward_cover(buckets) if cluster.measured and training else ({}, {})
+
+    def _backward_cover(self, gathers: list) -> tuple:
+        """({parameter: the part of its gradient bucket's all-reduce that backward compute can run
+        beside}, {parameter or copy: that of its gather bucket's reduce-scatter}), both buckets
+        formed as the schedule forms them (``cost.buckets.covered``)."""
+        mesh = self.mesh_shape
+        axes = tuple(a for a, n in enumerate(mesh) if n > 1)
+        if not axes:
+            return {}, {}
+        first = first_uses(self.graph)
+        left = backward_left(self.graph, self.cluster, math.prod(mesh), self.training)
+        grads = covered(grad_buckets(self.graph, self.bucket_bytes), first, left,
+                        lambda b: comm.group_all_reduce_time(b["bytes"], axes, mesh, self.cluster))
+        group = axes if len(axes) > 1 else axes[0]
+        duals = covered(gathers, first, left, lambda b: comm.step_time(
+            comm.Step("reduce_scatter", group, 0, in_shape=(b["bytes"],)), 1, mesh, self.links))
+        duals.update({param: duals[copy] for copy, param in self._copies.items() if copy in duals})
+        return grads, duals
 
     def gather_share(self, value) -> float:
         """The part of its gather bucket's launch and latency a prefetched parameter pays."""
@@ -68,12 +88,15 @@ class Costs:
         scale = 1.0 / share if nbytes else 1.0
         return [(axes, nbytes, comm.group_all_reduce_time(nbytes, axes, mesh, self.cluster, share, scale))]
 
-    def scheduled(self, fwd: float, bwd: float) -> Cost:
+    def scheduled(self, fwd: float, bwd: float, cover: float = 1.0) -> Cost:
         """Collectives the schedule overlaps with forward and backward compute (``fwd``, ``bwd``
         seconds): the part compute beside them can hide (``Cluster.overlap``: all on the presets,
-        none on a CPU whose cores the compute already takes) and the rest, which it waits for."""
+        none on a CPU whose cores the compute already takes) and the rest, which it waits for.
+        ``cover``: the part of the backward one that has compute beside it at all (a bucket's,
+        ``_backward_cover``)."""
         hide = self.cluster.overlap
-        return Cost(comm=(1 - hide) * (fwd + bwd), hidden_fwd=hide * fwd, hidden_bwd=hide * bwd)
+        return Cost(comm=(1 - hide) * fwd + (1 - hide * cover) * bwd, hidden_fwd=hide * fwd,
+                    hidden_bwd=hide * cover * bwd)
 
     def optimizer(self, node: Node, strat) -> float:
         """Seconds of the optimizer's step over this parameter's share (``Cluster.optimizer``:
@@ -89,7 +112,7 @@ class Costs:
         mesh, cluster = self.mesh_shape, self.cluster
         if node.kind == "param":
             syncs = self.grad_syncs(node, strat)
-            cost = self.scheduled(0.0, sum(t for _, _, t in syncs))
+            cost = self.scheduled(0.0, sum(t for _, _, t in syncs), self._grad_cover.get(node.name, 1.0))
             if cluster.measured:
                 # its share fed to the program, its gradient handed back, and copied into its
                 # bucket (read and written) where it is all-reduced
@@ -195,7 +218,8 @@ class Costs:
             if prefetched:
                 # the first gather is prefetched; its dual, the last backward step, waits late
                 hb = bwd[-1] if bwd else 0.0
-                self._conv[key] = Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again) + self.scheduled(fwd[0], hb)
+                self._conv[key] = (Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again)
+                                   + self.scheduled(fwd[0], hb, self._dual_cover.get(value[0], 1.0)))
             else:
                 self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
         return self._conv[key]
