@@ -213,6 +213,11 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     ``Plan.explain`` needs (each node's alternatives, priced) is worked out when first asked for."""
     mesh = costs.mesh_shape
     nodes, params, colls, overlaps = {}, {}, [], []
+    # recomputed blocks: their forward again in backward, their activations freed but one block's;
+    # they run in checkpointed submodules, where the schedule overlaps and chunks nothing
+    # (cost.overlap.unhidden gives back what their conversions' prices hide)
+    extra, freed, peak, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
+    rerun = {o for b in (again or {}).get("blocks", ()) for o in recompute._stack_blocks(graph)[b]}
     total = Cost()
     for n in graph.nodes:
         strat = strategies[n.name][solution.choice[n.name]]
@@ -223,16 +228,15 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
             # what the schedule hides of it, and how it chunks it (cost.overlap)
             o = edge_overlap(costs, value, src, dst, n, slot)
             cost = cost + costs.convert(value, src, dst, n) + (o.delta if o is not None else Cost())
-            colls += _as_run(conversion_collectives(graph, costs, value, src, dst, n), o)
-            overlaps += [o] if o is not None else []
+            o_run = o if n.name not in rerun else None
+            colls += _as_run(conversion_collectives(graph, costs, value, src, dst, n), o_run)
+            overlaps += [o_run] if o_run is not None else []
         colls += own_collectives(graph, costs, n, strat)
         total = total + cost
         nodes[n.name] = NodeChoice(
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
             inputs=[pl.to_strings(p) for p in strat.inputs], outputs=[pl.to_strings(p) for p in strat.outputs],
             compute=cost.compute, comm=cost.communication, fqn=n.fqn, module=_module(n))
-    # recomputed blocks: their forward again in backward, their activations freed but one block's
-    extra, freed, peak, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
     total = total + extra
     param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
     for alias, fqn in graph.param_aliases.items():
@@ -244,11 +248,8 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
     memory["activations"] += peak - freed
     memory["total"] += peak - freed
-    # the conversions the schedule chunks; recomputed blocks run in checkpointed submodules,
-    # which the schedule pass leaves as they are (the step still counts what their
-    # conversions would hide: the solver priced them so)
-    chunks = [] if any((solution.recompute or {}).values()) else [
-        [o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1]
+    # the conversions the schedule chunks: none made in a recomputed block's submodule
+    chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1 and o.producer not in rerun]
     plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
                 input_shapes, memory, breakdown(total, overlaps),
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,

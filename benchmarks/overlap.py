@@ -26,7 +26,8 @@ Cases:
 
 Rounds interleave the contenders (order rotated each round); a step is forward and backward of
 the loss, timed on the slowest rank from a barrier; medians after the warm-up rounds. Prints ms
-per step, on/off and chunked/off; "comm share" is comm alone over the step without overlap. The
+per step, on/off and chunked/off; "comm share" is comm alone over the step without overlap; under
+it, the forward's medians alone, and the step's less them (backward), off, on and compute alone. The
 plan's own choice of chunks on the cluster it was made for (``--cluster``) is printed under each
 case.
 
@@ -146,13 +147,18 @@ def _chunked(model, batch, plan, k: int):
     return out
 
 
-def _step(pm, batch, barrier=True):
+def _step(pm, batch, barrier=True, forward=None):
+    """Seconds of one forward and backward; ``forward``: a list the forward's seconds go onto."""
     if barrier:
         dist.barrier()
     t0 = time.perf_counter()
-    pm(*batch).backward()
+    loss = pm(*batch)
+    t1 = time.perf_counter()
+    loss.backward()
     for p in pm.parameters():
         p.grad = None
+    if forward is not None:
+        forward.append(t1 - t0)
     return time.perf_counter() - t0
 
 
@@ -165,12 +171,13 @@ def rank_case(case, a):
     dist.broadcast_object_list(text, src=0)
     chunks = autoshard.Plan.from_json(text[0])
     chunked = autoshard.parallelize(copy.deepcopy(model), plan=chunks, overlap=True)
-    contenders = {"off": lambda: _step(off, batch), "on": lambda: _step(on, batch),
+    fwd = {"off": [], "on": [], "compute": []}   # each round's forward seconds, warm-up included
+    contenders = {"off": lambda: _step(off, batch, forward=fwd["off"]), "on": lambda: _step(on, batch, forward=fwd["on"]),
                   "chunked": lambda: _step(chunked, batch)}
 
     def compute_alone():
         with _patched(_no_comm):
-            return _step(on, batch)
+            return _step(on, batch, forward=fwd["compute"])
     contenders["compute"] = compute_alone
     log = []
     with _patched(_recording(log)):
@@ -198,7 +205,7 @@ def rank_case(case, a):
     kinds = {}
     for name, _, _ in log:
         kinds[name] = kinds.get(name, 0) + 1
-    return {"times": times, "collectives": kinds, "mesh": plan.mesh_shape, "chunked": len(chunks.schedule["chunks"]),
+    return {"times": times, "forward": {k: v[a.warmup:] for k, v in fwd.items()}, "collectives": kinds, "mesh": plan.mesh_shape, "chunked": len(chunks.schedule["chunks"]),
             "chosen": [k for _, _, k, _ in plan.schedule.get("chunks", [])]}
 
 
@@ -235,6 +242,12 @@ def main():
                   f"{med['on'] / med['off']:.2f} | {med['chunked'] / med['off']:.2f} | "
                   f"{med['compute']:.1f} | {med['comm']:.1f} | {ideal:.1f} | {ideal / med['off']:.2f} | "
                   f"{med['both']:.1f} | {med['both'] / med['off']:.2f} | {med['comm'] / med['off']:.2f} |")
+            # the forward alone, and the rest of the step (backward), each the slowest rank's
+            f = {k: statistics.median(max(r["forward"][k][i] for r in res) for i in range(a.rounds)) * 1e3
+                 for k in res[0]["forward"]}
+            print(f"|  | forward ms: off {f['off']:.1f}, on {f['on']:.1f}, compute alone {f['compute']:.1f}; "
+                  f"backward (step less forward): off {med['off'] - f['off']:.1f}, on {med['on'] - f['on']:.1f}, "
+                  f"compute alone {med['compute'] - f['compute']:.1f} |")
             counts = ", ".join(f"{k.strip('_')} x{v}" for k, v in sorted(res[0]["collectives"].items()))
             chosen = res[0]["chosen"]
             print(f"|  | collectives per step on rank 0 (not chunked): {counts}; chunked contender: "

@@ -11,15 +11,16 @@ import torch
 import autoshard
 from autoshard.cost import overlap
 from autoshard.cost.price import Costs
+from autoshard.passes import recompute
 from autoshard.passes.solve import choice_cost
 from models import GPT
 
 MESH = (8,)
 
 
-def _gpt(d, seq=512, batch=8):
+def _gpt(d, seq=512, batch=8, layers=1):
     with torch.device("meta"):
-        model = GPT(vocab=512, d=d, heads=4, layers=1, seq=seq)
+        model = GPT(vocab=512, d=d, heads=4, layers=layers, seq=seq)
     idx = torch.randint(0, 512, (batch, seq))
     return model, (idx, torch.roll(idx, -1, dims=1))
 
@@ -82,3 +83,41 @@ def test_a_chunked_conversion_prices_lower_than_blocking(monkeypatch):
     assert aware.cost == pytest.approx(aware.solver["objective"], rel=1e-7)   # the solver counts integer picoseconds
     expr, values = aware.formula()
     assert float(expr.subs(values)) == pytest.approx(aware.cost, rel=1e-9)
+
+
+def test_a_recomputed_blocks_conversions_are_priced_as_they_run(monkeypatch):
+    """A recomputed block runs in a checkpointed submodule that the schedule pass leaves as it
+    is: its conversions block where the rewriter put them, and none is chunked. Megatron pinned
+    on two 4096-wide blocks, every block recomputed: the plan's step is the solver's objective
+    and its choice priced afresh, and that is the choice priced with every conversion into a
+    block's op blocking (``cost.overlap.unhidden``); no chunk and no hidden activation
+    communication is reported from a block, where without recomputation its conversions chunk."""
+    model, inputs = _gpt(4096, seq=2048, batch=4, layers=2)
+    pins = autoshard.schemes.megatron(model, inputs, MESH)
+    plan = autoshard.plan(model, inputs, mesh=MESH, pin=pins, recompute="blocks", verbose=False)
+    graph, strategies, choice, costs, _ = plan._priced
+    assert plan.recompute["blocks"] == ["blocks.0", "blocks.1"]
+    rerun = {o for b in plan.recompute["blocks"] for o in recompute._stack_blocks(graph)[b]}
+
+    def priced(m, patch):
+        patch(m)
+        fresh = Costs(graph, costs.mesh_shape, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
+        fresh.recompute = "blocks"
+        counts = recompute.best_counts(graph, strategies, choice, fresh, None)
+        return choice_cost(graph, strategies, choice, fresh, recompute.chosen(graph, strategies, choice, fresh, counts)[0])
+    real = overlap._cached
+    with monkeypatch.context() as m:
+        afresh = priced(m, lambda m: None)
+    with monkeypatch.context() as m:   # every conversion into a recomputed op priced blocking
+        blocking = priced(m, lambda m: m.setattr(overlap, "_cached", lambda c, v, s, d, consumer, slot: None
+                                                  if consumer.name in rerun else real(c, v, s, d, consumer, slot)))
+    with monkeypatch.context() as m:   # as before: the blocks' conversions priced as if overlapped
+        counted = priced(m, lambda m: m.setattr(recompute, "unhidden", lambda *a: 0.0))
+    assert plan.cost == pytest.approx(plan.solver["objective"], rel=1e-7)   # the solver counts integer picoseconds
+    assert plan.cost == pytest.approx(afresh, rel=1e-12)
+    assert plan.cost == pytest.approx(blocking, rel=1e-9)
+    assert plan.cost > counted * (1 + 1e-3)
+    assert not [c for c in plan.schedule["chunks"] if c[0] in rerun or c[1] in rerun]
+    kept = autoshard.plan(model, inputs, mesh=MESH, pin=pins, recompute="none", verbose=False)
+    assert [c for c in kept.schedule["chunks"] if c[1] in rerun]
+    assert plan.breakdown["activations_hidden"] < kept.breakdown["activations_hidden"]

@@ -3,6 +3,7 @@ parameter gathers prefetched, every wait as late as the data allows; and the sch
 still trains exactly as one device does (real gloo groups)."""
 import copy
 import math
+import operator
 
 import pytest
 import torch
@@ -298,6 +299,34 @@ def test_activation_steps_start_after_their_input_and_wait_before_first_use():
     assert later and len(later) == len(linears)
     spans = [(order[w.args[0]], order[w]) for w in waits]
     assert all(any(a < order[n] < b for a, b in spans) for n in later)
+
+
+def test_every_bare_steps_dual_flies_beside_a_weight_gradient():
+    """A step with nothing computed between its start and wait (a block's reduce-scatter into the
+    residual stream, the all-gather or all-reduce out of it) has a weight gradient of a linear after
+    it placed there, so that its dual flies beside that gradient in backward: in a Megatron and a
+    sequence-parallel GPT every step before the last deferred linear covers some compute, and each
+    weight gradient sits in the run of waits right before its linear (no linear between that
+    wait and a later one)."""
+    linears = (torch.ops.aten.linear.default, runtime.linear_dw_later, runtime.linear_gathered)
+    bookkeeping = (runtime.pending, runtime.step_start, runtime.step_wait, operator.getitem)
+    for scheme in ("megatron", "sequence_parallel"):
+        model, batch, pin = _gpt((4,), scheme)
+        gm = schedule(rewrite(capture(model, batch), autoshard.plan(model, batch, mesh=(4,), pin=pin)))
+        nodes = list(gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        deferred = _calls(gm, runtime.linear_dw_later)
+        last = max(order[n] for n in deferred)
+        for wait in _calls(gm, runtime.step_wait):
+            span = nodes[order[wait.args[0]] + 1:order[wait]]
+            if order[wait] < last:
+                assert [n for n in span if n.op == "call_function" and n.target not in bookkeeping], (scheme, wait)
+        for lin in deferred:
+            late = lin.args[1]
+            wait = next(n for n in nodes[order[late]:] if n.target is runtime.step_wait)
+            between = nodes[order[wait] + 1:order[lin]]
+            again = [i for i, n in enumerate(between) if n.target is runtime.step_wait]
+            assert not again or not [n for n in between[:again[-1]] if n.target in linears], (scheme, lin)
 
 
 def test_a_linear_on_a_gathered_input_computes_its_own_block_while_the_gather_flies():

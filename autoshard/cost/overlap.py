@@ -32,11 +32,13 @@ the compute takes), and what is hidden pays ``cost.step.DRAG`` like every overla
 Every price of a plan adds ``edge_price``, a conversion's ``Overlap.delta`` (its change against
 the conversion priced blocking, ``cost.price.Costs.convert``), to the conversion's own: the
 solver's program (``passes.solve._pairs``), ``choice_cost``, ``plan.cost``, ``explain`` and
-``formula``. It is a function of the conversion's layouts alone (the covering compute is that of
-the producer's and the consumer's least-computing strategies with them, of every strategy the
-graph offers on the mesh, pins aside), so a whole solve, a descent's step, the LP bound and a
+``formula``; a conversion into a block that recomputes gives it back (``unhidden``). It is a
+function of the conversion's layouts alone (the covering compute is that of the producer's and
+the consumer's least-computing strategies with them, of every strategy the graph offers on the
+mesh, pins aside), so a whole solve, a descent's step, the LP bound and a
 pinned plan price one choice alike. Each covering compute is counted for one conversion: a
-linear's weight gradient covers the dual of the step before it (the schedule makes it there), so
+linear's weight gradient covers the dual of its input's conversion (the schedule makes it beside
+a bare step of the run of waits before the linear, that one where it is bare), so
 a chunk pipeline's backward counts the chunks' input gradients only, and a conversion of several
 steps has only its last step's dual covered by it. ``plan`` writes the chunks it chose into
 ``plan.schedule["chunks"]``, which the schedule pass carries out, and what the conversions hide
@@ -94,6 +96,18 @@ def conversion_price(costs, value, src, dst, consumer, slot: int) -> Cost:
     """A conversion's price in every plan: blocking (``Costs.convert``), less what the schedule
     hides of it (``edge_price``)."""
     return costs.convert(value, src, dst, consumer) + edge_price(costs, value, src, dst, consumer, slot)
+
+
+def unhidden(costs, value, src, dst, consumer, slot: int) -> float:
+    """Seconds converting ``value`` for ``consumer`` (an op of a block that recomputes) adds to
+    its price, once per such block: what the price counts the schedule hiding of it, its drag
+    deducted (``-added`` of its ``Overlap``; nothing where it hides nothing). A recomputed block
+    runs in a checkpointed submodule, which the schedule pass leaves as it is
+    (``passes.checkpoint``), so there its collectives and their duals block where the rewriter
+    put them and nothing is chunked. ``passes.recompute`` adds it, as communication, beside the
+    forward the block runs again: in the solver's program and in ``plan.cost`` alike."""
+    o = _cached(costs, value, src, dst, consumer, slot)
+    return -added(o) if o is not None else 0.0
 
 
 def overlaps(costs, value, consumer, slot: int) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from torch.export.graph_signature import OutputKind
 
 from autoshard.cost import comm
+from autoshard.cost.overlap import unhidden
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.repeat import _block_of
 
@@ -229,7 +230,7 @@ def _forms(table, x, placed, costs, unit, integer, scale, light: bool = False) -
         fc, fm, d = forms[g.name]
         most_t = most_b = 0
         for var, (a, b) in spots:
-            t = r(forward_again(costs, value, a, b))
+            t = r(forward_again(costs, value, a, b) + unhidden(costs, value, a, b, v, slot))
             kept = pairs[a, b][1] * scale
             fm.add(var, t)
             d.add(var, kept)
@@ -413,7 +414,7 @@ def block_price(graph, strategies, choice, costs, g: Group, light: bool = False)
                 continue
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
             dst = strat.inputs[slot]
-            coll += forward_again(costs, value, src, dst)
+            coll += forward_again(costs, value, src, dst) + unhidden(costs, value, src, dst, n, slot)
             freed += costs.kept(value, src, dst, n)
     return Cost(compute_bwd=fwd, comm=coll), int(freed)
 

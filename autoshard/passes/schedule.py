@@ -26,7 +26,7 @@ moved, so that communication overlaps compute.
 
 The cost model prices this schedule: bucketed all-reduces share one launch and latency per
 bucket, and parameter collectives hide behind the compute of their phase (``cost.price``,
-``passes.solve``); what the activation steps hide is reported (``cost.overlap``), not yet priced.
+``passes.solve``), and what the activation steps hide too (``cost.overlap``).
 A policy copy no bucket took (a hybrid-sharded parameter's, whose master goes through its
 gradient's all-reduce first) is gathered by an activation step that casts (``step_start``'s
 ``dtype``), and without the schedule by ``runtime.cast_all_gather`` (``fuse_cast_gathers``, run
@@ -298,30 +298,55 @@ def _gathered_linears(n, first, order) -> list:
 
 
 def _weight_grads_later(g) -> None:
-    """Each linear after a started step (the latest one waited on before it) makes its weight's
-    gradient in a node placed between that step's start and wait: in backward, autograd runs it
-    while the step's dual is in flight (``runtime.linear_dw_later`` / ``weight_later``). Only
-    weights made before that wait (parameters, as fed or after their gradient's bucket) are."""
-    latest = None
+    """Each linear after a started step makes its weight's gradient in a node placed between a
+    step's start and wait: in backward, autograd runs it while the step's dual is in flight
+    (``runtime.linear_dw_later`` / ``weight_later``). The linears after a run of waits (the waits
+    since the linear before them) share the run's bare steps, those with nothing computed between
+    start and wait, in turn and in order, so that each bare step's dual flies beside some weight
+    gradient (a Megatron block's reduce-scatter into the residual and all-gather out of it alike);
+    where the run has none, they all go to its last wait. Only weights made before that wait
+    (parameters, as fed or after their gradient's bucket) are."""
     nodes = list(g.nodes)
     order = {n: i for i, n in enumerate(nodes)}
+    runs, waits, linears = [], [], []
     for n in nodes:
         if n.op != "call_function":
             continue
         if n.target is runtime.step_wait:
-            latest = n
-        elif n.target is torch.ops.aten.linear.default and latest is not None:
+            if linears:
+                runs.append((waits, linears))
+                waits, linears = [], []
+            waits.append(n)
+        elif n.target is torch.ops.aten.linear.default and waits:
+            linears.append(n)
+    if linears:
+        runs.append((waits, linears))
+    for waits, linears in runs:
+        bare = [w for w in waits if _bare(nodes[order[w.args[0]] + 1:order[w]])]
+        spans = bare[-len(linears):] or waits[-1:]
+        for i, n in enumerate(linears):
+            wait = spans[i * len(spans) // len(linears)]
             x, w = n.args[0], n.args[1]
             b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-            if not (isinstance(w, fx.Node) and order[w] < order[latest] and _from_parameter(w)):
+            if not (isinstance(w, fx.Node) and order[w] < order[wait] and _from_parameter(w)):
                 continue
-            with g.inserting_before(latest):
+            with g.inserting_before(wait):
                 h = g.call_function(runtime.pending, ())
                 late = g.call_function(runtime.weight_later, (w, h))
             with g.inserting_before(n):
                 again = g.call_function(runtime.linear_dw_later, (x, late, b, h))
             n.replace_all_uses_with(again)
             g.erase_node(n)
+
+
+# nodes that compute nothing of their own between a step's start and its wait
+_BOOKKEEPING = (runtime.pending, runtime.step_start, runtime.step_wait, runtime.weight_later, operator.getitem)
+
+
+def _bare(between) -> bool:
+    """Whether nothing is computed among ``between``, the nodes between a start and its wait: its
+    dual in backward has nothing beside it but what ``_weight_grads_later`` puts there."""
+    return all(n.op != "call_function" or n.target in _BOOKKEEPING for n in between)
 
 
 def _from_parameter(node) -> bool:
