@@ -88,6 +88,15 @@ def test_every_phase_is_timed():
     assert all(seconds[k] > 0 for k in ("capture", "annotate", "cost", "build", "solve"))
 
 
+def test_the_solver_seconds_cover_every_solve_of_a_fixed_mesh_plan():
+    # under recompute="auto" with a budget, the solve bounds its modes before it solves one: its
+    # time is all of it (it read the last mode's solve alone, 0.0 s for a Llama-3-style model)
+    progress.CLOCK.reset()
+    plan = autoshard.plan(*_gpt(2), mesh=(2, 2), verbose=False)
+    seconds = progress.CLOCK.seconds
+    assert plan.solver["seconds"] >= seconds["build"] + seconds["solve"] > 0
+
+
 def test_a_long_solve_shows_its_progress_unless_silenced(monkeypatch, capfd):
     monkeypatch.setattr(progress, "QUIET_SECONDS", 0.0)   # every solve counts as long here
     monkeypatch.setattr(progress, "EVERY", 0.0)

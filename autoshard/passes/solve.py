@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ortools.linear_solver import pywraplp
@@ -273,7 +273,8 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     search does for a mesh whose support plan it already has."""
     start = time.perf_counter()
     if hint is None and recompute.chooses(graph, strategies, costs, memory_budget):
-        return _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support)
+        found = _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support)
+        return replace(found, seconds=time.perf_counter() - start)   # its bounds and every mode's solve
     relaxed = 0.0
     if hint is None:   # a whole solve (a descent's steps bring their own plan, and need no proof)
         relaxed, weights = _relaxation(graph, strategies, costs, memory_budget)
@@ -291,6 +292,12 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
                 return Solution(quick.choice, quick.objective, min(relaxed, quick.objective), "FEASIBLE",
                                 time.perf_counter() - start, quick.recompute)
             hint = quick.choice if quick is not None else None
+        if effort == 0 and hint is None:
+            # no plan to return as it is (GLOP gave no optimum: GPT-3 175B's (16, 64) with every
+            # block recomputed), and CP-SAT given no time finds none: building it is wasted
+            if below is not None:
+                raise NoBetterPlan(False)
+            raise NoPlanInTime("the layout solver was given no time and the LP relaxation no plan")
     for unit in _units(_table(graph, strategies, costs)):
         model = _CpSat()
         try:
@@ -548,7 +555,13 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
         _switch(lp, _table(graph, strategies, costs), costs, mode)
     x = lp.layout[0]
     with phase("solve"):
-        status = lp.solver.Solve()
+        if mode == "none" and memory_budget is not None and \
+                _least_bytes(_table(graph, strategies, costs)) > memory_budget:
+            # every node's least bytes alone break the budget: infeasible without the simplex
+            # (GPT-3 175B: two simplex runs per mesh, the dual's failing)
+            status = pywraplp.Solver.INFEASIBLE
+        else:
+            status = lp.solver.Solve()
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE):
             # the dual simplex loses its way on some programs that nothing fits (GPT-3 175B
             # without recomputation: ABNORMAL on every mesh, so no bound pruned any); the
@@ -750,6 +763,13 @@ def _memory_terms(table: _Table, x, scale=1) -> tuple:
                 v = x[n.name][i]
                 terms[v] = terms.get(v, 0) + b
     return terms, const
+
+
+def _least_bytes(table: _Table) -> int:
+    """Bytes per rank no plan without recomputation goes below: each node's least-memory
+    strategy (``_memory_terms``), every conversion keeping nothing (what they keep, and the
+    checkpoint regions' peaks, only add)."""
+    return sum(times * min(nbytes) for _, times, _, nbytes in table.nodes if nbytes)
 
 
 def _kept_terms(kept: dict, scale=1) -> tuple:
