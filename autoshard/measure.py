@@ -13,7 +13,8 @@ has. Every rank returns the same Cluster: each figure the median of the ranks' (
                   t = alpha + sent / beta, ``sent`` the bytes a ring sends per rank
                   (``cost.comm.ring_bytes``), so beta is a bus bandwidth comparable across kinds;
                   the timed points are kept too, and price a collective between them
-                  (``cost.comm.fitted_time``)
+                  (``cost.comm.fitted_time``); the all-reduce also at a full gradient bucket,
+                  in place as the bucket runs it
     kernels       forward and backward rates of each kernel family of ``cost.compute.FAMILY``, in
                   the cost model's own count of the forward's work (FLOPs of linear layers of
                   several shapes and of causal attention; bytes of gelu, layer norm, softmax and
@@ -34,7 +35,9 @@ has. Every rank returns the same Cluster: each figure the median of the ranks' (
 Each figure is a mean over a window of calls, not the best of short bursts: on a machine whose
 cores are shared, a burst often runs unhindered while a training step gets only its share.
 Outside a process group only this process's compute can be measured: the links stay those of
-``base`` (a warning says so). Measurement takes a few seconds on a CPU at world 2-4.
+``base`` (a warning says so). Measurement takes seconds: 3-5 s at world 2 and 8-11 s at world 4
+on 2 shared CPU cores (load 4-6), a second or two of it the first DTensor optimizer step's
+one-time set-up (importing torch._dynamo), which ``parallelize`` pays anyway.
 """
 from __future__ import annotations
 

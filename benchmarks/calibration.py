@@ -157,13 +157,13 @@ def spearman(xs, ys) -> float:
 
 def phase_parts(plan):
     """Predicted (forward, backward, optimizer) seconds: each phase's compute and the collectives
-    it waits for (of those the schedule overlaps, the part ``Cluster.overlap`` says compute does
-    not hide)."""
+    it waits for (of those the schedule overlaps in forward, the part ``Cluster.overlap`` says
+    compute does not hide); backward's, the rest of the step's exposed communication (of a
+    gradient bucket, what the backward left after it cannot hide: ``cost.buckets.covered``)."""
     b = plan.breakdown
-    blocking = {"forward": 0.0, "backward": 0.0}
-    for c in plan.collectives:
-        blocking[c.phase] += c.seconds * (1 - plan.cluster.overlap if c.overlapped else 1)
-    return b["compute_fwd"] + blocking["forward"], b["compute_bwd"] + blocking["backward"], b.get("optimizer", 0.0)
+    forward = sum(c.seconds * (1 - plan.cluster.overlap if c.overlapped else 1)
+                  for c in plan.collectives if c.phase == "forward")
+    return (b["compute_fwd"] + forward, b["compute_bwd"] + b["exposed"] - forward, b.get("optimizer", 0.0))
 
 
 def describe(cluster) -> str:
