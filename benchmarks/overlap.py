@@ -4,7 +4,10 @@ right before its first use, in forward and, mirrored, in backward) and without i
 (``overlap=False``: every step blocks where the rewriter put it), and with the schedule pass and
 the linears before every all-reduce or reduce-scatter overdecomposed into ``--chunks`` chunks
 (``chunked``: each chunk's collective started while the next chunk's matmul runs; the plan's
-``schedule["chunks"]`` set to every conversion the cost model could chunk), back to back on a
+``schedule["chunks"]`` set to every conversion the cost model could chunk), and with the schedule
+pass but each linear's weight gradient made beside the last step before the linear only
+(``dW last``: how the schedule placed them before it spread them over every bare step of that
+run, so that a block's reduce-scatter into the residual stream flies beside one too), back to back on a
 local gloo group, beside the bound the machine allows, measured in the same run:
 
   compute alone   the scheduled program with every collective replaced by one that returns at
@@ -26,7 +29,7 @@ Cases:
 
 Rounds interleave the contenders (order rotated each round); a step is forward and backward of
 the loss, timed on the slowest rank from a barrier; medians after the warm-up rounds. Prints ms
-per step, on/off and chunked/off; "comm share" is comm alone over the step without overlap; under
+per step, on/off, chunked/off and dW last/off; "comm share" is comm alone over the step without overlap; under
 it, the forward's medians alone, and the step's less them (backward), off, on and compute alone. The
 plan's own choice of chunks on the cluster it was made for (``--cluster``) is printed under each
 case.
@@ -162,10 +165,39 @@ def _step(pm, batch, barrier=True, forward=None):
     return time.perf_counter() - t0
 
 
+def _weight_grads_at_last_wait(program):
+    """The scheduled ``program`` with every linear's weight gradient moved into the span of the
+    last wait before the linear, as the schedule placed them before it spread them over the bare
+    steps of that run of waits (``passes.schedule._weight_grads_later``)."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(program.graph, {}))
+    nodes = list(g.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    waits = [n for n in nodes if n.target is runtime.step_wait]
+    for late in [n for n in nodes if n.target is runtime.weight_later]:
+        linear = next(u for u in late.users if u.target is runtime.linear_dw_later)
+        wait = max((w for w in waits if order[w] < order[linear]), key=order.get)
+        wait.prepend(late.args[1])   # its pending handle, then the node
+        wait.prepend(late)
+    gm = torch.fx.GraphModule(program, g)
+    gm.meta.update(program.meta)
+    return gm
+
+
+def _reprogrammed(pm, batch, change):
+    """``pm`` running ``change(program)`` instead of the program it made for ``batch``."""
+    _step(pm, batch)
+    (key, (program, *rest)), = pm._programs.items()
+    pm._programs[key] = (change(program), *rest)
+    return pm
+
+
 def rank_case(case, a):
     import copy
     model, batch, plan = _build(case, a)
     on = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=True)
+    last = _reprogrammed(autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=True), batch,
+                         _weight_grads_at_last_wait)
     off = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=False)
     text = [_chunked(model, batch, plan, a.chunks).to_json() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
@@ -173,7 +205,7 @@ def rank_case(case, a):
     chunked = autoshard.parallelize(copy.deepcopy(model), plan=chunks, overlap=True)
     fwd = {"off": [], "on": [], "compute": []}   # each round's forward seconds, warm-up included
     contenders = {"off": lambda: _step(off, batch, forward=fwd["off"]), "on": lambda: _step(on, batch, forward=fwd["on"]),
-                  "chunked": lambda: _step(chunked, batch)}
+                  "chunked": lambda: _step(chunked, batch), "last": lambda: _step(last, batch)}
 
     def compute_alone():
         with _patched(_no_comm):
@@ -227,9 +259,9 @@ def main():
     print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq} "
           f"tokens; gloo world {a.world}; forward + backward; medians of {a.rounds} rounds after {a.warmup}")
     print()
-    print(f"| case | off ms | on ms | chunked (k={a.chunks}) ms | on/off | chunked/off | compute alone ms "
+    print(f"| case | off ms | on ms | chunked (k={a.chunks}) ms | on/off | chunked/off | dW last/off | compute alone ms "
           "| comm alone ms | ideal ms | ideal/off | both at once ms | both/off | comm share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     world = LocalWorld(a.world, timeout_s=900.0)   # a case's rounds take minutes on a loaded machine
     try:
         for case in a.cases.split(","):
@@ -239,7 +271,7 @@ def main():
                    for k in res[0]["times"]}
             ideal = max(med["compute"], med["comm"])
             print(f"| {case} | {med['off']:.1f} | {med['on']:.1f} | {med['chunked']:.1f} | "
-                  f"{med['on'] / med['off']:.2f} | {med['chunked'] / med['off']:.2f} | "
+                  f"{med['on'] / med['off']:.2f} | {med['chunked'] / med['off']:.2f} | {med['last'] / med['off']:.2f} | "
                   f"{med['compute']:.1f} | {med['comm']:.1f} | {ideal:.1f} | {ideal / med['off']:.2f} | "
                   f"{med['both']:.1f} | {med['both'] / med['off']:.2f} | {med['comm'] / med['off']:.2f} |")
             # the forward alone, and the rest of the step (backward), each the slowest rank's
