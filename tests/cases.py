@@ -26,7 +26,11 @@ def step_on_the_same_gradients(pm, ref, opt, ref_opt):
     a split and a whole matmul, which varies with the processor's BLAS, becomes a difference of
     the learning rate's size. On the same gradients the two steps differ only by the rounding of
     the optimizer's elementwise arithmetic, on every machine; what is compared is then the step
-    itself: each rank updating its shares as the single device updates the whole."""
+    itself: each rank updating its shares as the single device updates the whole.
+
+    The reference steps by the same kernel path as the parallel model's optimizer (autoshard moves
+    an Adam left to its default onto the fused kernel, whose vectorized arithmetic rounds apart
+    from the for-loop path's differently on each processor)."""
     import torch
     ref_params = dict(ref.named_parameters())
     with torch.no_grad():
@@ -34,6 +38,10 @@ def step_on_the_same_gradients(pm, ref, opt, ref_opt):
             if p.grad is not None:
                 ref_params[n].grad.copy_(p.grad.full_tensor())
     opt.step()
+    for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
+        for key in ("foreach", "fused"):
+            if key in group and key in ref_group:
+                ref_group[key] = group[key]
     ref_opt.step()
 
 

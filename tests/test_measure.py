@@ -19,6 +19,7 @@ from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
 from autoshard.cost.price import Costs
+from cases import step_on_the_same_gradients
 from models import GPT, TwoLayer
 
 PRESET = Cluster.preset("a100-80gb-nvlink-ib")
@@ -49,8 +50,7 @@ def _train(cluster):
         loss, ref_loss = pm(*inputs), ref(*inputs)
         loss.backward()
         ref_loss.backward()
-        opt.step()
-        ref_opt.step()
+        step_on_the_same_gradients(pm, ref, opt, ref_opt)
         opt.zero_grad()
         ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
