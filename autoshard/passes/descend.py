@@ -29,7 +29,7 @@ from typing import Optional
 
 from autoshard.cost import memory
 from autoshard.passes import recompute
-from autoshard.passes.progress import phase
+from autoshard.passes.progress import phase, uncollected
 from autoshard.cost.price import Costs
 from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoPlanInTime, Solution, choice_cost, solve
 
@@ -209,6 +209,11 @@ def solve_mesh(graph, strategies, costs: Costs, time_limit: float, budget: Optio
     """The whole integer program when the mesh has at most ``EXACT_AXES`` axes or the program is
     small enough; else descent from each plan ``starts()`` gives (None entries skipped), or from
     ``start_choice`` when it gives none, keeping the best."""
+    with uncollected():
+        return _solve_mesh(graph, strategies, costs, time_limit, budget, starts)
+
+
+def _solve_mesh(graph, strategies, costs, time_limit, budget, starts) -> Solution:
     if len(costs.mesh_shape) <= EXACT_AXES or edge_pairs(graph, strategies) <= EXACT_PAIRS:
         return solve(graph, strategies, costs, time_limit, budget)
     choices = [c for c in starts() if c is not None] or [start_choice(graph, strategies, costs, budget)]

@@ -12,6 +12,7 @@ verbose=False)`` silences it (``shown``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import time
 
@@ -49,6 +50,22 @@ class Clock:
 
 CLOCK = Clock()
 phase = CLOCK.phase
+
+
+@contextlib.contextmanager
+def uncollected():
+    """Python's cyclic garbage collector off while planning, back as it was after. Planning
+    keeps millions of small objects (layouts, prices, solver variables) alive in its caches and
+    makes few reference cycles; the collector, which walks every live object whenever enough
+    new ones have piled up, took 28% of the 96-layer GPT's mesh search (19.5 s of CPU without
+    it against 27.2 s with it). Cycles made meanwhile are collected once it is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 _shown = [True]
 

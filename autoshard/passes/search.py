@@ -39,7 +39,7 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.coarse import coarse_bound
 from autoshard.passes.axonn_start import descend_from_pins
 from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
-from autoshard.passes.progress import Progress
+from autoshard.passes.progress import Progress, uncollected
 from autoshard.cost.price import Costs
 from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
 from autoshard.plan import make_plan
@@ -163,6 +163,13 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh). ``seed()``: (mesh, pins by node) of
     a layout to descend from as well (``passes.axonn_start``), or None."""
+    with uncollected():
+        return _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
+                       reshard, recompute, seed)
+
+
+def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes, reshard,
+            recompute, seed):
     start = time.perf_counter()
     cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard, recompute)
     progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
