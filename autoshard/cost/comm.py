@@ -114,8 +114,9 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
 def _uneven_dims(whole, src: tuple, dst: tuple, mesh_shape) -> set:
     if whole is None:
         return set()
-    return {d for pl_ in (src, dst) for d in range(len(whole))
-            if not is_even(whole, tuple(p if isinstance(p, Split) and p.dim == d else B for p in pl_), mesh_shape)}
+    # a dim no axis splits is even; only the split ones are checked
+    return {d for pl_ in (src, dst) for d in {p.dim for p in pl_ if isinstance(p, Split)} if 0 <= d < len(whole)
+            and not is_even(whole, tuple(p if isinstance(p, Split) and p.dim == d else B for p in pl_), mesh_shape)}
 
 
 def _after(step: Step, p):

@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +59,9 @@ from autoshard.cost.step import DRAG, Cost
 
 CHUNKS = (1, 2, 4, 8)
 CHUNKED_KINDS = ("all_reduce", "reduce_scatter")
-_OVERLAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Costs -> {edge and layouts: Overlap}
-_LEAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Costs -> {(node, side): {layout: strategy}}
-_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Costs -> {shape and layouts: step times}
-_KINDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Costs -> {edge: edge_kind}
+# this module's caches live on the ``Costs`` they price for, as long as it does (``_memo``):
+# "overlaps" {edge and layouts: Overlap}, "least" {(node, side): {layout: strategy}}, "steps"
+# {shape and layouts: step times}, "kinds" {edge: edge_kind}
 _LINEAR = torch.ops.aten.linear.default
 
 
@@ -79,6 +77,12 @@ class Overlap:
     hidden_fwd: float      # the part of ``fwd`` compute covers
     hidden_bwd: float
     delta: Cost            # its price against the conversion priced blocking: exposed, hidden, drag
+
+
+def _memo(costs, name: str) -> dict:
+    """This module's cache ``name`` on ``costs`` (an attribute: a dict keyed by the object
+    would hash it on every look-up)."""
+    return vars(costs).setdefault("_overlap_" + name, {})
 
 
 def edge_price(costs, value, src, dst, consumer, slot: int) -> Cost:
@@ -139,7 +143,7 @@ def edge_kind(costs, value, consumer, slot: int):
     producer's and consumer's ops, shapes and strategy lists, whether the value has other
     readers, whether the linears' weight gradients are made later; None where it is never
     started early (``overlaps``). Edges of a model's blocks share it, and so their prices."""
-    cache = _KINDS.setdefault(costs, {})
+    cache = _memo(costs, "kinds")
     key = (value, consumer.name, slot)
     if key not in cache:
         graph = costs.graph
@@ -159,7 +163,7 @@ def _cached(costs, value, src, dst, consumer, slot: int):
     kind = edge_kind(costs, value, consumer, slot)
     if kind is None:
         return None
-    cache = _OVERLAPS.setdefault(costs, {})
+    cache = _memo(costs, "overlaps")
     key = (kind, costs.graph.meta(value), src, dst)
     if key not in cache:
         # no collective, nothing to hide: its blocking price (cached) says so at once
@@ -188,7 +192,7 @@ def _least(costs, node, side: tuple, layout):
     """The strategy of ``node`` that computes least of those that take (``side`` ("in", slot))
     or make (("out", index)) a tensor in ``layout``, of every strategy the graph offers it on
     this mesh (``passes.annotate``, no pins)."""
-    cache = _LEAST.setdefault(costs, {})
+    cache = _memo(costs, "least")
     key = (node.name, side)
     if key not in cache:
         least: dict = {}
@@ -203,7 +207,7 @@ def _least(costs, node, side: tuple, layout):
 
 def _full(costs) -> dict:
     """Every strategy the graph offers each node on the mesh, pins aside (``passes.annotate``)."""
-    cache = _LEAST.setdefault(costs, {})
+    cache = _memo(costs, "least")
     if "strategies" not in cache:
         from autoshard.passes.annotate import annotate
         with warnings.catch_warnings():   # the planner has warned of ops without a rule already
@@ -269,7 +273,7 @@ def _weight_grad_later(graph, linear) -> bool:
 def _step_times(costs, value, src, dst, backward: bool) -> tuple:
     """``Costs.step_times``, once per tensor shape and layouts: the edges of a model's blocks
     convert the same shapes between the same layouts over and over."""
-    cache = _STEPS.setdefault(costs, {})
+    cache = _memo(costs, "steps")
     key = (costs.graph.meta(value), value[0] in costs._copies, src, dst, backward)
     if key not in cache:
         cache[key] = costs.step_times(value, src, dst, backward)

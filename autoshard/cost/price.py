@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Optional
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
+from autoshard.cost.overlap import conversion_price, edge_kind
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
-from autoshard.cost.step import Cost
+from autoshard.cost.step import PARTS, Cost
 from autoshard.outputs import kept_split
 from autoshard.rules.moe import computed_shapes
 from autoshard.precision import CAST, grad_itemsize
@@ -38,6 +39,13 @@ class Costs:
         self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
         self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
         self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
+        self._node_costs: dict = {}   # (node, id(strategy)) -> (strategy, Cost): ``node``
+        self._conversions: dict = {}  # (tensor, src, dst) -> ``conversion``
+        self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
+        self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
+        self._price_ids: dict = {}    # ``price_key``'s key -> its number
+        self._rerun_prices: dict = {}  # passes.recompute._forms: (edge price key, src, dst) -> seconds run again
+        self._pair_prices: dict = {}  # passes.solve._pairs: (edge price key, src, dst) -> ``pair``
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
@@ -109,6 +117,15 @@ class Costs:
         return fixed / self._updated + per_tensor + per_byte * nbytes
 
     def node(self, node: Node, strat) -> Cost:
+        """The node's cost in this strategy, once per node and strategy: a plan's cost, its
+        descent's steps and the overlap model ask for the same ones again and again."""
+        key = (node.name, id(strat))
+        hit = self._node_costs.get(key)
+        if hit is None or hit[0] is not strat:
+            hit = self._node_costs[key] = (strat, self._price_node(node, strat))
+        return hit[1]
+
+    def _price_node(self, node: Node, strat) -> Cost:
         mesh, cluster = self.mesh_shape, self.cluster
         if node.kind == "param":
             syncs = self.grad_syncs(node, strat)
@@ -168,18 +185,72 @@ class Costs:
         kept = consumer is not None and consumer.kind == "output" and value in self.split_outputs
         return src if kept else dst
 
+    def price_key(self, value, consumer: Node, slot: int) -> int:
+        """What converting ``value`` for ``consumer``'s input ``slot`` costs and keeps depends on
+        besides its two layouts: the tensor (a parameter's, or its copy's, by name: its
+        bucket), whether backward runs its dual, converts it again or keeps it, whether the
+        consumer is an output handed back as planned, and the edge's kind for the overlap
+        (``cost.overlap.edge_kind``), as a number. Edges of equal keys price every pair of
+        layouts alike."""
+        hit = self._price_keys.get((value, consumer.name, slot))
+        if hit is not None:
+            return hit
+        graph = self.graph
+        producer = graph.by_name[value[0]]
+        meta = graph.meta(value)
+        own = producer.kind == "param" or value[0] in self._copies
+        backward = self.training and meta.floating and consumer.kind != "output" and producer.requires_grad
+        handed = consumer.kind == "output" and value in self.split_outputs
+        key = (value if own else meta, backward, consumer.kind, consumer.requires_grad, self.regathered(value),
+               memory.in_region(graph, value, consumer), handed, edge_kind(self, value, consumer, slot))
+        # a small number stands for it: pairs are looked up by the thousand, and the key is deep
+        number = self._price_keys[value, consumer.name, slot] = self._price_ids.setdefault(key, len(self._price_ids))
+        return number
+
+    def pair(self, value, consumer: Node, slot: int, src, dst) -> tuple:
+        """(price, its cost vector (``cost.step.PARTS``), bytes kept) of converting ``value``
+        from ``src`` to ``dst`` for ``consumer``'s input ``slot``: ``cost.overlap.conversion_price``
+        and ``kept``, once per ``price_key`` and pair of layouts. The solver's tables, the coarse
+        bound and a plan's cost read the same ones."""
+        key = (self.price_key(value, consumer, slot), src, dst)
+        hit = self._pair_prices.get(key)
+        if hit is None:
+            cost = conversion_price(self, value, src, dst, consumer, slot)
+            hit = self._pair_prices[key] = (cost, tuple(getattr(cost, part) for part in PARTS),
+                                            self.kept(value, src, dst, consumer))
+        return hit
+
     def conversion(self, value, src, dst, consumer: Optional[Node] = None):
         """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""
         dst = self.handed_over(value, src, dst, consumer)
-        meta = self.graph.meta(value)
-        steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape,
-                                self.links, meta.itemsize, whole=meta.shape)
-        return steps, bool(steps) and steps[0].kind == "all_gather" and self.overlapped(value, src)
+        key = (self._tensor(value), src, dst)
+        hit = self._conversions.get(key)
+        if hit is None:
+            meta = self.graph.meta(value)
+            steps = comm.transition(pl.local_shape(meta.shape, src, self.mesh_shape), src, dst, self.mesh_shape,
+                                    self.links, meta.itemsize, whole=meta.shape)
+            hit = self._conversions[key] = (steps, bool(steps) and steps[0].kind == "all_gather"
+                                            and self.overlapped(value, src))
+        return hit
+
+    def _tensor(self, value):
+        """What a conversion's steps and their seconds depend on of the tensor: a parameter's
+        (or its copy's) by name, whose bucket prices its gathers; any other by shape and dtype."""
+        graph = self.graph
+        own = graph.by_name[value[0]].kind == "param" or value[0] in self._copies
+        return value if own else graph.meta(value)
 
     def step_times(self, value, src, dst, backward: bool) -> tuple:
         """The conversion's steps and their duals (when ``backward``), the seconds of each, and
         whether the first is prefetched: then it and its dual, the last, travel in a bucket of
         parameters, and pay their part of its launch and latency."""
+        key = (self._tensor(value), src, dst, backward)
+        hit = self._step_times.get(key)
+        if hit is None:
+            hit = self._step_times[key] = self._times(value, src, dst, backward)
+        return hit
+
+    def _times(self, value, src, dst, backward: bool) -> tuple:
         meta, mesh, links = self.graph.meta(value), self.mesh_shape, self.links
         steps, prefetched = self.conversion(value, src, dst)
         duals = comm.dual_steps(steps, mesh) if backward else []

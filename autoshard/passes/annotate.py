@@ -225,6 +225,33 @@ def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
 
 
 def _annotate(graph: Graph, mesh_shape, pins) -> dict:
+    # once per mesh: a search asks again for each mesh it refines, and the overlap model for
+    # the mesh it prices
+    key = ("annotated", tuple(mesh_shape))
+    if key not in graph.cache:
+        graph.cache[key] = _unpinned(graph, mesh_shape)
+    unpinned, missing = graph.cache[key]
+    for op in sorted(missing):
+        warnings.warn(f"autoshard has no sharding rule for {op}; it runs replicated (correct, "
+                      "maybe slower)", UnknownOpWarning, stacklevel=3)
+    strategies = dict(unpinned)
+    for name, want in (pins or {}).items():
+        keep = [s for s in strategies[name] if s.outputs and s.outputs[0] == want]
+        if not keep:
+            node = graph.by_name[name]
+            choices = sorted({pl.format_nd(s.outputs[0]) for s in strategies[name] if s.outputs})
+            what = f"parameter {node.fqn!r}" if node.kind == "param" else f"node {name!r} ({node.op_name})"
+            shape = node.outputs[0].shape if node.outputs else ()
+            raise ValueError(
+                f"cannot pin {what} of shape {list(shape)} to {pl.format_nd(want)} on mesh "
+                f"{tuple(mesh_shape)}: no legal layout has it (a split dim must divide evenly, "
+                f"parameters are never P). Legal placements: {', '.join(choices)}")
+        strategies[name] = keep
+    return strategies
+
+
+def _unpinned(graph: Graph, mesh_shape) -> tuple:
+    """(node name -> strategies, the ops without a rule) of the mesh, before pins."""
     strategies: dict = {}
     missing: set = set()
     rules, stored = _rules(graph)
@@ -252,23 +279,8 @@ def _annotate(graph: Graph, mesh_shape, pins) -> dict:
             if key not in expanded:
                 expanded[key] = expand(sigs, metas_in, node.outputs, mesh_shape, uneven)
             strategies[node.name] = expanded[key]
-    for op in sorted(missing):
-        warnings.warn(f"autoshard has no sharding rule for {op}; it runs replicated (correct, "
-                      "maybe slower)", UnknownOpWarning, stacklevel=3)
     for node in graph.nodes:   # storage an in-place op writes, seen through views: one local tensor
         if node.fx_node.meta.get(SHARED_STORAGE) and node.outputs:
             whole = [s for s in strategies[node.name] if all(all(isinstance(q, pl.Broadcast) for q in o) for o in s.outputs)]
             strategies[node.name] = whole or strategies[node.name]
-    for name, want in (pins or {}).items():
-        keep = [s for s in strategies[name] if s.outputs and s.outputs[0] == want]
-        if not keep:
-            node = graph.by_name[name]
-            choices = sorted({pl.format_nd(s.outputs[0]) for s in strategies[name] if s.outputs})
-            what = f"parameter {node.fqn!r}" if node.kind == "param" else f"node {name!r} ({node.op_name})"
-            shape = node.outputs[0].shape if node.outputs else ()
-            raise ValueError(
-                f"cannot pin {what} of shape {list(shape)} to {pl.format_nd(want)} on mesh "
-                f"{tuple(mesh_shape)}: no legal layout has it (a split dim must divide evenly, "
-                f"parameters are never P). Legal placements: {', '.join(choices)}")
-        strategies[name] = keep
-    return strategies
+    return strategies, missing

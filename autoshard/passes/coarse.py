@@ -23,7 +23,6 @@ import math
 from ortools.linear_solver import pywraplp
 
 from autoshard import placement as pl
-from autoshard.cost.overlap import conversion_price
 from autoshard.cost.step import DRAG
 from autoshard.passes.progress import phase
 from autoshard.passes.repeat import tie_repeated
@@ -123,7 +122,7 @@ def _coarse(graph, strategies, costs) -> tuple:
         # every price is a time, never negative: where both sides have a layout in common, the
         # least conversion is none
         prices = {(a, b): 0.0 if srcs & dsts else
-                  min(_seconds(conversion_price(costs, value, s, d, v, slot)) for s in srcs for d in dsts)
+                  min(_seconds(costs.pair(value, v, slot, s, d)[0]) for s in srcs for d in dsts)
                   for a, srcs in made.items() for b, dsts in taken.items()}
         edges.append((u, out, v_rep, slot, count, prices))
     return nodes, edges

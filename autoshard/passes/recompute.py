@@ -223,14 +223,19 @@ def _forms(table, x, placed, costs, unit, integer, scale, light: bool = False) -
         fc.least += min(r(vec[_FWD]) for vec in vecs)
         fm.least += min(r(vec[_COMM]) for vec in vecs)
         d.most += max(nbytes) * scale if inner else 0
+    again = costs._rerun_prices
     for (u, value, v, slot, times, src, dst, pairs), spots in placed:
         g = owner.get(v.name)
         if g is None or not _in_region(u):
             continue
         fc, fm, d = forms[g.name]
         most_t = most_b = 0
+        price = costs.price_key(value, v, slot)   # edges of equal keys run every pair again alike
         for var, (a, b) in spots:
-            t = r(forward_again(costs, value, a, b) + unhidden(costs, value, a, b, v, slot))
+            seconds = again.get((price, a, b))
+            if seconds is None:
+                seconds = again[price, a, b] = forward_again(costs, value, a, b) + unhidden(costs, value, a, b, v, slot)
+            t = r(seconds)
             kept = pairs[a, b][1] * scale
             fm.add(var, t)
             d.add(var, kept)

@@ -44,7 +44,7 @@ from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from autoshard import placement as pl
-from autoshard.cost import memory, overlap
+from autoshard.cost import memory
 from autoshard.cost.price import Costs
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph
@@ -83,20 +83,22 @@ class _Sums:
         self.unit = unit   # the LP relaxation counts in microseconds: GLOP loses precision at 1e12
         self.coef = {part: {} for part in PARTS}
         self.const = {part: 0 for part in PARTS}
+        self._scaled: dict = {}   # cost vector -> its nonzero parts in ``unit``: costs repeat by the thousand
 
     def add(self, var, vec: tuple, times: int = 1) -> None:
         """Add ``times`` copies of a cost (``_vec``: seconds per part) on ``var`` (None: the
         constant)."""
-        integer = self.unit in INTEGER_UNITS
-        for part, x in zip(PARTS, vec):
-            if not x:
-                continue
-            c = times * (int(round(x * self.unit)) if integer else x * self.unit)
-            if var is None:
-                self.const[part] += c
-            else:
-                terms = self.coef[part]
-                terms[var] = terms.get(var, 0) + c
+        scaled = self._scaled.get(vec)
+        if scaled is None:
+            integer = self.unit in INTEGER_UNITS
+            scaled = self._scaled[vec] = tuple((part, self.coef[part], int(round(x * self.unit)) if integer
+                                                else x * self.unit) for part, x in zip(PARTS, vec) if x)
+        if var is None:
+            for part, _, c in scaled:
+                self.const[part] += times * c
+            return
+        for _, terms, c in scaled:
+            terms[var] = terms.get(var, 0) + times * c
 
     def terms(self, *parts, scale: float = 1.0) -> tuple:
         """(coefficient per variable, constant) of the parts' sum, each times ``scale``."""
@@ -194,18 +196,20 @@ def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
     between the same strategy lists with the same tensor and consumer price alike; they share
     one answer."""
     us, vs = strategies[u.name], strategies[v.name]
-    graph = costs.graph
-    backward = (costs.training and graph.meta(value).floating and v.kind != "output" and u.requires_grad)
-    # a conversion the schedule may run beside compute is priced by its edge's kind too (cost.overlap)
-    key = (value if u.kind == "param" else graph.meta(value), value[1], slot, backward, v.kind,
-           v.requires_grad, id(us), id(vs), overlap.edge_kind(costs, value, v, slot))
+    # each pair once per edge price key, whatever the strategy lists: a descent's steps offer
+    # the edges their layouts again in lists of their own, and the blocks' edges repeat
+    price = costs.price_key(value, v, slot)
+    key = (price, value[1], slot, id(us), id(vs))
     hit = costs._pairs.get(key)
     if hit is not None and hit[0] is us and hit[1] is vs:
         return hit[2]
     src = _groups(us, lambda st: st.outputs[value[1]])
     dst = _groups(vs, lambda st: st.inputs[slot])
-    pairs = {(a, b): (_vec(overlap.conversion_price(costs, value, a, b, v, slot)), costs.kept(value, a, b, v))
-             for a in src for b in dst}
+    pairs = {}
+    for a in src:
+        for b in dst:
+            _, vec, kept = costs.pair(value, v, slot, a, b)
+            pairs[a, b] = (vec, kept)
     costs._pairs[key] = (us, vs, (src, dst, pairs))
     return src, dst, pairs
 
@@ -487,7 +491,7 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
         total = total + costs.node(n, strat)
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            total = total + overlap.conversion_price(costs, value, src, strat.inputs[slot], n, slot)
+            total = total + costs.pair(value, n, slot, src, strat.inputs[slot])[0]   # its conversion_price
     return total.step
 
 
