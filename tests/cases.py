@@ -18,6 +18,20 @@ def run_each(fn, cases) -> list:
     return out
 
 
+def rel_err(got, want) -> float:
+    """The largest difference, relative to the reference's largest magnitude where that is above 1.
+
+    float32 rounds a value to 6e-8 of itself, and a sum (a matmul's, a gradient's over the batch)
+    to a few of those of its terms' magnitude, in an order that a split, and each processor's
+    BLAS and vectorized kernels, choose: an absolute bound of 1e-5 allows 80 units in the last
+    place at magnitude 1 but 5 at magnitude 16, the size of a summed loss's gradients. Relative to
+    the magnitude, 1e-5 allows about 80 at every magnitude, far above the few a reordering costs,
+    and far below what a wrong shard, a missing reduction or a wrong step is off by: a fraction
+    of the magnitude itself."""
+    got, want = got.detach().double(), want.detach().double()
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
 def step_on_the_same_gradients(pm, ref, opt, ref_opt):
     """Step both optimizers, the reference on the parallel model's gradients (made whole).
 

@@ -28,6 +28,7 @@ from autoshard.api import plan_graph
 from autoshard.launch import LocalWorld
 from autoshard.passes.capture import capture
 from autoshard.simulate import SimWorld
+from cases import rel_err
 from models import GPT
 
 SMALL = dict(vocab=64, d=32, heads=4, seq=16, layers=1, batch=8, dtype=torch.float64)
@@ -100,11 +101,13 @@ def reference(sizes, step_on=None):
 
 
 def max_diff(a, b) -> float:
-    """The largest difference between two results of ``train_case`` or ``reference``."""
-    worst = max((a[k] - b[k]).abs().max().item() for k in ("loss", "loss2"))
+    """The largest difference between two results of ``train_case`` or ``reference``, each
+    relative to ``b``'s largest magnitude where that is above 1 (``cases.rel_err``: the loss, about
+    4 in float32, rounds in the 1e-6 absolute)."""
+    worst = max(rel_err(a[k], b[k]) for k in ("loss", "loss2"))
     for part in ("grads", "params"):
         assert a[part].keys() == b[part].keys()
-        worst = max([worst] + [(a[part][n] - b[part][n]).abs().max().item() for n in a[part]])
+        worst = max([worst] + [rel_err(a[part][n], b[part][n]) for n in a[part]])
     return worst
 
 
