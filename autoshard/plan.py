@@ -219,15 +219,12 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     extra, freed, peak, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
     rerun = {o for b in (again or {}).get("blocks", ()) for o in recompute._stack_blocks(graph)[b]}
     total = Cost()
-    for n in graph.nodes:
-        strat = strategies[n.name][solution.choice[n.name]]
-        cost = costs.node(n, strat)
+    for n, strat, cost in _priced(graph, strategies, solution.choice, costs):
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][solution.choice[value[0]]].outputs[value[1]]
             dst = strat.inputs[slot]
             # what the schedule hides of it, and how it chunks it (cost.overlap)
             o = edge_overlap(costs, value, src, dst, n, slot)
-            cost = cost + costs.convert(value, src, dst, n) + (o.delta if o is not None else Cost())
             o_run = o if n.name not in rerun else None
             colls += _as_run(conversion_collectives(graph, costs, value, src, dst, n), o_run)
             overlaps += [o_run] if o_run is not None else []
@@ -257,6 +254,27 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
     plan._priced = (graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
     return plan
+
+
+def _priced(graph, strategies, choice: dict, costs):
+    """(node, its strategy, its cost and its inputs' conversions', less what the schedule hides
+    of them: ``cost.overlap.conversion_price``) of every node, in graph order."""
+    for n in graph.nodes:
+        strat = strategies[n.name][choice[n.name]]
+        cost = costs.node(n, strat)
+        for slot, value in enumerate(n.inputs):
+            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+            cost = cost + costs.pair(value, n, slot, src, strat.inputs[slot])[0]
+        yield n, strat, cost
+
+
+def plan_cost(graph, strategies, solution, costs) -> float:
+    """``make_plan(...).cost`` without the rest of the plan: the estimated step a mesh search
+    compares plans by, before it makes the plan of the one it chooses."""
+    total = Cost()
+    for _, _, cost in _priced(graph, strategies, solution.choice, costs):
+        total = total + cost
+    return (total + recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)[0]).step
 
 
 def _as_run(colls: list, o) -> list:

@@ -42,7 +42,7 @@ from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
 from autoshard.passes.progress import Progress, uncollected
 from autoshard.cost.price import Costs
 from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
-from autoshard.plan import make_plan
+from autoshard.plan import make_plan, plan_cost
 
 MAX_SEARCH_AXES = 4
 TIE = 1e-3   # meshes whose estimated steps differ by less than this share are equals: the simpler wins
@@ -330,7 +330,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
         raise ValueError(f"no mesh of {world} devices with at most {max_axes} axes takes the pins given: "
                          + "; ".join(f"{tuple(e['mesh'])}: {e['status']}" for e in candidates))
     best, why = _simplest(results, cluster)
-    plan = best[0]
+    plan = best[0].made()
     cands.entries[best[1]]["status"] = "chosen" + (f": {why}" if why else "")
     plan.mesh_candidates = sorted(candidates, key=lambda e: (e["cost"] is None, e["cost"] or 0,
                                                              e["bound"] is None, e["bound"] or 0))
@@ -365,9 +365,21 @@ def _to_beat(results, mesh, cluster):
     return cheapest[0].cost * ((1 + TIE) if simpler(mesh, cheapest[1], cluster) else (1 - TIE))
 
 
+class _Unmade:
+    """A solved candidate's plan, made (``make_plan``) only for the mesh the search chooses; its
+    ``cost`` now, as the plan would have it."""
+
+    def __init__(self, graph, strategies, solution, costs):
+        self.cost = plan_cost(graph, strategies, solution, costs)
+        self._made = (graph, strategies, solution, costs)
+
+    def made(self):
+        return make_plan(*self._made)
+
+
 def _record(graph, strategies, solution, costs, entry, mesh):
     """A solved candidate's plan in its entry; (plan, mesh, strategies, choice)."""
-    plan = make_plan(graph, strategies, solution, costs)
+    plan = _Unmade(graph, strategies, solution, costs)
     entry["cost"] = plan.cost
     entry["status"] = f"refined ({solution.status.lower()})" if solution.status.startswith("LOCAL") else "solved"
     return plan, mesh, strategies, solution.choice
