@@ -45,6 +45,7 @@ class Costs:
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
         self._rerun_prices: dict = {}  # passes.recompute._forms: (edge price key, src, dst) -> seconds run again
+        self._pairs_by_id: dict = {}  # (edge price key, id(src), id(dst)) -> (src, dst, ``pair``)
         self._pair_prices: dict = {}  # passes.solve._pairs: (edge price key, src, dst) -> ``pair``
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
@@ -212,12 +213,19 @@ class Costs:
         from ``src`` to ``dst`` for ``consumer``'s input ``slot``: ``cost.overlap.conversion_price``
         and ``kept``, once per ``price_key`` and pair of layouts. The solver's tables, the coarse
         bound and a plan's cost read the same ones."""
-        key = (self.price_key(value, consumer, slot), src, dst)
+        price = self.price_key(value, consumer, slot)
+        # by the layouts' identities first: the strategies hand the same tuples over and over,
+        # and hashing a layout hashes each of its placements in Python
+        fast = self._pairs_by_id.get((price, id(src), id(dst)))
+        if fast is not None and fast[0] is src and fast[1] is dst:
+            return fast[2]
+        key = (price, src, dst)
         hit = self._pair_prices.get(key)
         if hit is None:
             cost = conversion_price(self, value, src, dst, consumer, slot)
             hit = self._pair_prices[key] = (cost, tuple(getattr(cost, part) for part in PARTS),
                                             self.kept(value, src, dst, consumer))
+        self._pairs_by_id[price, id(src), id(dst)] = (src, dst, hit)   # holds them: their ids stay theirs
         return hit
 
     def conversion(self, value, src, dst, consumer: Optional[Node] = None):

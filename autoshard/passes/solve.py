@@ -206,7 +206,7 @@ def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
     src = _groups(us, lambda st: st.outputs[value[1]])
     dst = _groups(vs, lambda st: st.inputs[slot])
     pairs = {}
-    for a in src:
+    for a in src:   # in this order, which _edge_vars reads its variables back by
         for b in dst:
             _, vec, kept = costs.pair(value, v, slot, a, b)
             pairs[a, b] = (vec, kept)
@@ -577,7 +577,9 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     elif status != pywraplp.Solver.OPTIMAL:
         out = (0.0, None)
     else:
-        weights = {name: [v.solution_value() for v in vs] for name, vs in x.items() if vs is not None}
+        values: dict = {}   # twins share their variables: read each list once
+        weights = {name: values[id(vs)] if id(vs) in values else values.setdefault(id(vs), [v.solution_value() for v in vs])
+                   for name, vs in x.items() if vs is not None}
         out = (lp.solver.Objective().Value() / 1e6, weights)
         row = getattr(lp, "budget_row", None) if fresh else None   # a moved program's row has moved
         if row is not None and sum(c * v.solution_value() for v, c in row[0].items()) < row[1] * (1 - 1e-6):
@@ -900,13 +902,17 @@ def _edge_vars(model, table: _Table, x, sums: _Sums, kept: Optional[dict] = None
                     keep(x[side.name][i], b_kept)
                     spots.append((x[side.name][i], (a, b)))
             continue
-        y = {}
-        for (a, b), (c, b_kept) in pairs.items():
-            y[a, b] = model.bool_var()
-            sums.add(y[a, b], c, times)
-            keep(y[a, b], b_kept * times)
-            spots.append((y[a, b], (a, b)))
-        for a, idx in src.items():
-            model.equal([y[a, b] for b in dst], [x[u.name][i] for i in idx])
-        for b, idx in dst.items():
-            model.equal([y[a, b] for a in src], [x[v.name][i] for i in idx])
+        # _pairs lists every pair, src by src and within each dst by dst: y[a, b] is ys[i * len(dst) + j]
+        ys = []
+        for pair, (c, b_kept) in pairs.items():
+            var = model.bool_var()
+            ys.append(var)
+            sums.add(var, c, times)
+            keep(var, b_kept * times)
+            spots.append((var, pair))
+        n = len(dst)
+        xu, xv = x[u.name], x[v.name]
+        for i, idx in enumerate(src.values()):
+            model.equal(ys[i * n:(i + 1) * n], [xu[k] for k in idx])
+        for j, idx in enumerate(dst.values()):
+            model.equal(ys[j::n], [xv[k] for k in idx])
