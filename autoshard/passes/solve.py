@@ -623,19 +623,23 @@ def _move(lp, delta, sign: int) -> None:
     """Add (``sign`` 1) or take back (-1) ``_switch``'s change of coefficients."""
     (cost, (freed, less)), rows = delta
     objective, budget, exposed = lp.solver.Objective(), lp.budget_ct, lp.exposed.get("bwd")
+
+    def shift(row, coef: dict, terms: dict) -> None:
+        for var, c in terms.items():   # the coefficients kept beside the program: no call to read one
+            coef[var] = coef.get(var, 0.0) + sign * c
+            row.SetCoefficient(var, coef[var])
+
     for part, (terms, const) in cost.items():
-        for var, c in terms.items():
-            objective.SetCoefficient(var, objective.GetCoefficient(var) + sign * c)
+        shift(objective, lp.objective, terms)
         objective.SetOffset(objective.offset() + sign * const)
     if exposed is not None:   # exposed - hidden + compute >= 0
         terms, const = cost["compute_bwd"]
-        for var, c in terms.items():
-            exposed.SetCoefficient(var, exposed.GetCoefficient(var) + sign * c)
+        shift(exposed, lp.coefficients[id(exposed)], terms)
         exposed.SetLb(exposed.lb() - sign * const)
-    for var, b in freed.items():
-        budget.SetCoefficient(var, budget.GetCoefficient(var) + sign * b)
+    shift(budget, lp.coefficients[id(budget)], freed)
     budget.SetUb(budget.ub() - sign * less)
     budget.SetCoefficient(lp.peak, 1.0 if sign > 0 else 0.0)
+    lp.coefficients[id(budget)][lp.peak] = 1.0 if sign > 0 else 0.0
     if sign < 0:
         for row in rows:
             row.SetLb(-lp.solver.infinity())
@@ -690,6 +694,10 @@ class _LP:
         # the dual simplex without presolve: on a tiny T5 at mesh (4, 2) (157k columns) 2.7 s
         # against 17.7 s with the defaults, the same objective
         self.solver.SetSolverSpecificParametersAsString(DUAL)
+        # the coefficients of the objective and of each inequality, which _move changes
+        self.objective: dict = {}
+        self.coefficients: dict = {}   # id(row) -> {variable: coefficient}
+        self._rows: list = []
 
     def bool_var(self):
         return self.solver.NumVar(0.0, 1.0, "")
@@ -703,6 +711,13 @@ class _LP:
             row.SetCoefficient(v, c)
         return row
 
+    def _kept_row(self, lo, hi, terms: dict):
+        """A row ``_move`` may change, its coefficients kept beside it."""
+        row = self._row(lo, hi, terms.items())
+        self.coefficients[id(row)] = {v: float(c) for v, c in terms.items()}
+        self._rows.append(row)   # its id stays its own
+        return row
+
     def exactly_one(self, vs):
         self._row(1.0, 1.0, ((v, 1.0) for v in vs))
 
@@ -710,10 +725,10 @@ class _LP:
         self._row(0.0, 0.0, [(v, 1.0) for v in lhs] + [(v, -1.0) for v in rhs])
 
     def at_least(self, terms: dict, bound):
-        return self._row(float(bound), self.solver.infinity(), terms.items())
+        return self._kept_row(float(bound), self.solver.infinity(), terms)
 
     def at_most(self, terms: dict, bound):
-        return self._row(-self.solver.infinity(), float(bound), terms.items())
+        return self._kept_row(-self.solver.infinity(), float(bound), terms)
 
     def hint(self, var, value):
         pass   # a starting point means nothing to the simplex
@@ -722,6 +737,7 @@ class _LP:
         objective = self.solver.Objective()
         for v, c in terms.items():
             objective.SetCoefficient(v, float(c))
+            self.objective[v] = float(c)
         objective.SetOffset(float(const))
         objective.SetMinimization()
 
