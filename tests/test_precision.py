@@ -17,10 +17,24 @@ from models import GPT, MLP
 
 BF16 = torch.bfloat16
 POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
-# bf16 keeps 8 bits of mantissa (3.9e-3); a split matmul's partial sums are added in another
-# order than one device's, and a norm's bias gradient sums a whole batch of bf16 terms (3.2e-2
-# measured at worst, blocks.0.ln1.bias under Megatron at world 4)
+# bf16 keeps 8 significant bits: each op's output is rounded to 2^-8 = 3.9e-3 of itself, and a
+# gradient summed over the batch through several such ops, with cancellation (a norm's bias),
+# ends several of those of its largest magnitude from the fp32 gradient. A split program rounds
+# at other places than one device (partial sums added in another order, a cast before or after
+# a gather), so the two differ by about as much as either differs from fp32: that distance,
+# measured in each case (``_noise``: one device's bf16 result against its fp32 one, the largest
+# ``_err`` over the loss or output and every gradient; 2.8e-2 for the policy's GPT, 8e-3 to 1.1e-2
+# under autocast), bounds the comparison, times BF16_SPREAD. Measured under AVX-512, AVX2 and SSE4.1
+# kernels: the split program's largest difference is 0.7 to 1.5 times it (2.1e-2 to 2.9e-2 for
+# the policy's GPT, within 1.7x of the fixed 5e-2 this bound was). BF16_TOL, that fixed bound,
+# stays the least allowed. A wrong program (a rank's share missed, a reduction left out, a wrong
+# scale) is off by a quarter of a gradient or more: twice the largest bound here.
 BF16_TOL = 5e-2
+BF16_SPREAD = 4.0
+
+
+def bf16_tol(res) -> float:
+    return max(BF16_TOL, BF16_SPREAD * res["noise"])
 
 
 def _gpt():
@@ -39,6 +53,21 @@ def _grads(pm, ref) -> dict:
     return {n: _err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters()}
 
 
+def _noise(out, ref, fp32_out, fp32) -> float:
+    """How far one device's bf16 run (its output or loss ``out``, its gradients in ``ref``) is from
+    the same model's fp32 run: the largest ``_err`` over the output and every gradient."""
+    whole = dict(fp32.named_parameters())
+    return max([_err(out, fp32_out)] + [_err(p.grad, whole[n].grad) for n, p in ref.named_parameters()])
+
+
+def _fp32_run(model, batch):
+    """An fp32 copy of ``model`` and its loss, after backward."""
+    fp32 = copy.deepcopy(model)
+    loss = fp32(*batch)
+    loss.backward()
+    return loss, fp32
+
+
 def _pins(kind, model, batch, mesh):
     return getattr(schemes, kind)(model, batch, mesh)   # the default plan of so small a model splits nothing
 
@@ -49,6 +78,7 @@ def policy_case(kind, mesh):
     the parameters, fp32 gradients), and the model under torch.autocast."""
     model, batch = _gpt()
     ref = copy.deepcopy(model)
+    fp32_loss, fp32 = _fp32_run(model, batch)
     pm = autoshard.parallelize(model, batch, mesh=mesh, pin=_pins(kind, model, batch, mesh), mp_policy=POLICY)
     loss = pm(*batch)
     loss.backward()
@@ -63,6 +93,7 @@ def policy_case(kind, mesh):
         auto_loss = auto(*batch)
     auto_loss.backward()
     return {"policy": policy, "autocast": {"loss": _err(loss, auto_loss), "grads": _grads(pm, auto)},
+            "noise": max(_noise(ref_loss, ref, fp32_loss, fp32), _noise(auto_loss, auto, fp32_loss, fp32)),
             "dtypes": {str(p.dtype) for p in pm.parameters()} | {str(p.grad.dtype) for p in pm.parameters()},
             "loss_dtype": str(loss.dtype), "precision": pm.plan.schedule.get("precision"),
             "split": _split(pm), "program": pm.program}
@@ -82,16 +113,16 @@ def test_policy_bf16_against_one_device(world4, kind, mesh):
         assert res["precision"]["policy"]["param_dtype"] == "bfloat16"
         assert "torch.bfloat16" in res["program"]
         for ref in ("policy", "autocast"):
-            assert res[ref]["loss"] <= BF16_TOL, (ref, res[ref]["loss"])
-            bad = {n: e for n, e in res[ref]["grads"].items() if e > BF16_TOL}
-            assert not bad, (ref, bad)
+            assert res[ref]["loss"] <= bf16_tol(res), (ref, res[ref]["loss"], res["noise"])
+            bad = {n: e for n, e in res[ref]["grads"].items() if e > bf16_tol(res)}
+            assert not bad, (ref, bad, res["noise"])
 
 
 def outputs_case():
     """A float input cast to param_dtype and the output cast to output_dtype, as FSDP2 does."""
     torch.manual_seed(0)
     model, x = MLP(d=32, hidden=64, depth=2), torch.randn(16, 32)
-    ref = copy.deepcopy(model)
+    ref, fp32 = copy.deepcopy(model), copy.deepcopy(model)
     policy = MixedPrecisionPolicy(param_dtype=BF16, output_dtype=torch.float32)
     pm = autoshard.parallelize(model, (x,), mesh=(4,), pin=schemes.fsdp(model, (x,), (4,)), mp_policy=policy)
     out = pm(x)
@@ -100,15 +131,18 @@ def outputs_case():
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     (out * w).sum().backward()
     (ref_out * w).sum().backward()
-    return {"dtype": str(out.dtype), "out": _err(out, ref_out), "grads": _grads(pm, ref), "split": _split(pm)}
+    fp32_out = fp32(x)
+    (fp32_out * w).sum().backward()
+    return {"dtype": str(out.dtype), "out": _err(out, ref_out), "grads": _grads(pm, ref), "split": _split(pm),
+            "noise": _noise(ref_out, ref, fp32_out, fp32)}
 
 
 def test_policy_casts_inputs_and_outputs(world4):
     for res in world4.run(outputs_case):
         assert res["split"] and res["dtype"] == "torch.float32"
-        assert res["out"] <= BF16_TOL, res["out"]
-        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-        assert not bad, bad
+        assert res["out"] <= bf16_tol(res), (res["out"], res["noise"])
+        bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+        assert not bad, (bad, res["noise"])
 
 
 def test_inputs_cast_unless_the_policy_says_not():
@@ -180,15 +214,18 @@ def fsdp_policy_case(reduce, overlap=True, mesh=(4,), roles=None):
     reduction in bf16 leaves it)."""
     model, batch = _gpt()
     ref = copy.deepcopy(model)
+    fp32_loss, fp32 = _fp32_run(model, batch)
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce)
     pm = autoshard.parallelize(model, batch, mesh=mesh, pin=schemes.fsdp(model, batch, mesh, **(roles or {})),
                                mp_policy=policy, overlap=overlap)
     with _Collectives() as seen:
         pm(*batch).backward()
     copies = {n: p.to(BF16) for n, p in ref.named_parameters()}
-    torch.func.functional_call(ref, copies, batch, tie_weights=True).backward()
+    ref_loss = torch.func.functional_call(ref, copies, batch, tie_weights=True)
+    ref_loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
     return {"calls": seen.calls, "grads": _grads(pm, ref), "program": pm.program, "split": _split(pm),
+            "noise": _noise(ref_loss, ref, fp32_loss, fp32),
             "in_bf16": {n: bool((g.to(BF16).float() == g).all()) for n, g in grads.items()},
             "local": sum(p.to_local().numel() for p in pm.parameters())}
 
@@ -213,8 +250,8 @@ def test_fsdp_policy_gathers_bf16_copies_in_buckets(world4):
             bf16 = [n for _, dtype, n in gathers if dtype == BF16]
             assert bf16 and max(bf16) > res["local"] // 2, res["calls"]
             assert {dtype for _, dtype, _ in scatters} == {getattr(torch, reduce.split(".")[1])}, res["calls"]
-            bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-            assert not bad, (reduce, bad)
+            bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+            assert not bad, (reduce, bad, res["noise"])
     for res in runs["torch.bfloat16"]:   # reduced in bf16: every gradient a bf16 number
         assert all(res["in_bf16"].values()), res["in_bf16"]
     for res in runs["torch.float32"]:    # reduced in fp32: sums of bf16 terms, most not bf16 numbers
@@ -233,16 +270,16 @@ def test_fsdp_policy_reduces_in_reduce_dtype_without_the_schedule(world4):
         assert any(dtype == BF16 for _, dtype, _ in gathers), res["calls"]
         copies = res["program"].count("autoshard_runtime_cast_all_gather(")
         assert sum(dtype == torch.float32 for _, dtype, _ in scatters) >= copies, res["calls"]
-        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-        assert not bad, bad
+        bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+        assert not bad, (bad, res["noise"])
         assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
     # hybrid sharding on (2, 2): each copy gathered on the shard axis after its master's
     # gradient all-reduce on the other, reduced in fp32 on both
     for res in world4.run(fsdp_policy_case, torch.float32, False, (2, 2), {"shard": 1}):
         assert res["program"].count("autoshard_runtime_cast_all_gather(") > 20, res["program"]
         assert all(dtype == torch.float32 for c, dtype, _ in res["calls"] if c == "reduce_scatter"), res["calls"]
-        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-        assert not bad, bad
+        bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+        assert not bad, (bad, res["noise"])
 
 
 def test_hybrid_sharding_reduces_in_reduce_dtype_under_the_schedule(world4):
@@ -260,8 +297,8 @@ def test_hybrid_sharding_reduces_in_reduce_dtype_under_the_schedule(world4):
         scatters = [c for c in res["calls"] if c[0] == "reduce_scatter"]
         assert sum(dtype == BF16 for _, dtype, _ in gathers) >= len(casting), res["calls"]
         assert scatters and all(dtype == torch.float32 for _, dtype, _ in scatters), res["calls"]
-        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-        assert not bad, bad
+        bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+        assert not bad, (bad, res["noise"])
         assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]
 
 
@@ -324,6 +361,7 @@ def autocast_case(kind, mesh, late=False):
     parameters kept where they are."""
     model, batch = _gpt()
     ref = copy.deepcopy(model)
+    fp32_loss, fp32 = _fp32_run(model, batch)
     if late:
         pm = autoshard.parallelize(model, batch, mesh=mesh, pin=_pins(kind, model, batch, mesh))
     with torch.autocast("cpu", dtype=BF16):
@@ -335,7 +373,7 @@ def autocast_case(kind, mesh, late=False):
     ref_loss.backward()
     precision = next(reversed(pm._programs.values()))[2].schedule.get("precision")   # the call's plan
     return {"loss": _err(loss, ref_loss), "grads": _grads(pm, ref), "program": pm.program,
-            "precision": precision, "split": _split(pm)}
+            "precision": precision, "split": _split(pm), "noise": _noise(ref_loss, ref, fp32_loss, fp32)}
 
 
 @pytest.mark.parametrize("kind,mesh,late", [("megatron", (4,), False), ("fsdp", (2, 2), False), ("megatron", (2, 2), True)])
@@ -344,9 +382,9 @@ def test_autocast_around_the_call(world4, kind, mesh, late):
         assert res["split"]
         assert res["precision"] == {"policy": None, "autocast": "bfloat16"}
         assert "torch.ops.aten._to_copy.default" in res["program"]   # autocast's casts, planned
-        assert res["loss"] <= BF16_TOL, res["loss"]
-        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-        assert not bad, bad
+        assert res["loss"] <= bf16_tol(res), (res["loss"], res["noise"])
+        bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+        assert not bad, (bad, res["noise"])
 
 
 def test_autocast_priced():
@@ -379,13 +417,16 @@ class AutocastInside(nn.Module):
 def autocast_inside_case():
     torch.manual_seed(0)
     model, x = AutocastInside(), torch.randn(16, 32)
-    ref = copy.deepcopy(model)
+    ref, fp32 = copy.deepcopy(model), copy.deepcopy(model)
     pm = autoshard.parallelize(model, (x,), mesh=(2, 2), pin=schemes.fsdp(model, (x,), (2, 2)))
     out, ref_out = pm(x), ref(x)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     (out * w).sum().backward()
     (ref_out * w).sum().backward()
+    fp32_out = fp32.head(fp32.mlp(x))   # the model's own autocast region left out
+    (fp32_out * w).sum().backward()
     return {"out": _err(out, ref_out), "dtype": str(out.dtype), "grads": _grads(pm, ref),
+            "noise": _noise(ref_out, ref, fp32_out, fp32),
             "split": _split(pm)}
 
 
@@ -393,9 +434,9 @@ def test_autocast_region_inside_the_model(world4):
     for res in world4.run(autocast_inside_case):
         assert res["split"]
         assert res["dtype"] == "torch.float32"
-        assert res["out"] <= BF16_TOL, res["out"]
-        bad = {n: e for n, e in res["grads"].items() if e > BF16_TOL}
-        assert not bad, bad
+        assert res["out"] <= bf16_tol(res), (res["out"], res["noise"])
+        bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
+        assert not bad, (bad, res["noise"])
 
 
 # ---- the user's own checkpoint regions ---------------------------------------------------------
