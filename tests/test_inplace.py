@@ -194,7 +194,9 @@ def test_in_place_block_runs_split_and_exact(results, plan):
         assert r["in_place"] == []
         assert SPLIT[plan] <= set(r["split"]), (rank, r["split"])
         assert r["out0"] < 2e-6 and r["out1"] < 2e-6, (rank, r)
-        assert r["grads"] < 2e-6, (rank, r["grads"])
+        # a gradient sums 32 tokens' terms in another order on each rank: 4.1e-7 of its magnitude
+        # measured under AVX2 kernels; 1e-5 as test_parallel allows
+        assert r["grads"] < 1e-5, (rank, r["grads"])
         assert r["buffers"] == {"avg": pytest.approx(0, abs=2e-6), "steps": 0, "causal": 0, "first": 0}, (rank, r["buffers"])
         assert r["steps"] == 2 and r["avg_moved"]   # both calls wrote them
 
