@@ -160,22 +160,34 @@ def step_seconds(layers: Sequence[Layer], tokens: int, sizes: dict, order: Seque
     mesh = [sizes[g] for g in reversed(order)]
     links = dict(zip(reversed(order), cluster.axis_links(mesh)))
     out = dict.fromkeys(PARTS, 0.0)
+    seconds: dict = {}   # a layer's seconds by part, once per shape: a stack repeats a few
     for layer in layers:
-        vols = layer_volumes(layer, tokens, sizes["x"], sizes["y"], sizes["z"], sizes["d"])
-        for part, (group, elements) in vols.items():
-            p = sizes[group]
-            if p == 1:
-                continue
-            alpha, beta, overhead = links[group]
-            if part == "all_reduce_dw":   # bucketed: the gradient share pays its part of a launch
-                nbytes = layer.k * layer.n / (sizes["x"] * sizes["y"] * sizes["z"]) * itemsize
-                out[part] += comm.all_reduce_time(nbytes, p, links[group], min(1.0, nbytes / bucket_bytes))
-            elif part.startswith("all_reduce"):
-                nbytes = elements * itemsize * p / (2 * (p - 1))    # the tensor reduced
-                out[part] += comm.all_reduce_time(nbytes, p, links[group])
-            else:   # the all-gather of W runs twice (forward, backward), the reduce-scatter once
-                launches = 2 if part == "all_gather_w" else 1
-                out[part] += launches * (overhead + (p - 1) * alpha) + elements * itemsize / beta
+        key = (layer.k, layer.n, layer.transposed)
+        if key not in seconds:
+            seconds[key] = _layer_seconds(layer, tokens, sizes, links, itemsize, bucket_bytes)
+        for part, t in seconds[key]:
+            out[part] += t
+    return out
+
+
+def _layer_seconds(layer: Layer, tokens: int, sizes: dict, links: dict, itemsize: int, bucket_bytes: int) -> list:
+    """[(part, seconds)] of one layer's collectives (``step_seconds``)."""
+    out = []
+    vols = layer_volumes(layer, tokens, sizes["x"], sizes["y"], sizes["z"], sizes["d"])
+    for part, (group, elements) in vols.items():
+        p = sizes[group]
+        if p == 1:
+            continue
+        alpha, beta, overhead = links[group]
+        if part == "all_reduce_dw":   # bucketed: the gradient share pays its part of a launch
+            nbytes = layer.k * layer.n / (sizes["x"] * sizes["y"] * sizes["z"]) * itemsize
+            out.append((part, comm.all_reduce_time(nbytes, p, links[group], min(1.0, nbytes / bucket_bytes))))
+        elif part.startswith("all_reduce"):
+            nbytes = elements * itemsize * p / (2 * (p - 1))    # the tensor reduced
+            out.append((part, comm.all_reduce_time(nbytes, p, links[group])))
+        else:   # the all-gather of W runs twice (forward, backward), the reduce-scatter once
+            launches = 2 if part == "all_gather_w" else 1
+            out.append((part, launches * (overhead + (p - 1) * alpha) + elements * itemsize / beta))
     return out
 
 

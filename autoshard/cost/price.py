@@ -44,7 +44,7 @@ class Costs:
         self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
-        self._rerun_prices: dict = {}  # passes.recompute._forms: (edge price key, src, dst) -> seconds run again
+        self._rerun_prices: dict = {}  # passes.recompute._forms: (edge price key, id(src), id(dst)) -> (src, dst, seconds run again, kept bytes)
         self._pairs_by_id: dict = {}  # (edge price key, id(src), id(dst)) -> (src, dst, ``pair``)
         self._pair_prices: dict = {}  # passes.solve._pairs: (edge price key, src, dst) -> ``pair``
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict

@@ -231,12 +231,15 @@ def _forms(table, x, placed, costs, unit, integer, scale, light: bool = False) -
         fc, fm, d = forms[g.name]
         most_t = most_b = 0
         price = costs.price_key(value, v, slot)   # edges of equal keys run every pair again alike
-        for var, (a, b) in spots:
-            seconds = again.get((price, a, b))
-            if seconds is None:
-                seconds = again[price, a, b] = forward_again(costs, value, a, b) + unhidden(costs, value, a, b, v, slot)
-            t = r(seconds)
-            kept = pairs[a, b][1] * scale
+        for var, pair in spots:
+            a, b = pair
+            # by the layouts' identities (Costs.pair): hashing a layout hashes its placements
+            hit = again.get((price, id(a), id(b)))
+            if hit is None or hit[0] is not a or hit[1] is not b:
+                seconds = forward_again(costs, value, a, b) + unhidden(costs, value, a, b, v, slot)
+                hit = again[price, id(a), id(b)] = (a, b, seconds, pairs[pair][1])
+            t = r(hit[2])
+            kept = hit[3] * scale
             fm.add(var, t)
             d.add(var, kept)
             most_t, most_b = max(most_t, t), max(most_b, kept)
