@@ -250,35 +250,51 @@ def _annotate(graph: Graph, mesh_shape, pins) -> dict:
     return strategies
 
 
-def _unpinned(graph: Graph, mesh_shape) -> tuple:
-    """(node name -> strategies, the ops without a rule) of the mesh, before pins."""
-    strategies: dict = {}
-    missing: set = set()
+def _expansions(graph: Graph) -> list:
+    """[(node, the key its strategies are expanded by, how: mesh -> strategies)] in graph order,
+    once per graph: the keys are the same on every mesh. The key is None where there is
+    nothing to expand (no output, or the output node)."""
+    if "expansions" in graph.cache:
+        return graph.cache["expansions"]
     rules, stored = _rules(graph)
-    # the layers of a stack expand the same signatures on the same shapes; so do later calls
-    expanded = graph.cache.setdefault(("expanded", tuple(mesh_shape)), {})
+    out = []
     for node in graph.nodes:
         if node.kind in ("param", "buffer", "input"):
             if not node.outputs:
-                strategies[node.name] = [Strategy((), ())]
+                out.append((node, None, None))
                 continue
-            key = ("storage", node.outputs[0], tuple(sorted(stored.get(node.name, ()), key=repr)))
-            if key not in expanded:
-                expanded[key] = storage_options(node.outputs[0], mesh_shape, stored.get(node.name, ()))
-            strategies[node.name] = expanded[key]
+            blocked = stored.get(node.name, ())
+            key = ("storage", node.outputs[0], tuple(sorted(blocked, key=repr)))
+            out.append((node, key, lambda mesh, meta=node.outputs[0], blocked=blocked: storage_options(meta, mesh, blocked)))
         elif node.kind == "output":
-            strategies[node.name] = [Strategy(tuple((B,) * len(mesh_shape) for _ in node.inputs), ())]
+            out.append((node, None, None))
         else:
-            sigs, known = rules[node.name]
-            if not known and node.outputs:
-                missing.add(node.op_name)
+            sigs, _ = rules[node.name]
             metas_in = [graph.meta(v) for v in node.inputs]
             uneven = allows_uneven(node.target)
             key = (tuple(sigs), tuple((m.shape, m.floating) for m in metas_in),
                    tuple((m.shape, m.floating) for m in node.outputs), uneven)
-            if key not in expanded:
-                expanded[key] = expand(sigs, metas_in, node.outputs, mesh_shape, uneven)
-            strategies[node.name] = expanded[key]
+            out.append((node, key, lambda mesh, sigs=sigs, metas_in=metas_in, outs=node.outputs, uneven=uneven:
+                        expand(sigs, metas_in, outs, mesh, uneven)))
+    graph.cache["expansions"] = out
+    return out
+
+
+def _unpinned(graph: Graph, mesh_shape) -> tuple:
+    """(node name -> strategies, the ops without a rule) of the mesh, before pins."""
+    strategies: dict = {}
+    rules = _rules(graph)[0]
+    missing = {node.op_name for node in graph.nodes if node.kind == "op" and node.outputs and not rules[node.name][1]}
+    # the layers of a stack expand the same signatures on the same shapes; so do later calls
+    expanded = graph.cache.setdefault(("expanded", tuple(mesh_shape)), {})
+    for node, key, make in _expansions(graph):
+        if key is None:   # nothing to expand: no output, or the output node
+            strategies[node.name] = [Strategy((), ())] if node.kind != "output" else \
+                [Strategy(tuple((B,) * len(mesh_shape) for _ in node.inputs), ())]
+            continue
+        if key not in expanded:
+            expanded[key] = make(mesh_shape)
+        strategies[node.name] = expanded[key]
     for node in graph.nodes:   # storage an in-place op writes, seen through views: one local tensor
         if node.fx_node.meta.get(SHARED_STORAGE) and node.outputs:
             whole = [s for s in strategies[node.name] if all(all(isinstance(q, pl.Broadcast) for q in o) for o in s.outputs)]
