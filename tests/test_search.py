@@ -329,3 +329,75 @@ def test_a_descent_out_of_time_keeps_its_best_plan(monkeypatch):
     assert calls == [1]
     assert result.choice == start and "stopped by the time limit" in result.status
     assert result.objective == pytest.approx(choice_cost(graph, fs, start, costs), rel=1e-9)
+
+
+def test_planning_turns_the_collector_off_and_back_as_it_was(monkeypatch):
+    # the cyclic collector walked the planner's caches again and again (passes.progress.uncollected)
+    import gc
+    from autoshard.passes import search as search_pass
+    seen = []
+    solve = search_pass.solve
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(search_pass, "solve", spy)
+    model, inputs = _tiny_gpt()
+    assert gc.isenabled()
+    autoshard.plan(model, inputs, world=8)
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:   # off before, off after
+        autoshard.plan(model, inputs, world=8)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no plan")
+
+    monkeypatch.setattr(search_pass, "solve", fails)
+    with pytest.raises(RuntimeError):
+        autoshard.plan(model, inputs, world=8)
+    assert gc.isenabled()
+
+
+def test_annotate_works_once_per_mesh_and_pins_narrow_only_their_call():
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    model, inputs = _gpt()
+    graph = capture(model, inputs)
+    whole = annotate(graph, (2, 4))
+    name = next(n.name for n in graph.nodes if n.kind == "param")
+    pinned = annotate(graph, (2, 4), {name: whole[name][1].outputs[0]})
+    assert len(pinned[name]) < len(whole[name])
+    again = annotate(graph, (2, 4))
+    assert again is not whole and again == whole
+    assert all(again[k] is whole[k] for k in whole)   # the same lists: the solver ties them by identity
+
+
+def test_a_searchs_plan_costs_what_its_entry_says_and_a_pair_is_priced_once():
+    # a search makes the plan of the chosen mesh only; the others carry plan.plan_cost, which
+    # must sum as make_plan does
+    from autoshard.cost.overlap import conversion_price
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    from autoshard.cost.price import Costs
+    from autoshard.passes.solve import _table
+    model, inputs = _gpt()
+    plan = autoshard.plan(model, inputs, world=8)
+    chosen = next(c for c in plan.mesh_candidates if c["status"].startswith("chosen"))
+    assert chosen["cost"] == plan.cost
+    graph = capture(model, inputs)
+    strategies = annotate(graph, (2, 4))
+    costs = Costs(graph, (2, 4), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True)
+    table = _table(graph, strategies, costs)
+    fresh = Costs(graph, (2, 4), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True)
+    for u, value, v, slot, times, src, dst, pairs in table.edges:
+        for (a, b), (vec, kept) in pairs.items():   # each as priced alone, edge by edge
+            cost = conversion_price(fresh, value, a, b, v, slot)
+            assert vec == tuple(getattr(cost, p) for p in ("compute_fwd", "compute_bwd", "comm", "hidden_fwd",
+                                                             "hidden_bwd", "optimizer")), (u.name, v.name, a, b)
+            assert kept == fresh.kept(value, a, b, v)
+    assert len(costs._pair_prices) < sum(len(e[7]) for e in table.edges)   # tied edges share their prices
