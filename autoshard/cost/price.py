@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
@@ -16,11 +18,14 @@ from autoshard.cost.overlap import conversion_price, edge_kind
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
 from autoshard.outputs import kept_split
-from autoshard.rules.moe import computed_shapes
+from autoshard.rules.moe import computed_shapes, is_grouped_mm
+from autoshard.passes.annotate import _arg_key   # the key annotate shares a stack's rules by
 from autoshard.precision import CAST, grad_itemsize
 
 if TYPE_CHECKING:
     from autoshard.passes.capture import Graph, Node
+
+CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 
 
 class Costs:
@@ -39,7 +44,8 @@ class Costs:
         self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
         self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
         self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
-        self._node_costs: dict = {}   # (node, id(strategy)) -> (strategy, Cost): ``node``
+        self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
+        self._twins: dict = {}        # node name -> ``_twin``
         self._conversions: dict = {}  # (tensor, src, dst) -> ``conversion``
         self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
@@ -120,11 +126,30 @@ class Costs:
     def node(self, node: Node, strat) -> Cost:
         """The node's cost in this strategy, once per node and strategy: a plan's cost, its
         descent's steps and the overlap model ask for the same ones again and again."""
-        key = (node.name, id(strat))
+        twin = self._twins.get(node.name)
+        if twin is None:
+            twin = self._twins[node.name] = self._twin(node)
+        key = (twin, id(strat))
         hit = self._node_costs.get(key)
         if hit is None or hit[0] is not strat:
             hit = self._node_costs[key] = (strat, self._price_node(node, strat))
         return hit[1]
+
+    def _twin(self, node: Node):
+        """What a node's cost depends on, the same for the nodes it equals (a stack's layers
+        have the same ones): an op's target, arguments (fx nodes by the order they appear in),
+        tensors, whether it takes gradients and whether the user checkpoints it; a parameter's
+        tensor, whether it trains, and its bucket's backward cover. By name where the cost
+        reads the graph around the op: a cross-entropy's targets (``rules.nn.whole_targets``),
+        an expert matmul's measured loads (``rules.moe``)."""
+        if node.kind == "op" and node.target is not CROSS_ENTROPY and not is_grouped_mm(node.target):
+            order: dict = {}
+            return ("op", node.target, _arg_key(node.fx_node.args, order), _arg_key(node.fx_node.kwargs, order),
+                    tuple(self.graph.meta(v) for v in node.inputs), tuple(node.outputs), node.requires_grad,
+                    node.region is not None)
+        if node.kind == "param":
+            return ("param", tuple(node.outputs), node.requires_grad, self._grad_cover.get(node.name, 1.0))
+        return ("name", node.name)
 
     def _price_node(self, node: Node, strat) -> Cost:
         mesh, cluster = self.mesh_shape, self.cluster
