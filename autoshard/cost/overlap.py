@@ -61,7 +61,7 @@ CHUNKS = (1, 2, 4, 8)
 CHUNKED_KINDS = ("all_reduce", "reduce_scatter")
 # this module's caches live on the ``Costs`` they price for, as long as it does (``_memo``):
 # "overlaps" {edge and layouts: Overlap}, "least" {(node, side): {layout: strategy}}, "steps"
-# {shape and layouts: step times}, "kinds" {edge: edge_kind}
+# {shape and layouts: step times}, "kinds" {edge: edge_kind}, "kind_ids" {kind: its number}
 _LINEAR = torch.ops.aten.linear.default
 
 
@@ -142,7 +142,8 @@ def edge_kind(costs, value, consumer, slot: int):
     """What a conversion's ``Overlap`` depends on besides its tensor's shape and layouts: its
     producer's and consumer's ops, shapes and strategy lists, whether the value has other
     readers, whether the linears' weight gradients are made later; None where it is never
-    started early (``overlaps``). Edges of a model's blocks share it, and so their prices."""
+    started early (``overlaps``); a number stands for it, the same for equal kinds of one
+    ``Costs``. Edges of a model's blocks share it, and so their prices."""
     cache = _memo(costs, "kinds")
     key = (value, consumer.name, slot)
     if key not in cache:
@@ -152,8 +153,12 @@ def edge_kind(costs, value, consumer, slot: int):
         def side(n):
             return (n.target, id(full[n.name]), tuple(graph.meta(v) for v in n.inputs), n.requires_grad,
                     n.region is not None, n.target is _LINEAR and _weight_grad_later(graph, n))
-        cache[key] = (side(graph.by_name[value[0]]), value[1], _readers(graph).get(value) == 1, side(consumer),
-                      slot, value[0] in costs._copies) if overlaps(costs, value, consumer, slot) else None
+        kind = (side(graph.by_name[value[0]]), value[1], _readers(graph).get(value) == 1, side(consumer),
+                slot, value[0] in costs._copies) if overlaps(costs, value, consumer, slot) else None
+        # a small number stands for it: ``_cached`` looks it up by the hundred thousand, and
+        # the key is deep
+        ids = _memo(costs, "kind_ids")
+        cache[key] = None if kind is None else ids.setdefault(kind, len(ids))
     return cache[key]
 
 

@@ -233,12 +233,14 @@ class Costs:
         number = self._price_keys[value, consumer.name, slot] = self._price_ids.setdefault(key, len(self._price_ids))
         return number
 
-    def pair(self, value, consumer: Node, slot: int, src, dst) -> tuple:
+    def pair(self, value, consumer: Node, slot: int, src, dst, price: Optional[int] = None) -> tuple:
         """(price, its cost vector (``cost.step.PARTS``), bytes kept) of converting ``value``
         from ``src`` to ``dst`` for ``consumer``'s input ``slot``: ``cost.overlap.conversion_price``
         and ``kept``, once per ``price_key`` and pair of layouts. The solver's tables, the coarse
-        bound and a plan's cost read the same ones."""
-        price = self.price_key(value, consumer, slot)
+        bound and a plan's cost read the same ones. ``price``: the edge's ``price_key``, where
+        the caller prices many pairs of one edge."""
+        if price is None:
+            price = self.price_key(value, consumer, slot)
         # by the layouts' identities first: the strategies hand the same tuples over and over,
         # and hashing a layout hashes each of its placements in Python
         fast = self._pairs_by_id.get((price, id(src), id(dst)))

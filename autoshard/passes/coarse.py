@@ -121,8 +121,9 @@ def _coarse(graph, strategies, costs) -> tuple:
             taken.setdefault(ins[slot], set()).update(layouts[slot])
         # every price is a time, never negative: where both sides have a layout in common, the
         # least conversion is none
+        price = costs.price_key(value, v, slot)
         prices = {(a, b): 0.0 if srcs & dsts else
-                  min(_seconds(costs.pair(value, v, slot, s, d)[0]) for s in srcs for d in dsts)
+                  min(_seconds(costs.pair(value, v, slot, s, d, price)[0]) for s in srcs for d in dsts)
                   for a, srcs in made.items() for b, dsts in taken.items()}
         edges.append((u, out, v_rep, slot, count, prices))
     return nodes, edges

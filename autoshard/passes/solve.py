@@ -208,7 +208,7 @@ def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
     pairs = {}
     for a in src:   # in this order, which _edge_vars reads its variables back by
         for b in dst:
-            _, vec, kept = costs.pair(value, v, slot, a, b)
+            _, vec, kept = costs.pair(value, v, slot, a, b, price)
             pairs[a, b] = (vec, kept)
     costs._pairs[key] = (us, vs, (src, dst, pairs))
     return src, dst, pairs
