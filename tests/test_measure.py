@@ -207,6 +207,21 @@ def test_a_bucketed_gradient_moves_at_the_buckets_rate():
     assert seconds < 0.01 * comm.fitted_time((1e-3, 1e9, points), nbytes, 0.0)
 
 
+def test_a_bucketed_gradient_pays_its_copies_into_and_out_of_the_bucket():
+    """On a measured cluster an all-reduced gradient is copied into its bucket and, once reduced,
+    out of it (runtime's _GradBucket and _GradWait): two copies, each reading and writing its
+    bytes, in backward beside its autograd node's launch; a split parameter, not all-reduced,
+    pays only the launch."""
+    graph, strategies, costs = _costs(FAKE)
+    weight = next(n for n in graph.nodes if n.kind == "param" and len(n.outputs[0].shape) == 2)
+    whole = next(s for s in strategies[weight.name] if all(isinstance(p, pl.Broadcast) for p in s.outputs[0]))
+    split = next(s for s in strategies[weight.name] if isinstance(s.outputs[0][0], pl.Split))
+    (_, nbytes, _), = costs.grad_syncs(weight, whole)
+    assert costs.node(weight, whole).compute_bwd == pytest.approx(
+        FAKE.backward_overhead + 4 * nbytes / FAKE.memory_bandwidth, rel=1e-12)
+    assert costs.node(weight, split).compute_bwd == pytest.approx(FAKE.backward_overhead, rel=1e-12)
+
+
 def _costs(cluster, mesh=(2,)):
     torch.manual_seed(0)
     model, inputs = GPT(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))

@@ -157,10 +157,11 @@ class Costs:
             syncs = self.grad_syncs(node, strat)
             cost = self.scheduled(0.0, sum(t for _, _, t in syncs), self._grad_cover.get(node.name, 1.0))
             if cluster.measured:
-                # its share fed to the program, its gradient handed back, and copied into its
-                # bucket (read and written) where it is all-reduced
+                # its share fed to the program, its gradient handed back, and, where it is
+                # all-reduced, copied into its bucket and out of it once reduced (runtime's
+                # _GradBucket and _GradWait), each copy reading and writing its bytes
                 grad = self.training and node.requires_grad
-                copy = sum(2 * nbytes for _, nbytes, _ in syncs) / cluster.memory_bandwidth
+                copy = sum(4 * nbytes for _, nbytes, _ in syncs) / cluster.memory_bandwidth
                 cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad + copy,
                                    optimizer=self.optimizer(node, strat))
             return cost
