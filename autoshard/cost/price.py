@@ -19,7 +19,6 @@ from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, fir
 from autoshard.cost.step import PARTS, Cost
 from autoshard.outputs import kept_split
 from autoshard.rules.moe import computed_shapes, is_grouped_mm
-from autoshard.passes.annotate import _arg_key   # the key annotate shares a stack's rules by
 from autoshard.precision import CAST, grad_itemsize
 
 if TYPE_CHECKING:
@@ -143,10 +142,7 @@ class Costs:
         reads the graph around the op: a cross-entropy's targets (``rules.nn.whole_targets``),
         an expert matmul's measured loads (``rules.moe``)."""
         if node.kind == "op" and node.target is not CROSS_ENTROPY and not is_grouped_mm(node.target):
-            order: dict = {}
-            return ("op", node.target, _arg_key(node.fx_node.args, order), _arg_key(node.fx_node.kwargs, order),
-                    tuple(self.graph.meta(v) for v in node.inputs), tuple(node.outputs), node.requires_grad,
-                    node.region is not None)
+            return ("op",) + self.graph.op_key(node) + (node.requires_grad, node.region is not None)
         if node.kind == "param":
             return ("param", tuple(node.outputs), node.requires_grad, self._grad_cover.get(node.name, 1.0))
         return ("name", node.name)

@@ -158,22 +158,6 @@ def storage_options(meta, mesh_shape, blocked=()) -> list:
     return out
 
 
-def _arg_key(x, order: dict):
-    """A hashable stand-in for an op's arguments: each fx node by the order it first appears in
-    (so ``mul(a, a)`` and ``mul(a, b)`` differ), constants as they are."""
-    if isinstance(x, torch.fx.Node):
-        return ("node", order.setdefault(x, len(order)))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__,) + tuple(_arg_key(v, order) for v in x)
-    if isinstance(x, dict):
-        return ("dict",) + tuple((k, _arg_key(v, order)) for k, v in sorted(x.items()))
-    try:
-        hash(x)
-    except TypeError:
-        return ("repr", repr(x))
-    return x
-
-
 def _rules(graph: Graph) -> dict:
     """node name -> (one-axis signatures, blocked forms included; whether a rule knew the op),
     worked out once per graph: the rules speak of one axis, whatever the mesh. The layers of a
@@ -187,9 +171,7 @@ def _rules(graph: Graph) -> dict:
     for node in graph.nodes:
         if node.kind != "op":
             continue
-        order: dict = {}
-        key = (node.target, _arg_key(node.fx_node.args, order), _arg_key(node.fx_node.kwargs, order),
-               tuple(graph.meta(v) for v in node.inputs), tuple(node.outputs), blocked.get(node.name))
+        key = graph.op_key(node) + (blocked.get(node.name),)
         if key not in asked:
             sigs, known = one_axis_sigs(node, graph)
             if node.name in blocked:

@@ -102,6 +102,15 @@ class Graph:
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.nodes}
 
+    def op_key(self, node: Node) -> tuple:
+        """What an op node is, apart from its name: its target, its arguments (each fx node by
+        the order it first appears in, so ``mul(a, a)`` and ``mul(a, b)`` differ, constants as
+        they are) and its tensors. The layers of a stack hold nodes of equal keys: annotation
+        asks their rule once, and the cost model prices them once."""
+        order: dict = {}
+        return (node.target, _arg_key(node.fx_node.args, order), _arg_key(node.fx_node.kwargs, order),
+                tuple(self.meta(v) for v in node.inputs), tuple(node.outputs))
+
     def meta(self, value: Value) -> TensorMeta:
         return self.by_name[value[0]].outputs[value[1]]
 
@@ -116,6 +125,21 @@ class Graph:
             for i, v in enumerate(n.inputs):
                 out.setdefault(v, []).append((n.name, i))
         return out
+
+
+def _arg_key(x, order: dict):
+    """A hashable stand-in for an op's arguments (``Graph.op_key``)."""
+    if isinstance(x, torch.fx.Node):
+        return ("node", order.setdefault(x, len(order)))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(_arg_key(v, order) for v in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple((k, _arg_key(v, order)) for k, v in sorted(x.items()))
+    try:
+        hash(x)
+    except TypeError:
+        return ("repr", repr(x))
+    return x
 
 
 def normalize_inputs(example_inputs) -> tuple:
