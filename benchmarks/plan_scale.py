@@ -7,7 +7,9 @@
 
 Everything runs on the meta device, with no process group. The phases are those of
 ``autoshard.passes.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
-exclusive of the phases inside it. torch.export runs once in the same process, before planning,
+exclusive of the phases inside it, summed over the processes the search shares its meshes
+out to (``passes.fanout``: one per core, at most 8; ``--alone`` plans in one process first, for
+comparison). torch.export runs once in the same process, before planning,
 on the same model and inputs: the ratio is planning's time (without its own capture, which is
 that export again) over export's. The estimated step is printed beside the one autoshard chose
 before this benchmark existed (``BEFORE``, measured at commit 1dc2334 on the same 2-core machine),
@@ -16,6 +18,8 @@ count, over step time times world times the cluster's peak at the model's dtype)
 """
 import argparse
 import math
+import os
+import resource
 import sys
 import time
 import warnings
@@ -25,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
+from autoshard.passes import fanout
 from autoshard.passes.progress import CLOCK, PHASES
 from plan_gpt import GPT
 
@@ -62,19 +67,38 @@ def timed_export(model, inputs) -> float:
     return time.perf_counter() - start
 
 
-def plan_gpt(name, model, inputs, world, before=None):
-    """Plan with mesh search; print phases, export, ratio, step, MFU, memory."""
+def cpu_seconds() -> tuple:
+    """CPU seconds of this process and of its children that have ended (the search's copies)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def plan_gpt(name, model, inputs, world, before=None, alone=False):
+    """Plan with mesh search; print phases, export, ratio, step, MFU, memory. ``alone``: plan
+    in one process too (``AUTOSHARD_PLAN_WORKERS=1``), first."""
     cluster = autoshard.Cluster.preset(CLUSTER)
     export = timed_export(model, inputs)
+    print(f"\n== {name}: mesh search at world {world} ==")
+    if alone:
+        os.environ[fanout.ENV] = "1"
+        CLOCK.reset()
+        start = time.perf_counter()
+        autoshard.plan(model, inputs, world=world, cluster=CLUSTER, verbose=False)
+        planning = time.perf_counter() - start - CLOCK.seconds["capture"]
+        print(f"in one process: phases (s): {phases()}; plan without capture {planning:.1f} s; "
+              f"ratio {planning / export:.2f}")
+        del os.environ[fanout.ENV]
+    processes = fanout.available()
     CLOCK.reset()
+    cpu = cpu_seconds()
     start = time.perf_counter()
     plan = autoshard.plan(model, inputs, world=world, cluster=CLUSTER)
     total = time.perf_counter() - start
+    cpu = [b - a for a, b in zip(cpu, cpu_seconds())]
     planning = total - CLOCK.seconds["capture"]
-    print(f"\n== {name}: mesh search at world {world} ==")
-    print(f"phases (s): {phases()}")
-    print(f"plan {total:.1f} s (without capture {planning:.1f} s); torch.export {export:.1f} s; "
-          f"ratio {planning / export:.2f} (with capture {total / export:.2f})")
+    print(f"in up to {processes} processes (passes.fanout): phases (s, summed over the processes): {phases()}")
+    print(f"plan {total:.1f} s (without capture {planning:.1f} s; CPU {cpu[0]:.1f} s here, {cpu[1]:.1f} s in the "
+          f"search's copies); torch.export {export:.1f} s; ratio {planning / export:.2f} (with capture {total / export:.2f})")
     used = plan.memory["total"]
     print(f"chose {plan.mesh_shape}: estimated step {plan.cost:.4f} s, MFU {100 * mfu(model, inputs, plan.cost, world, cluster):.1f}%, "
           f"{used / 1e9:.2f} GB per rank (budget {plan.memory['budget'] / 1e9:.0f} GB); solver "
@@ -269,6 +293,7 @@ def main():
     ap.add_argument("--llama", action="store_true", help="the Llama-3-style model on the fixed mesh (8, 8)")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--alone", action="store_true", help="plan the GPT in one process too, first, for comparison")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     if args.tiny:
@@ -277,7 +302,7 @@ def main():
         return llama(args)
     layers = args.layers or 96
     plan_gpt(f"GPT {layers} layers, d=2048, 16 heads, batch 1024 x 2048, vocab 50304", *gpt(layers, 2048, 16, 1024),
-             1024, before=BEFORE["gpt96"] if layers == 96 else None)
+             1024, before=BEFORE["gpt96"] if layers == 96 else None, alone=args.alone)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.coarse import coarse_bound
 from autoshard.passes.axonn_start import descend_from_pins
 from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
+from autoshard.passes.fanout import Fanout, available
 from autoshard.passes.progress import Progress, uncollected
 from autoshard.cost.price import Costs
 from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
@@ -53,6 +54,10 @@ EFFORT = 5.0
 # refinements carried into the next round: descent is greedy, and the second best of a round may
 # refine into the best (a 7.3B GPT block at 256: (8, 16, 2) -> (8, 8, 2, 2), past (8, 2, 16)'s best)
 BEAM = 2
+# seconds the search runs in one process before it shares its two-axis meshes out among forked
+# copies (passes.fanout): a copy takes tens of milliseconds to start, and the tiny models that
+# plan in a second would only pay for it
+FANOUT_AFTER = 0.1
 
 
 def factorizations(world: int, max_axes: int) -> list:
@@ -96,6 +101,13 @@ class _Candidates:
         self.entries = {m: {"mesh": list(m), "bound": None, "cost": None, "status": "not tried: refines none "
                             "of the meshes chosen so far"} for m in factorizations(world, max_axes)}
         self.pin_errors, self.warned = [], {}
+        self.worked = []   # the meshes whose work was made, in any process, in the search's order
+
+    def twin_key(self, mesh):
+        """What the meshes that may be one another's ``twin`` share: their axes' sizes, sorted."""
+        if self.cluster.collectives or math.prod(mesh) > self.cluster.gpus_per_node or self.pins_for(mesh):
+            return mesh
+        return tuple(sorted(mesh))
 
     def twin(self, mesh):
         """A mesh bounded already whose program is this one's with its axes in another order,
@@ -174,7 +186,8 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
     cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard, recompute)
     progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
     errors: list = []
-    results: list = []   # (plan, mesh, strategies, choice) of every mesh solved or refined
+    results: list = []   # (plan, mesh, choice) of every mesh solved or refined
+    owner: dict = {}     # mesh -> the process that bounds, solves or refines it (passes.fanout); 0: this one
 
     def report(step):
         done = sum(e["cost"] is not None or e["status"].startswith(("pruned", "does not")) for e in cands.entries.values())
@@ -185,26 +198,67 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
     def bound(mesh):
         """The mesh's lower bound in its entry: a mesh that refines the best plan's must beat it
         by TIE, and its coarse bound (passes.coarse, a fraction of the program) may say that
-        it cannot before its own relaxation is priced and built."""
-        work = cands.work(mesh)
-        if work is None:
-            return
+        it cannot before its own relaxation is priced and built. What the entry and the
+        search's warnings and pin errors gained, for the process that asked."""
         entry = cands.entries[mesh]
-        twin = cands.twin(mesh)
+        warned, pin_errors = len(cands.warned), len(cands.pin_errors)
+        work = cands.work(mesh)
+        twin = cands.twin(mesh) if work is not None else None
         if twin:
             entry["bound"], entry["status"] = cands.entries[twin]["bound"], cands.entries[twin]["status"]
-            report(f"bounded {mesh} (as {twin}, its axes reordered)")
-            return
-        below = _to_beat(results, mesh, cluster)
-        if below is not None:
-            entry["bound"] = coarse_bound(graph, *work)
-            if entry["bound"] >= below * (1 - 1e-9):
-                entry["status"] = f"pruned: its coarse bound is no better than the best plan's (within {100 * TIE:g}%)"
-                report(f"pruned {mesh}")
-                return
-        entry["bound"] = lower_bound(graph, *work, budget)
-        entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
-        report(f"bounded {mesh}")
+            entry["twin"] = twin
+        elif work is not None:
+            below = _to_beat(results, mesh, cluster)
+            if below is not None:
+                entry["bound"] = coarse_bound(graph, *work)
+                if entry["bound"] >= below * (1 - 1e-9):
+                    entry["status"] = f"pruned: its coarse bound is no better than the best plan's (within {100 * TIE:g}%)"
+            if not entry["status"].startswith("pruned"):
+                entry["bound"] = lower_bound(graph, *work, budget)
+                entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
+        return ({k: v for k, v in entry.items() if k != "_work"}, work is not None,
+                [(w.message, w.category, w.filename, w.lineno) for w in list(cands.warned.values())[warned:]],
+                cands.pin_errors[pin_errors:])
+
+    def solved(mesh, below, effort, support):
+        """The mesh's solution and the estimated step of its plan (``solve``)."""
+        strategies, costs = cands.work(mesh)
+        solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort, support=support)
+        return solution, plan_cost(graph, strategies, solution, costs)
+
+    def refined(fine, coarse, choice, groups):
+        """The plan of ``fine`` descended from ``coarse``'s plan (its ``choice``) lifted onto it,
+        and its estimated step; None when the pins do not fit it."""
+        work = cands.work(fine)
+        if work is None:
+            return None
+        strategies, costs = work
+        lifted = lift(graph, cands.work(coarse)[0], choice, groups, strategies)
+        solution = solve_mesh(graph, strategies, costs, time_limit, budget, lambda: [lifted])
+        return solution, plan_cost(graph, strategies, solution, costs)
+
+    fan = Fanout(1, {"bound": bound, "solve": solved, "refine": refined})
+
+    def bounded(meshes):
+        """Bound the meshes, each in its owner, and take in their entries in order."""
+        tickets = {}
+        for mesh in sorted(meshes, key=lambda m: owner.get(m, 0) == 0):   # the copies' first: they start at once
+            tickets[mesh] = fan.ask(owner.get(mesh, 0), "bound", mesh)
+        for mesh in meshes:
+            fields, worked, warned, pin_errors = fan.answer(tickets[mesh])
+            if owner.get(mesh, 0):
+                cands.entries[mesh].update(fields)
+                for message, category, filename, lineno in warned:
+                    cands.warned.setdefault(str(message), warnings.WarningMessage(message, category, filename, lineno))
+                cands.pin_errors.extend(pin_errors)
+            if worked:
+                cands.worked.append(mesh)
+            entry = cands.entries[mesh]
+            twin = entry.pop("twin", None)
+            if entry["status"] == "pins name another number of axes" or entry["status"].startswith("pins cannot"):
+                continue
+            report(f"bounded {mesh} (as {twin}, its axes reordered)" if twin else
+                   f"pruned {mesh}" if entry["status"].startswith("pruned") else f"bounded {mesh}")
 
     def attempt(mesh, first):
         """Solve the mesh: in the first round, its plan among its LP's support (a blink; it
@@ -220,10 +274,8 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
         if below is not None and entry["bound"] >= below * (1 - 1e-9):
             entry["status"] = f"pruned: its lower bound is no better than the best plan's (within {100 * TIE:g}%)"
             return
-        strategies, costs = entry["_work"]
         try:   # time_limit: per solve
-            solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort,
-                             support=first)
+            solution, cost = fan.answer(fan.ask(owner.get(mesh, 0), "solve", mesh, below, effort, first))
         except MemoryBudgetError as e:
             entry["status"] = "does not fit in memory"
             errors.append(e)
@@ -245,7 +297,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
             entry["status"] += "; the whole solve found no better plan"
             return
         results[:] = [r for r in results if r[1] != mesh]   # its plan of the first round, bettered
-        results.append(_record(graph, strategies, solution, costs, entry, mesh))
+        results.append(_record(cands, graph, mesh, solution, cost))
         if first and solution.gap is not None and solution.gap > GAP_LIMIT:
             unproven.append(mesh)
             entry["status"] = f"solved ({100 * solution.gap:.2f}% from its bound)"
@@ -254,59 +306,76 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
                                f"solved ({100 * solution.gap:.2f}% from its bound after {EFFORT:g} deterministic s)")
         report(f"solved {mesh}")
 
-    # phase 1: one and two axes, bounded and solved whole, best bound first: the one-axis mesh
-    # first, so that its plan can prune a two-axis mesh by its coarse bound; then the meshes
-    # the first round left unproven
-    unproven: list = []
-    small = [m for m in cands.entries if len(m) <= EXACT_AXES]
-    for axes in range(1, EXACT_AXES + 1):
-        for mesh in small:
-            if len(mesh) == axes:
-                bound(mesh)
-        for mesh in sorted((m for m in small if len(m) == axes and cands.entries[m]["status"] == "bounded"),
-                           key=lambda m: cands.entries[m]["bound"]):
-            attempt(mesh, True)
-    while unproven:
-        # the meshes that only might win first, each for a plan that beats the best one's with a
-        # bounded effort; the best last, solved whole: one of them may take its place (the 96-layer
-        # GPT's (256, 4) did, once (512, 2) had been solved whole first, to gain 0.01%)
-        lead = min(results, key=lambda r: r[0].cost)[1] if results else None
-        mesh = next((m for m in unproven if m != lead), unproven[0])
-        unproven.remove(mesh)
-        attempt(mesh, False)
+    try:
+        # phase 1: one and two axes, bounded and solved whole, best bound first: the one-axis
+        # mesh first, so that its plan can prune a two-axis mesh by its coarse bound; then the
+        # meshes the first round left unproven. The two-axis meshes are shared out among forked
+        # copies of this process (passes.fanout) once the one-axis mesh has taken long enough
+        # for the copies to pay
+        unproven: list = []
+        small = [m for m in cands.entries if len(m) <= EXACT_AXES]
+        for axes in range(1, EXACT_AXES + 1):
+            meshes = [m for m in small if len(m) == axes]
+            groups = len({cands.twin_key(m) for m in meshes})
+            if axes > 1 and groups > 1 and time.perf_counter() - start > FANOUT_AFTER:
+                fan = Fanout(min(available(), groups), fan.handlers)
+                _share(owner, meshes, fan.count, cands.twin_key)
+            bounded(meshes)
+            for mesh in sorted((m for m in meshes if cands.entries[m]["status"] == "bounded"),
+                               key=lambda m: cands.entries[m]["bound"]):
+                attempt(mesh, True)
+        while unproven:
+            # the meshes that only might win first, each for a plan that beats the best one's with
+            # a bounded effort; the best last, solved whole: one of them may take its place (the
+            # 96-layer GPT's (256, 4) did, once (512, 2) had been solved whole first, to gain 0.01%)
+            lead = min(results, key=lambda r: r[0].cost)[1] if results else None
+            mesh = next((m for m in unproven if m != lead), unproven[0])
+            unproven.remove(mesh)
+            attempt(mesh, False)
 
-    # phase 2: refine the best two-axis mesh (one axis is refined by the two-axis meshes
-    # already), one axis split at a time, while refining pays. Only where a second axis paid:
-    # when no two-axis mesh beat the best one-axis plan by more than TIE, more axes are not tried
-    best = _simplest(results, cluster)[0] if results else None
-    one = [r for r in results if len(r[1]) == 1]
-    widest = min((r for r in results if len(r[1]) == EXACT_AXES), key=lambda r: r[0].cost, default=None)
-    paid = widest is not None and (not one or widest[0].cost < min(r[0].cost for r in one) * (1 - TIE))
-    frontier = [widest] if paid and max_axes > EXACT_AXES else []
-    if widest is not None and not paid:
-        for e in cands.entries.values():
-            if len(e["mesh"]) > EXACT_AXES and e["status"].startswith("not tried"):
-                e["status"] = f"not tried: no two-axis mesh beat the one-axis plan by more than {100 * TIE:g}%"
-    if best is None:
-        for mesh in _untried_starts(cands, small):
-            got = _descend_from(cands, graph, mesh, None, time_limit, budget, errors)
-            if got is not None:
-                results.append(got)
-            report(f"descended on {mesh}")
-    while frontier:   # a beam: the BEAM best refinements of a round that improve on their parent
-        grown = []
-        for plan, mesh, strategies, choice in frontier:
-            for fine, groups in splits(mesh):
-                if len(fine) > max_axes or fine not in cands.entries or cands.entries[fine]["cost"] is not None:
-                    continue
-                lifted = (strategies, choice, groups)
-                got = _descend_from(cands, graph, fine, lifted, time_limit, budget, errors)
+        # phase 2: refine the best two-axis mesh (one axis is refined by the two-axis meshes
+        # already), one axis split at a time, while refining pays. Only where a second axis paid:
+        # when no two-axis mesh beat the best one-axis plan by more than TIE, more axes are not tried
+        best = _simplest(results, cluster)[0] if results else None
+        one = [r for r in results if len(r[1]) == 1]
+        widest = min((r for r in results if len(r[1]) == EXACT_AXES), key=lambda r: r[0].cost, default=None)
+        paid = widest is not None and (not one or widest[0].cost < min(r[0].cost for r in one) * (1 - TIE))
+        frontier = [widest] if paid and max_axes > EXACT_AXES else []
+        if widest is not None and not paid:
+            for e in cands.entries.values():
+                if len(e["mesh"]) > EXACT_AXES and e["status"].startswith("not tried"):
+                    e["status"] = f"not tried: no two-axis mesh beat the one-axis plan by more than {100 * TIE:g}%"
+        if best is None:
+            for mesh in _untried_starts(cands, small):
+                got = _descend_from(cands, graph, mesh, time_limit, budget, errors)
+                if got is not None:
+                    results.append(got)
+                report(f"descended on {mesh}")
+        while frontier:   # a beam: the BEAM best refinements of a round that improve on their parent
+            grown = []
+            round_ = [(plan, fine, (fine, mesh, choice, groups)) for plan, mesh, choice in frontier
+                      for fine, groups in splits(mesh)
+                      if len(fine) <= max_axes and fine in cands.entries and cands.entries[fine]["cost"] is None]
+            firsts = {}
+            for i, (_, fine, args) in enumerate(round_):
+                if fine not in firsts:
+                    firsts[fine] = i
+                    owner[fine] = len(firsts) % fan.count
+            tickets = {i: fan.ask(owner[fine], "refine", *args) for i, (_, fine, args) in
+                       sorted(enumerate(round_), key=lambda t: owner[t[1][1]] == 0) if firsts[fine] == i}
+            for i, (parent, fine, args) in enumerate(round_):
+                if cands.entries[fine]["cost"] is not None:
+                    continue   # refined already this round, from the other plan of the beam
+                ticket = tickets[i] if i in tickets else fan.ask(0, "refine", *args)
+                got = _recorded(cands, graph, fine, fan, ticket, errors)
                 report(f"refined {fine}")
                 if got is not None:
                     results.append(got)
-                    if got[0].cost < plan.cost * (1 - TIE):
+                    if got[0].cost < parent.cost * (1 - TIE):
                         grown.append(got)
-        frontier = sorted(grown, key=lambda r: r[0].cost)[:BEAM]
+            frontier = sorted(grown, key=lambda r: r[0].cost)[:BEAM]
+    finally:
+        fan.close()
 
     # AxoNN's own best-ranked grid, which no refinement reaches (passes.axonn_start)
     got = _descend_from_seed(cands, graph, seed() if seed else None, time_limit, budget, results)
@@ -316,21 +385,24 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
 
     for w in cands.warned.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    tried = [e.pop("_work") for e in cands.entries.values() if "_work" in e]
     candidates = list(cands.entries.values())
     if not results and cands.pin_errors and all(e["bound"] is None and e["cost"] is None for e in candidates):
         raise cands.pin_errors[0]
     if not results:
+        for e in candidates:
+            e.pop("_work", None)
         if errors:
             raise errors[0]
-        if tried:
+        if cands.worked:
             # solve the first for its report of the least memory it reaches
-            strategies, costs = tried[0]
+            strategies, costs = cands.work(cands.worked[0])
             solve(graph, strategies, costs, time_limit, budget)
         raise ValueError(f"no mesh of {world} devices with at most {max_axes} axes takes the pins given: "
                          + "; ".join(f"{tuple(e['mesh'])}: {e['status']}" for e in candidates))
     best, why = _simplest(results, cluster)
     plan = best[0].made()
+    for e in candidates:
+        e.pop("_work", None)
     cands.entries[best[1]]["status"] = "chosen" + (f": {why}" if why else "")
     plan.mesh_candidates = sorted(candidates, key=lambda e: (e["cost"] is None, e["cost"] or 0,
                                                              e["bound"] is None, e["bound"] or 0))
@@ -338,6 +410,15 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
     plan.solver["mesh_choice"] = why or f"{best[1]}: the shortest estimated step"
     progress.done(f"chose {best[1]}")
     return plan
+
+
+def _share(owner: dict, meshes: list, count: int, key) -> None:
+    """Each mesh's owner among ``count`` processes, in turn; meshes of one ``key`` (the twins
+    whose bounds are one another's, ``_Candidates.twin``) share one, which bounds them in order."""
+    groups: dict = {}
+    for mesh in meshes:
+        groups.setdefault(key(mesh), len(groups))
+        owner[mesh] = groups[key(mesh)] % count
 
 
 def _untried_starts(cands, small) -> list:
@@ -367,22 +448,39 @@ def _to_beat(results, mesh, cluster):
 
 class _Unmade:
     """A solved candidate's plan, made (``make_plan``) only for the mesh the search chooses; its
-    ``cost`` now, as the plan would have it."""
+    ``cost`` now, as the plan would have it (``plan_cost``, worked out by the mesh's owner)."""
 
-    def __init__(self, graph, strategies, solution, costs):
-        self.cost = plan_cost(graph, strategies, solution, costs)
-        self._made = (graph, strategies, solution, costs)
+    def __init__(self, cands, graph, mesh, solution, cost: float):
+        self.cost = cost
+        self._made = (cands, graph, mesh, solution)
 
     def made(self):
-        return make_plan(*self._made)
+        cands, graph, mesh, solution = self._made
+        strategies, costs = cands.work(mesh)
+        return make_plan(graph, strategies, solution, costs)
 
 
-def _record(graph, strategies, solution, costs, entry, mesh):
-    """A solved candidate's plan in its entry; (plan, mesh, strategies, choice)."""
-    plan = _Unmade(graph, strategies, solution, costs)
-    entry["cost"] = plan.cost
+def _record(cands, graph, mesh, solution, cost: float):
+    """A solved candidate's plan in its entry; (plan, mesh, choice)."""
+    entry = cands.entries[mesh]
+    entry["cost"] = cost
     entry["status"] = f"refined ({solution.status.lower()})" if solution.status.startswith("LOCAL") else "solved"
-    return plan, mesh, strategies, solution.choice
+    return _Unmade(cands, graph, mesh, solution, cost), mesh, solution.choice
+
+
+def _recorded(cands, graph, mesh, fan, ticket, errors):
+    """The result of a descent asked of ``fan`` (its ``ticket``), recorded; None when the pins
+    do not fit the mesh or its plans break the memory budget (the error kept in ``errors``)."""
+    try:
+        got = fan.answer(ticket)
+    except MemoryBudgetError as e:
+        cands.entries[mesh]["status"] = "does not fit in memory"
+        errors.append(e)
+        return None
+    if got is None:
+        return None
+    cands.worked.append(mesh)
+    return _record(cands, graph, mesh, *got)
 
 
 def _better(a, b):
@@ -410,24 +508,22 @@ def _descend_from_seed(cands, graph, seed, time_limit, budget, results):
     before = next((r for r in results if r[1] == mesh), None)
     if solution is None or (before is not None and before[0].cost <= solution.objective):
         return None
-    got = _record(graph, strategies, solution, costs, cands.entries[mesh], mesh)
+    got = _record(cands, graph, mesh, solution, plan_cost(graph, strategies, solution, costs))
     cands.entries[mesh]["status"] += ", descended from AxoNN's layout"
     return got
 
 
-def _descend_from(cands, graph, mesh, lifted, time_limit, budget, errors):
-    """Descend on ``mesh`` from the lifted coarse plan (or the pins' layout): its result, or
-    None."""
+def _descend_from(cands, graph, mesh, time_limit, budget, errors):
+    """Descend on ``mesh`` from the pins' layout (phase 1 found no plan): its result, or None."""
     work = cands.work(mesh)
     if work is None:
         return None
     strategies, costs = work
-    entry = cands.entries[mesh]
     try:
-        solution = solve_mesh(graph, strategies, costs, time_limit, budget,
-                              lambda: [lift(graph, *lifted, strategies)] if lifted else [])
+        solution = solve_mesh(graph, strategies, costs, time_limit, budget)
     except MemoryBudgetError as e:
-        entry["status"] = "does not fit in memory"
+        cands.entries[mesh]["status"] = "does not fit in memory"
         errors.append(e)
         return None
-    return _record(graph, strategies, solution, costs, entry, mesh)
+    cands.worked.append(mesh)
+    return _record(cands, graph, mesh, solution, plan_cost(graph, strategies, solution, costs))

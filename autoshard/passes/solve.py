@@ -264,6 +264,9 @@ class NoBetterPlan(Exception):
         super().__init__("proven" if proven else "none found in time")
         self.proven = proven
 
+    def __reduce__(self):   # carried back from a forked copy of a mesh search (passes.fanout)
+        return NoBetterPlan, (self.proven,)
+
 
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
           memory_budget: Optional[float] = None, hint: Optional[dict] = None,

@@ -1,0 +1,214 @@
+"""Forked copies of a mesh search, so that its meshes are bounded, solved and refined on every
+core the planning process may use (passes.search).
+
+A mesh's work (its layouts, prices, relaxation) is independent of every other mesh's, so the
+search hands each mesh to one process, its *owner*, which keeps that work and does everything
+the search asks of that mesh. The copies are forked once the work common to every mesh is done
+(the capture, the one-axis plan); what they send back is small: a bound, a status, a solution's
+choices. Whichever process owns a mesh, it gives the same answer, and the search consumes the
+answers in its own order, so the plan, the candidates and their statuses are those of the search
+run in one process; only the wall time differs.
+
+No hang, no loss: a copy that dies or does not answer within ``PATIENCE`` is killed, and
+its work is done again in the planning process. Where fork is unavailable (Windows), or one
+core is all there is, or ``AUTOSHARD_PLAN_WORKERS=1``, everything runs in the planning process.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+import traceback
+
+from autoshard.passes import progress
+from autoshard.passes.progress import CLOCK, PHASES
+
+MAX_WORKERS = 8
+ENV = "AUTOSHARD_PLAN_WORKERS"
+
+
+def available() -> int:
+    """How many processes a search may use: the cores this process may run on (at most
+    ``MAX_WORKERS``, or ``AUTOSHARD_PLAN_WORKERS``); 1 where fork is unavailable."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    asked = os.environ.get(ENV)
+    if asked:
+        try:
+            n = int(asked)
+        except ValueError:
+            raise ValueError(f"{ENV} is a whole number of processes, got {asked!r}") from None
+        if n < 1:
+            raise ValueError(f"{ENV} is at least 1, got {n}")
+        return min(n, MAX_WORKERS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))
+
+
+class CopyFailed(RuntimeError):
+    """A task raised in a forked copy an exception that could not be carried back."""
+
+
+class Fanout:
+    """``count`` processes (this one and ``count - 1`` forked copies) that run named tasks
+    (``handlers``: name -> function, the same in every copy, since the copies are forks).
+
+    ``ask(owner, name, *args)`` queues a task on its owner (0: this process, run at once) and
+    returns a ticket; ``answer(ticket)`` its result, raising what it raised (pickled across,
+    or ``CopyFailed`` with its traceback). A copy's answers come back in the order asked."""
+
+    PATIENCE = 900.0   # seconds a copy may take over one task before it is taken for hung
+
+    def __init__(self, count: int, handlers: dict):
+        self.handlers = handlers
+        self.copies = []   # [connection, process, tickets pending] per copy; None once lost
+        self.done = {}     # ticket -> ("ok", value) or ("err", payload)
+        self.tasks = {}    # ticket -> (owner, name, args)
+        self.next = 0
+        if count > 1:
+            context = multiprocessing.get_context("fork")
+            for _ in range(count - 1):
+                parent, child = context.Pipe()
+                sys.stderr.flush()
+                sys.stdout.flush()
+                process = context.Process(target=self._serve, args=(child,), daemon=True)
+                process.start()
+                child.close()
+                self.copies.append([parent, process, []])
+
+    @property
+    def count(self) -> int:
+        return 1 + len(self.copies)
+
+    def _serve(self, conn) -> None:
+        """A copy's loop: run each task asked, send back its answer and the phases' seconds. A
+        thread takes the tasks in as they come, so that the planning process never waits to hand
+        one over while this copy waits to hand back an answer (both pipes full)."""
+        progress._shown.append(False)   # the planning process speaks for the search
+        asked: queue.Queue = queue.Queue()
+
+        def take():
+            try:
+                while True:
+                    msg = conn.recv()
+                    asked.put(msg)
+                    if msg is None:
+                        return
+            except (EOFError, OSError):
+                asked.put(None)
+
+        threading.Thread(target=take, daemon=True).start()
+        try:
+            while True:
+                msg = asked.get()
+                if msg is None:
+                    break
+                ticket, name, args = msg
+                before = dict(CLOCK.seconds)
+                outcome = _carried(self._run(name, args))
+                spent = {p: CLOCK.seconds[p] - before[p] for p in PHASES}
+                conn.send((ticket, outcome, spent))
+        except (KeyboardInterrupt, BrokenPipeError, OSError):
+            pass
+        finally:
+            os._exit(0)   # neither atexit handlers nor the parent's buffers run twice
+
+    def _run(self, name, args):
+        try:
+            return ("ok", self.handlers[name](*args))
+        except Exception as e:   # raised where the search asks for the answer
+            return ("err", e)
+
+    def ask(self, owner: int, name: str, *args) -> int:
+        ticket, self.next = self.next, self.next + 1
+        self.tasks[ticket] = (owner, name, args)
+        copy = self.copies[owner - 1] if owner > 0 else None
+        if copy is None:
+            self.done[ticket] = self._run(name, args)
+            return ticket
+        try:
+            copy[0].send((ticket, name, args))
+            copy[2].append(ticket)
+        except (OSError, ValueError):
+            self._lose(owner)
+        return ticket
+
+    def answer(self, ticket: int):
+        while ticket not in self.done:
+            owner = self.tasks[ticket][0]
+            copy = self.copies[owner - 1]
+            if copy is None or not copy[2]:
+                self._lose(owner)
+                continue
+            conn, process = copy[0], copy[1]
+            if not conn.poll(self.PATIENCE):
+                self._lose(owner)
+                continue
+            try:
+                got, outcome, spent = conn.recv()
+            except (EOFError, OSError):
+                self._lose(owner)
+                continue
+            copy[2].remove(got)
+            self.done[got] = (outcome[0], pickle.loads(outcome[1])) if outcome[0] == "err" else outcome
+            for p, s in spent.items():
+                CLOCK.seconds[p] += s
+        status, value = self.done.pop(ticket)
+        del self.tasks[ticket]
+        if status == "err":
+            raise value
+        return value
+
+    def _lose(self, owner: int) -> None:
+        """A copy died or hung: kill it, and run its tasks still unanswered here."""
+        copy = self.copies[owner - 1]
+        if copy is not None:
+            self.copies[owner - 1] = None
+            _stop(copy)
+        for ticket, (o, name, args) in list(self.tasks.items()):
+            if o == owner and ticket not in self.done:
+                self.done[ticket] = self._run(name, args)
+
+    def close(self) -> None:
+        for i, copy in enumerate(self.copies):
+            if copy is not None:
+                try:
+                    copy[0].send(None)
+                except (OSError, ValueError):
+                    pass
+                _stop(copy, wait=5.0)
+                self.copies[i] = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _carried(outcome: tuple) -> tuple:
+    """An answer as a copy sends it: a raised exception pickled (its own, or ``CopyFailed``
+    with its traceback where it does not survive pickling)."""
+    if outcome[0] != "err":
+        return outcome
+    e = outcome[1]
+    try:
+        pickled = pickle.dumps(e)
+        pickle.loads(pickled)
+    except Exception:
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        pickled = pickle.dumps(CopyFailed(f"a forked copy of the mesh search failed:\n{text}"))
+    return ("err", pickled)
+
+
+def _stop(copy, wait: float = 0.0) -> None:
+    conn, process, _ = copy
+    process.join(wait)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()

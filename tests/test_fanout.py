@@ -1,0 +1,173 @@
+"""A mesh search shared out among forked copies of the planning process (passes.fanout) plans
+exactly what it plans in one process, and loses nothing when a copy dies, hangs or raises."""
+import os
+import time
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.passes import fanout, search
+from autoshard.passes.solve import MemoryBudgetError, NoBetterPlan
+from models import GPT
+
+PARENT = os.getpid()
+
+
+def _gpt():
+    with torch.device("meta"):
+        model = GPT(vocab=1024, d=256, heads=4, layers=2, seq=128)
+    idx = torch.zeros(512, 128, dtype=torch.long, device="meta")
+    return model, (idx, idx)
+
+
+class _Counted(fanout.Fanout):
+    """A Fanout that remembers how many processes each search used and which asked what."""
+    made: list = []
+    asked: list = []
+
+    def __init__(self, count, handlers):
+        super().__init__(count, handlers)
+        _Counted.made.append(self.count)
+
+    def ask(self, owner, name, *args):
+        _Counted.asked.append((owner, name))
+        return super().ask(owner, name, *args)
+
+
+def _searched(monkeypatch, workers: int):
+    monkeypatch.setenv(fanout.ENV, str(workers))
+    monkeypatch.setattr(search, "FANOUT_AFTER", 0.0)   # share out however fast the one-axis plan came
+    monkeypatch.setattr(search, "Fanout", _Counted)
+    _Counted.made, _Counted.asked = [], []
+    model, inputs = _gpt()
+    plan = autoshard.plan(model, inputs, world=256, verbose=False)
+    return plan, list(_Counted.made), list(_Counted.asked)
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """The search's plan in one process."""
+    with pytest.MonkeyPatch.context() as mp:
+        plan, made, _ = _searched(mp, 1)
+    assert made == [1, 1]   # nothing forked
+    return plan
+
+
+def _same(a, b):
+    assert a.mesh_shape == b.mesh_shape and a.cost == b.cost
+    assert a.mesh_candidates == b.mesh_candidates   # every mesh's bound, cost and status
+    assert {n: (c.inputs, c.outputs) for n, c in a.nodes.items()} == \
+           {n: (c.inputs, c.outputs) for n, c in b.nodes.items()}
+
+
+def test_a_shared_search_plans_what_one_process_plans(monkeypatch, alone):
+    sent = set()
+    for workers in (2, 3):
+        shared, made, asked = _searched(monkeypatch, workers)
+        assert made == [1, workers]
+        sent |= {name for owner, name in asked if owner > 0}
+        _same(shared, alone)
+    assert sent == {"bound", "solve", "refine"}   # the copies bounded, solved and refined meshes
+    assert any(c["status"].startswith("refined") for c in alone.mesh_candidates)
+
+
+def test_a_copy_that_dies_mid_search_loses_nothing(monkeypatch, alone):
+    real = search.lower_bound
+    calls = []
+
+    def dies_in_a_copy(graph, strategies, costs, *args):
+        calls.append(costs.mesh_shape)
+        if os.getpid() != PARENT and costs.mesh_shape == (4, 64):
+            os._exit(7)   # a copy killed while it bounds a mesh
+        return real(graph, strategies, costs, *args)
+
+    monkeypatch.setattr(search, "lower_bound", dies_in_a_copy)
+    shared, made, _ = _searched(monkeypatch, 2)
+    assert made == [1, 2]
+    assert (4, 64) in calls   # bounded here, once the copy was gone
+    _same(shared, alone)
+
+
+def _square(x):
+    return x * x
+
+
+def _dies(x):
+    if os.getpid() != PARENT:
+        os._exit(3)
+    return -x
+
+
+def _hangs(x):
+    if os.getpid() != PARENT:
+        time.sleep(600)
+    return x + 1
+
+
+def _no_better(proven):
+    raise NoBetterPlan(proven)
+
+
+def _over_budget():
+    raise MemoryBudgetError("needs 81.00 GB per rank, over the budget of 80.00 GB")
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a, b):   # pickling passes one argument back: unpickling fails
+        super().__init__(f"{a} {b}")
+
+
+def _odd():
+    raise _Unpicklable(1, 2)
+
+
+HANDLERS = {"square": _square, "dies": _dies, "hangs": _hangs, "no_better": _no_better,
+            "over_budget": _over_budget, "odd": _odd}
+
+
+def test_answers_come_back_in_order_from_every_copy():
+    with fanout.Fanout(3, HANDLERS) as fan:
+        assert fan.count == 3
+        tickets = [fan.ask(i % 3, "square", i) for i in range(12)]
+        assert [fan.answer(t) for t in reversed(tickets)] == [i * i for i in reversed(range(12))]
+        assert all(c is not None for c in fan.copies)
+
+
+def test_what_a_copy_raises_is_raised_here():
+    with fanout.Fanout(2, HANDLERS) as fan:
+        for proven in (True, False):
+            with pytest.raises(NoBetterPlan) as e:
+                fan.answer(fan.ask(1, "no_better", proven))
+            assert e.value.proven is proven
+        with pytest.raises(MemoryBudgetError, match="over the budget of 80.00 GB"):
+            fan.answer(fan.ask(1, "over_budget"))
+        with pytest.raises(fanout.CopyFailed, match="_Unpicklable: 1 2"):
+            fan.answer(fan.ask(1, "odd"))
+        assert fan.answer(fan.ask(1, "square", 5)) == 25   # the copy lives on
+
+
+def test_a_dead_or_hung_copy_is_replaced_by_this_process(monkeypatch):
+    with fanout.Fanout(2, HANDLERS) as fan:
+        first, second = fan.ask(1, "dies", 4), fan.ask(1, "square", 6)
+        assert fan.answer(second) == 36 and fan.answer(first) == -4   # both done here
+        assert fan.copies == [None]
+        assert fan.answer(fan.ask(1, "square", 7)) == 49
+    monkeypatch.setattr(fanout.Fanout, "PATIENCE", 0.5)
+    with fanout.Fanout(2, HANDLERS) as fan:
+        start = time.perf_counter()
+        assert fan.answer(fan.ask(1, "hangs", 1)) == 2
+        assert time.perf_counter() - start < 30 and fan.copies == [None]
+
+
+def test_the_number_of_processes_is_the_users_to_set(monkeypatch):
+    monkeypatch.setenv(fanout.ENV, "1")
+    assert fanout.available() == 1
+    monkeypatch.setenv(fanout.ENV, "64")
+    assert fanout.available() == fanout.MAX_WORKERS
+    for bad in ("0", "two"):
+        monkeypatch.setenv(fanout.ENV, bad)
+        with pytest.raises(ValueError, match=fanout.ENV):
+            fanout.available()
+    monkeypatch.delenv(fanout.ENV)
+    assert 1 <= fanout.available() <= fanout.MAX_WORKERS
