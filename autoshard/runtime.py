@@ -442,13 +442,58 @@ def linear_dw_later(x, w, b, h: "Pending"):
 # each block where the gather puts it. In backward, the gathered input's own block gets no
 # gradient from the second (it is not read), so the dual reduce-scatter sums the other ranks'
 # contributions to this rank's block, and the first adds this rank's own, computed while the
-# reduce-scatter flies.
+# reduce-scatter flies. The weight's and the bias's gradients come from the second alone, over
+# every row of the gathered input at once (whose own block is ``x``, as the gather put it there):
+# one matmul as the undecomposed linear's, where two half-height ones and the sum of their
+# results, a weight-sized add, would do the same work in three ops.
+
+class _LocalPart(torch.autograd.Function):
+    """``linear(x, w, b)`` whose backward gives only ``x``'s gradient (``_Gathered`` gives the
+    weight's and the bias's, this block's rows among the others)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(w)
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, = ctx.saved_tensors
+        return (g.matmul(w) if ctx.needs_input_grad[0] else None), None, None
+
+
+class _Gathered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, whole, part, w, b, p, me, dim):
+        ctx.save_for_backward(whole, w)
+        ctx.p, ctx.me, ctx.dim, ctx.bias = p, me, dim, b is not None
+        blocks = whole.chunk(p, dim)
+        return torch.cat([part if r == me else F.linear(blk, w, b) for r, blk in enumerate(blocks)], dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        whole, w = ctx.saved_tensors
+        p, me, dim = ctx.p, ctx.me, ctx.dim
+        gs = g.chunk(p, dim)
+        gwhole = gw = gb = None
+        if ctx.needs_input_grad[0]:   # the own block's rows: zero (part's backward gives them)
+            gwhole = torch.cat([gs[r].new_zeros(gs[r].shape[:-1] + w.shape[1:]) if r == me else gs[r].matmul(w)
+                                for r in range(p)], dim=dim)
+        flat = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[2]:
+            gw = flat.t().matmul(whole.reshape(-1, whole.shape[-1]))
+        if ctx.bias and ctx.needs_input_grad[3]:
+            gb = flat.sum(0)
+        return gwhole, gs[me], gw, gb, None, None, None
+
 
 def linear_local_part(x, w, b, dim: int):
     """linear(x, w, b): the rows of this rank's block, or None where ``dim`` is the features'."""
     if dim % x.dim() == x.dim() - 1:
         return None
-    return F.linear(x, w, b)
+    if not torch.is_grad_enabled():
+        return F.linear(x, w, b)
+    return _LocalPart.apply(x, w, b)
 
 
 def linear_gathered(whole, part, w, b, axis, dim: int):
@@ -458,8 +503,10 @@ def linear_gathered(whole, part, w, b, axis, dim: int):
         return F.linear(whole, w, b)
     m = _mesh()
     p, me = m.size(axis), m.coord(axis)
-    blocks = whole.chunk(p, dim)
-    return torch.cat([part if r == me else F.linear(blk, w, b) for r, blk in enumerate(blocks)], dim=dim)
+    if not torch.is_grad_enabled():
+        blocks = whole.chunk(p, dim)
+        return torch.cat([part if r == me else F.linear(blk, w, b) for r, blk in enumerate(blocks)], dim=dim)
+    return _Gathered.apply(whole, part, w, b, p, me, dim % whole.dim())
 
 
 def _convert(x, src, dst, m: RankMesh, whole=None):
