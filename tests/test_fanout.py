@@ -153,7 +153,7 @@ def test_a_dead_or_hung_copy_is_replaced_by_this_process(monkeypatch):
         assert fan.answer(second) == 36 and fan.answer(first) == -4   # both done here
         assert fan.copies == [None]
         assert fan.answer(fan.ask(1, "square", 7)) == 49
-    monkeypatch.setattr(fanout.Fanout, "PATIENCE", 0.5)
+    monkeypatch.setattr(fanout.Fanout, "STALL", 1.0)   # a copy asleep uses no CPU
     with fanout.Fanout(2, HANDLERS) as fan:
         start = time.perf_counter()
         assert fan.answer(fan.ask(1, "hangs", 1)) == 2

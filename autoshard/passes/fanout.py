@@ -9,9 +9,11 @@ choices. Whichever process owns a mesh, it gives the same answer, and the search
 answers in its own order, so the plan, the candidates and their statuses are those of the search
 run in one process; only the wall time differs.
 
-No hang, no loss: a copy that dies or does not answer within ``PATIENCE`` is killed, and
-its work is done again in the planning process. Where fork is unavailable (Windows), or one
-core is all there is, or ``AUTOSHARD_PLAN_WORKERS=1``, everything runs in the planning process.
+No hang, no loss: a copy that dies, or that has used no CPU for ``STALL`` seconds while it owes
+an answer (a copy deadlocked on a lock some thread of the planning process held when it was
+forked), is killed, and its work is done again in the planning process. Only on Linux (fork is
+unsafe on macOS and missing on Windows); where one core is all there is, or
+``AUTOSHARD_PLAN_WORKERS=1``, everything runs in the planning process.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 from autoshard.passes import progress
 from autoshard.passes.progress import CLOCK, PHASES
@@ -33,8 +36,8 @@ ENV = "AUTOSHARD_PLAN_WORKERS"
 
 def available() -> int:
     """How many processes a search may use: the cores this process may run on (at most
-    ``MAX_WORKERS``, or ``AUTOSHARD_PLAN_WORKERS``); 1 where fork is unavailable."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    ``MAX_WORKERS``, or ``AUTOSHARD_PLAN_WORKERS``); 1 but on Linux."""
+    if not sys.platform.startswith("linux"):
         return 1
     asked = os.environ.get(ENV)
     if asked:
@@ -61,7 +64,7 @@ class Fanout:
     returns a ticket; ``answer(ticket)`` its result, raising what it raised (pickled across,
     or ``CopyFailed`` with its traceback). A copy's answers come back in the order asked."""
 
-    PATIENCE = 900.0   # seconds a copy may take over one task before it is taken for hung
+    STALL = 60.0   # seconds a copy that owes an answer may go without CPU before it is taken for hung
 
     def __init__(self, count: int, handlers: dict):
         self.handlers = handlers
@@ -76,7 +79,11 @@ class Fanout:
                 sys.stderr.flush()
                 sys.stdout.flush()
                 process = context.Process(target=self._serve, args=(child,), daemon=True)
-                process.start()
+                with warnings.catch_warnings():
+                    # Python 3.12 warns that a fork of a threaded process may deadlock: STALL
+                    # catches a copy that does
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    process.start()
                 child.close()
                 self.copies.append([parent, process, []])
 
@@ -145,7 +152,7 @@ class Fanout:
                 self._lose(owner)
                 continue
             conn, process = copy[0], copy[1]
-            if not conn.poll(self.PATIENCE):
+            if not _answers(conn, process.pid, self.STALL):
                 self._lose(owner)
                 continue
             try:
@@ -188,6 +195,29 @@ class Fanout:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _answers(conn, pid: int, stall: float) -> bool:
+    """Wait for an answer on ``conn``: False once the copy ``pid`` has used no CPU for ``stall``
+    seconds (hung, or dead: then the pipe ends and ``recv`` says so)."""
+    used, since = _cpu(pid), time.monotonic()
+    while not conn.poll(min(1.0, stall)):
+        now, cpu = time.monotonic(), _cpu(pid)
+        if cpu != used:
+            used, since = cpu, now
+        elif now - since >= stall:
+            return False
+    return True
+
+
+def _cpu(pid: int):
+    """The CPU ticks process ``pid`` has used (user and system), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _carried(outcome: tuple) -> tuple:
