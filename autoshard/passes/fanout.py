@@ -35,8 +35,9 @@ ENV = "AUTOSHARD_PLAN_WORKERS"
 
 
 def available() -> int:
-    """How many processes a search may use: the cores this process may run on (at most
-    ``MAX_WORKERS``, or ``AUTOSHARD_PLAN_WORKERS``); 1 but on Linux."""
+    """How many processes a search may use: the cores this process may run on, shared with the
+    other ranks of its node under torchrun (``LOCAL_WORLD_SIZE``), at most ``MAX_WORKERS``; or
+    ``AUTOSHARD_PLAN_WORKERS``; 1 but on Linux."""
     if not sys.platform.startswith("linux"):
         return 1
     asked = os.environ.get(ENV)
@@ -49,7 +50,16 @@ def available() -> int:
             raise ValueError(f"{ENV} is at least 1, got {n}")
         return min(n, MAX_WORKERS)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # under torchrun every rank of the node may be planning at once: its share of the cores
+    cores //= max(1, _int(os.environ.get("LOCAL_WORLD_SIZE")))
     return max(1, min(cores, MAX_WORKERS))
+
+
+def _int(text) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return 1
 
 
 class CopyFailed(RuntimeError):
