@@ -14,7 +14,7 @@ import torch
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
-from autoshard.cost.overlap import conversion_price, edge_kind
+from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
 from autoshard.outputs import kept_split
@@ -49,7 +49,7 @@ class Costs:
         self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
-        self._rerun_prices: dict = {}  # passes.recompute._forms: (edge price key, id(src), id(dst)) -> (src, dst, seconds run again, kept bytes)
+        self._rerun_prices: dict = {}  # (edge price key, id(src), id(dst)) -> (src, dst, ``rerun``)
         self._pairs_by_id: dict = {}  # (edge price key, id(src), id(dst)) -> (src, dst, ``pair``)
         self._pair_prices: dict = {}  # passes.solve._pairs: (edge price key, src, dst) -> ``pair``
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
@@ -251,6 +251,29 @@ class Costs:
                                             self.kept(value, src, dst, consumer))
         self._pairs_by_id[price, id(src), id(dst)] = (src, dst, hit)   # holds them: their ids stay theirs
         return hit
+
+    def forward_again(self, value, src, dst) -> float:
+        """Seconds of a conversion's forward steps alone: what recomputing it costs again."""
+        key = ("recompute", self.graph.meta(value), src, dst)
+        hit = self._conv.get(key)
+        if hit is None:
+            meta = self.graph.meta(value)
+            steps, _ = self.conversion(value, src, dst)
+            hit = self._conv[key] = sum(comm.step_time(st, meta.itemsize, self.mesh_shape, self.links) for st in steps)
+        return hit
+
+    def rerun(self, value, consumer: Node, slot: int, src, dst, price: Optional[int] = None) -> float:
+        """Seconds a conversion into an op of a recomputed block costs again (passes.recompute):
+        its forward steps once more, and what the schedule hid of it, which a recomputed block
+        does not hide (``cost.overlap.unhidden``); once per ``price_key`` and pair of layouts,
+        looked up by the layouts' identities first, as ``pair``."""
+        if price is None:
+            price = self.price_key(value, consumer, slot)
+        hit = self._rerun_prices.get((price, id(src), id(dst)))
+        if hit is None or hit[0] is not src or hit[1] is not dst:
+            seconds = self.forward_again(value, src, dst) + unhidden(self, value, src, dst, consumer, slot)
+            hit = self._rerun_prices[price, id(src), id(dst)] = (src, dst, seconds)   # holds them: their ids stay theirs
+        return hit[2]
 
     def conversion(self, value, src, dst, consumer: Optional[Node] = None):
         """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 from torch.export.graph_signature import OutputKind
 
-from autoshard.cost import comm
-from autoshard.cost.overlap import unhidden
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.repeat import _block_of
 
@@ -160,17 +158,6 @@ def groups(graph, rep: dict) -> list:
     return out
 
 
-def forward_again(costs, value, src, dst) -> float:
-    """Seconds of a conversion's forward steps alone: what recomputing it costs again."""
-    key = ("recompute", costs.graph.meta(value), src, dst)
-    hit = costs._conv.get(key)
-    if hit is None:
-        meta = costs.graph.meta(value)
-        steps, _ = costs.conversion(value, src, dst)
-        hit = costs._conv[key] = sum(comm.step_time(st, meta.itemsize, costs.mesh_shape, costs.links) for st in steps)
-    return hit
-
-
 def _in_region(producer) -> bool:
     """Whether converting ``producer``'s output for an op of a recomputed block is run again and
     its result freed: an activation's is. A parameter's is made once before the block and kept
@@ -223,7 +210,6 @@ def _forms(table, x, placed, costs, unit, integer, scale, light: bool = False) -
         fc.least += min(r(vec[_FWD]) for vec in vecs)
         fm.least += min(r(vec[_COMM]) for vec in vecs)
         d.most += max(nbytes) * scale if inner else 0
-    again = costs._rerun_prices
     for (u, value, v, slot, times, src, dst, pairs), spots in placed:
         g = owner.get(v.name)
         if g is None or not _in_region(u):
@@ -232,14 +218,8 @@ def _forms(table, x, placed, costs, unit, integer, scale, light: bool = False) -
         most_t = most_b = 0
         price = costs.price_key(value, v, slot)   # edges of equal keys run every pair again alike
         for var, pair in spots:
-            a, b = pair
-            # by the layouts' identities (Costs.pair): hashing a layout hashes its placements
-            hit = again.get((price, id(a), id(b)))
-            if hit is None or hit[0] is not a or hit[1] is not b:
-                seconds = forward_again(costs, value, a, b) + unhidden(costs, value, a, b, v, slot)
-                hit = again[price, id(a), id(b)] = (a, b, seconds, pairs[pair][1])
-            t = r(hit[2])
-            kept = hit[3] * scale
+            t = r(costs.rerun(value, v, slot, *pair, price))
+            kept = pairs[pair][1] * scale
             fm.add(var, t)
             d.add(var, kept)
             most_t, most_b = max(most_t, t), max(most_b, kept)
@@ -422,7 +402,7 @@ def block_price(graph, strategies, choice, costs, g: Group, light: bool = False)
                 continue
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
             dst = strat.inputs[slot]
-            coll += forward_again(costs, value, src, dst) + unhidden(costs, value, src, dst, n, slot)
+            coll += costs.rerun(value, n, slot, src, dst)
             freed += costs.kept(value, src, dst, n)
     return Cost(compute_bwd=fwd, comm=coll), int(freed)
 
