@@ -7,9 +7,10 @@ running beside them does not cover. Counted here, per conversion, is the compute
 places beside it whatever the rest of the plan:
 
     forward    a gathered input's own block of the linear that takes it (collective matmul)
-    backward   that block's input gradient, and the weight gradient of the linear that takes the
-               converted value, made while the dual step flies (AxoNN's backward,
-               ``passes.schedule._weight_grads_later``), where its weight is a parameter
+    backward   that block's input gradient; or, for a linear not so decomposed, its weight
+               gradient, made while the dual step flies (AxoNN's backward,
+               ``passes.schedule._weight_grads_later``), where its weight is a parameter (a
+               decomposed linear makes its weight gradient before the dual step starts)
 
 Other ops that happen to run between a start and its wait are not counted: they depend on the
 whole plan, not on the conversion's layouts.
@@ -255,13 +256,17 @@ def _edge(costs, n, slot, value, src, dst, strat):
     c = costs.node(n, strat())
     # an all-gather on a dim other than the features, into a linear: its own block's rows are made
     # while the gather flies, and their input gradient while the dual reduce-scatter does
-    if (len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].groups == 1
-            and steps[0].dim % len(meta.shape) != len(meta.shape) - 1):
+    gathered = (len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].groups == 1
+                and steps[0].dim % len(meta.shape) != len(meta.shape) - 1)
+    if gathered:
         p = steps[0].size(costs.mesh_shape)
         e["cover_fwd"], e["cover_bwd"] = c.compute_fwd / p, c.compute_bwd / 2 / p
     # the linear's weight gradient, made while the dual of its input's last step flies (AxoNN's
-    # backward: passes.schedule._weight_grads_later), where its weight is a parameter
-    if duals and _weight_grad_later(graph, n):
+    # backward: passes.schedule._weight_grads_later), where its weight is a parameter. Not a
+    # gathered linear's (a collective matmul, ``runtime.linear_gathered``): the schedule leaves it
+    # to that linear's own backward, which makes the weight's gradient before the dual
+    # reduce-scatter starts, so only its own block's input gradient flies beside it
+    if duals and not gathered and _weight_grad_later(graph, n):
         # it flies beside the dual of the last step only, the first of backward
         e["cover_bwd"] += c.compute_bwd / 2 if len(duals) == 1 else min(c.compute_bwd / 2, bwd[0])
     return e
