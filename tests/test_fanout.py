@@ -89,6 +89,31 @@ def test_a_copy_that_dies_mid_search_loses_nothing(monkeypatch, alone):
     _same(shared, alone)
 
 
+def _plan_in_a_rank(workers: int):
+    """A mesh search in a rank of a gloo group (a daemonic process, whose gloo threads run)."""
+    os.environ[fanout.ENV] = str(workers)
+    search.FANOUT_AFTER = 0.0
+    made = []
+
+    class Counted(fanout.Fanout):
+        def __init__(self, count, handlers):
+            super().__init__(count, handlers)
+            made.append(self.count)
+
+    search.Fanout = Counted
+    model, inputs = _gpt()
+    plan = autoshard.plan(model, inputs, world=256, verbose=False)
+    return plan.mesh_shape, plan.cost, plan.mesh_candidates, made
+
+
+def test_a_rank_of_a_process_group_shares_its_search_out_too(world2, alone):
+    # multiprocessing forbids a daemonic process (launch.LocalWorld's ranks) children of its own:
+    # the copies are forked by os.fork, and plan what one process plans
+    for mesh, cost, candidates, made in world2.run(_plan_in_a_rank, 2):
+        assert made == [1, 2]
+        assert (mesh, cost, candidates) == (alone.mesh_shape, alone.cost, alone.mesh_candidates)
+
+
 def _square(x):
     return x * x
 

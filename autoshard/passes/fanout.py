@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import sys
 import threading
 import time
@@ -78,24 +79,33 @@ class Fanout:
 
     def __init__(self, count: int, handlers: dict):
         self.handlers = handlers
-        self.copies = []   # [connection, process, tickets pending] per copy; None once lost
+        self.copies = []   # [connection, pid, tickets pending] per copy; None once lost
         self.done = {}     # ticket -> ("ok", value) or ("err", payload)
         self.tasks = {}    # ticket -> (owner, name, args)
         self.next = 0
-        if count > 1:
-            context = multiprocessing.get_context("fork")
-            for _ in range(count - 1):
-                parent, child = context.Pipe()
-                sys.stderr.flush()
-                sys.stdout.flush()
-                process = context.Process(target=self._serve, args=(child,), daemon=True)
+        for _ in range(count - 1):
+            # os.fork, not multiprocessing.Process: a search may run in a daemonic process (a
+            # rank of launch.LocalWorld), which multiprocessing forbids to have children
+            parent, child = multiprocessing.Pipe()
+            sys.stderr.flush()
+            sys.stdout.flush()
+            try:
                 with warnings.catch_warnings():
                     # Python 3.12 warns that a fork of a threaded process may deadlock: STALL
                     # catches a copy that does
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    process.start()
+                    pid = os.fork()
+            except OSError:   # no more processes to be had: the copies so far do the work
+                parent.close()
                 child.close()
-                self.copies.append([parent, process, []])
+                break
+            if pid == 0:   # the copy
+                parent.close()
+                for other in self.copies:   # the earlier copies' ends: theirs to see closed
+                    other[0].close()
+                self._serve(child)   # never returns
+            child.close()
+            self.copies.append([parent, pid, []])
 
     @property
     def count(self) -> int:
@@ -161,8 +171,8 @@ class Fanout:
             if copy is None or not copy[2]:
                 self._lose(owner)
                 continue
-            conn, process = copy[0], copy[1]
-            if not _answers(conn, process.pid, self.STALL):
+            conn, pid = copy[0], copy[1]
+            if not _answers(conn, pid, self.STALL):
                 self._lose(owner)
                 continue
             try:
@@ -246,9 +256,19 @@ def _carried(outcome: tuple) -> tuple:
 
 
 def _stop(copy, wait: float = 0.0) -> None:
-    conn, process, _ = copy
-    process.join(wait)
-    if process.is_alive():
-        process.kill()
-        process.join()
+    """Reap a copy: wait up to ``wait`` seconds for it to end, then kill it."""
+    conn, pid, _ = copy
     conn.close()
+    end = time.monotonic() + wait
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:   # reaped already
+            return
+        if done:
+            return
+        if time.monotonic() >= end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.01)
