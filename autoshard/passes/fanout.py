@@ -218,12 +218,12 @@ class Fanout:
 
 
 def _answers(conn, pid: int, stall: float) -> bool:
-    """Wait for an answer on ``conn``: False once the copy ``pid`` has used no CPU for ``stall``
-    seconds (hung, or dead: then the pipe ends and ``recv`` says so)."""
+    """Wait for an answer on ``conn`` (or its end: a copy that dies closes it): False once the
+    copy ``pid`` has used no CPU for ``stall`` seconds, hung."""
     used, since = _cpu(pid), time.monotonic()
     while not conn.poll(min(1.0, stall)):
         now, cpu = time.monotonic(), _cpu(pid)
-        if cpu != used:
+        if cpu is None or cpu != used:   # None: no /proc to read; a dead copy's pipe ends anyway
             used, since = cpu, now
         elif now - since >= stall:
             return False
