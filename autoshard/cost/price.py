@@ -49,8 +49,8 @@ class Costs:
         self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
-        self._rerun_prices: dict = {}  # (edge price key, id(src), id(dst)) -> (src, dst, ``rerun``)
-        self._pairs_by_id: dict = {}  # (edge price key, id(src), id(dst)) -> (src, dst, ``pair``)
+        self._rerun_prices: dict = {}  # ``_by_layouts``' cache of ``rerun``
+        self._pairs_by_id: dict = {}  # ``_by_layouts``' cache of ``pair``
         self._pair_prices: dict = {}  # passes.solve._pairs: (edge price key, src, dst) -> ``pair``
         self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
@@ -219,12 +219,10 @@ class Costs:
         if hit is not None:
             return hit
         graph = self.graph
-        producer = graph.by_name[value[0]]
-        meta = graph.meta(value)
-        own = producer.kind == "param" or value[0] in self._copies
-        backward = self.training and meta.floating and consumer.kind != "output" and producer.requires_grad
+        backward = (self.training and graph.meta(value).floating and consumer.kind != "output"
+                    and graph.by_name[value[0]].requires_grad)
         handed = consumer.kind == "output" and value in self.split_outputs
-        key = (value if own else meta, backward, consumer.kind, consumer.requires_grad, self.regathered(value),
+        key = (self._tensor(value), backward, consumer.kind, consumer.requires_grad, self.regathered(value),
                memory.in_region(graph, value, consumer), handed, edge_kind(self, value, consumer, slot))
         # a small number stands for it: pairs are looked up by the thousand, and the key is deep
         number = self._price_keys[value, consumer.name, slot] = self._price_ids.setdefault(key, len(self._price_ids))
@@ -238,18 +236,16 @@ class Costs:
         the caller prices many pairs of one edge."""
         if price is None:
             price = self.price_key(value, consumer, slot)
-        # by the layouts' identities first: the strategies hand the same tuples over and over,
-        # and hashing a layout hashes each of its placements in Python
-        fast = self._pairs_by_id.get((price, id(src), id(dst)))
-        if fast is not None and fast[0] is src and fast[1] is dst:
-            return fast[2]
+        return _by_layouts(self._pairs_by_id, price, src, dst, self._pair, value, consumer, slot)
+
+    def _pair(self, price: int, src, dst, value, consumer: Node, slot: int) -> tuple:
+        """``pair`` by the layouts' values: equal layouts in other tuples price alike."""
         key = (price, src, dst)
         hit = self._pair_prices.get(key)
         if hit is None:
             cost = conversion_price(self, value, src, dst, consumer, slot)
             hit = self._pair_prices[key] = (cost, tuple(getattr(cost, part) for part in PARTS),
                                             self.kept(value, src, dst, consumer))
-        self._pairs_by_id[price, id(src), id(dst)] = (src, dst, hit)   # holds them: their ids stay theirs
         return hit
 
     def forward_again(self, value, src, dst) -> float:
@@ -269,11 +265,8 @@ class Costs:
         looked up by the layouts' identities first, as ``pair``."""
         if price is None:
             price = self.price_key(value, consumer, slot)
-        hit = self._rerun_prices.get((price, id(src), id(dst)))
-        if hit is None or hit[0] is not src or hit[1] is not dst:
-            seconds = self.forward_again(value, src, dst) + unhidden(self, value, src, dst, consumer, slot)
-            hit = self._rerun_prices[price, id(src), id(dst)] = (src, dst, seconds)   # holds them: their ids stay theirs
-        return hit[2]
+        return _by_layouts(self._rerun_prices, price, src, dst,
+                           lambda _, a, b: self.forward_again(value, a, b) + unhidden(self, value, a, b, consumer, slot))
 
     def conversion(self, value, src, dst, consumer: Optional[Node] = None):
         """The steps from ``src`` to ``dst``, and whether the schedule prefetches the first."""
@@ -335,8 +328,7 @@ class Costs:
                     and self.graph.by_name[value[0]].requires_grad)
         rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
         # a parameter's (or its copy's) priced alone: its bucket share is its own
-        own = self.graph.by_name[value[0]].kind == "param" or value[0] in self._copies
-        key = (value if own else meta, src, dst, backward, rerun)
+        key = (self._tensor(value), src, dst, backward, rerun)
         if key not in self._conv:
             _, _, fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
             # converted again when backward needs it, where it waits
@@ -349,6 +341,17 @@ class Costs:
             else:
                 self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
         return self._conv[key]
+
+
+def _by_layouts(cache: dict, price: int, src, dst, make, *args):
+    """``make(price, src, dst, *args)`` once per edge price key and pair of layouts in ``cache``,
+    looked up by the layouts' identities: the strategies hand the same tuples over and over, and
+    hashing a layout hashes each of its placements in Python. The entry holds the layouts, so
+    their ids stay theirs."""
+    hit = cache.get((price, id(src), id(dst)))
+    if hit is None or hit[0] is not src or hit[1] is not dst:
+        hit = cache[price, id(src), id(dst)] = (src, dst, make(price, src, dst, *args))
+    return hit[2]
 
 
 def gather_shares(buckets: list, copies: dict) -> dict:

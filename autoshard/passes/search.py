@@ -103,18 +103,19 @@ class _Candidates:
         self.pin_errors, self.warned = [], {}
         self.worked = []   # the meshes whose work was made, in any process, in the search's order
 
+    def _twinnable(self, mesh) -> bool:
+        return not (self.cluster.collectives or math.prod(mesh) > self.cluster.gpus_per_node or self.pins_for(mesh))
+
     def twin_key(self, mesh):
         """What the meshes that may be one another's ``twin`` share: their axes' sizes, sorted."""
-        if self.cluster.collectives or math.prod(mesh) > self.cluster.gpus_per_node or self.pins_for(mesh):
-            return mesh
-        return tuple(sorted(mesh))
+        return tuple(sorted(mesh)) if self._twinnable(mesh) else mesh
 
     def twin(self, mesh):
         """A mesh bounded already whose program is this one's with its axes in another order,
         or None. Inside one node, on links not measured per group shape, every group of the
         same size talks over the same links, so (2, 4) and (4, 2) price every layout alike; pins
         name axes, so a mesh with pins has no twin."""
-        if self.cluster.collectives or math.prod(mesh) > self.cluster.gpus_per_node or self.pins_for(mesh):
+        if not self._twinnable(mesh):
             return None
         return next((m for m, e in self.entries.items() if m != mesh and sorted(m) == sorted(mesh)
                      and e["bound"] is not None), None)
@@ -481,13 +482,6 @@ def _recorded(cands, graph, mesh, fan, ticket, errors):
         return None
     cands.worked.append(mesh)
     return _record(cands, graph, mesh, *got)
-
-
-def _better(a, b):
-    """The cheaper of two (plan, ...) results, either of which may be None."""
-    if a is None or (b is not None and b[0].cost < a[0].cost):
-        return b
-    return a
 
 
 def _descend_from_seed(cands, graph, seed, time_limit, budget, results):
