@@ -287,14 +287,21 @@ def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layo
 
 def _residual_stream(graph: Graph, blocks: _Blocks) -> dict:
     """The values between the blocks' matmuls, where sequence parallelism splits by sequence:
-    each residual add and the stream it adds to, what each column-type linear reads (back
-    through views to the norm that made it), and every norm of the stream."""
+    each residual add, the stream it adds to and the branch it adds (the output of a dropout or
+    a cast after the closing linear), what each column-type linear reads (back through views to
+    the norm that made it), and every norm of the stream."""
     by = graph.by_name
     stream = set()
+    linear_nodes = {l.node for l in blocks.linears}
     for add, other in blocks.closes.values():
         stream.add(add)
         if by[other[0]].kind == "op" and other[1] == 0:
             stream.add(other[0])
+        # the branch it adds, where ops (a dropout, a cast) stand between the closing linear and the add
+        for branch in by[add].inputs:
+            if (branch != other and branch[1] == 0 and by[branch[0]].kind == "op"
+                    and branch[0] not in linear_nodes):
+                stream.add(branch[0])
     for lin in blocks.linears:
         if lin.kind != "column":
             continue
@@ -456,12 +463,26 @@ def megatron(model, example_inputs, mesh, *, tp: int = -1, graph: Optional[Graph
 
     Column-parallel linears (qkv, fc; q, k, v, gate, up): weight stored ``S(0)`` (W's n), bias
     ``S(0)``, output ``S(features)``: ``(B, S1) -> S1``. Row-parallel ones (proj, fc2; o, down):
-    weight ``S(1)`` (W's k), bias ``B``, output ``P``: ``(S1, S0) -> P``, all-reduced (or
-    reduce-scattered) before the residual add. On data axes weights are ``B`` and the inputs and
-    linear outputs ``S(0)``. Norms, embeddings and the head are the solver's choice."""
+    weight ``S(1)`` (W's k), bias ``B``, output ``P``: ``(S1, S0) -> P``,
+    all-reduced before the residual add. Between the blocks' matmuls the residual stream and its
+    norms are ``B`` on ``tp`` (``S(0)`` on data axes), as in Megatron-LM without sequence
+    parallelism: pinned, so that the scheme is the same program on every cluster rather than a
+    sequence-parallel variant where the cluster's prices happen to favour one. On data axes
+    weights are ``B`` and the inputs and linear outputs ``S(0)``. Embeddings and the head are the
+    solver's choice."""
     lay = _layout(model, example_inputs, mesh, graph)
     roles = _axes(lay, tp=tp)
-    return _megatron(lay, roles["tp"], _data_axes(lay, roles), "megatron")
+    tp, data = roles["tp"], _data_axes(lay, roles)
+    return _stream(lay, _megatron(lay, tp, data, "megatron"), data, tp, "B")
+
+
+def _stream(lay: _Layout, pins: dict, data: list, tp: int, how: str) -> dict:
+    """``pins`` with the residual stream (``lay.residual``) ``how`` on ``tp``, ``S(0)`` on ``data``."""
+    for name, shape in lay.residual.items():
+        per = {a: "S(0)" for a in data}
+        per[tp] = how
+        pins[name] = _nd(lay, f"the output of {name} (the residual stream)", shape, per)
+    return pins
 
 
 def sequence_parallel(model, example_inputs, mesh, *, tp: int = -1, graph: Optional[Graph] = None) -> dict:
@@ -476,16 +497,12 @@ def sequence_parallel(model, example_inputs, mesh, *, tp: int = -1, graph: Optio
     lay = _layout(model, example_inputs, mesh, graph)
     roles = _axes(lay, tp=tp)
     tp, data = roles["tp"], _data_axes(lay, roles)
-    pins = _megatron(lay, tp, data, "sequence_parallel")
     for name, shape in lay.residual.items():
         if len(shape) < 3:
             raise ValueError(f"sequence_parallel splits the residual stream by sequence (dim 1 of (batch, seq, "
                              f"features)), but {name} of the stream has shape {list(shape)}: use megatron for a "
                              "model without a sequence dim")
-        per = {a: "S(0)" for a in data}
-        per[tp] = "S(1)"
-        pins[name] = _nd(lay, f"the output of {name} (the residual stream)", shape, per)
-    return pins
+    return _stream(lay, _megatron(lay, tp, data, "sequence_parallel"), data, tp, "S(1)")
 
 
 def tensor_2d(model, example_inputs, mesh, *, row: int = 0, col: int = 1, graph: Optional[Graph] = None) -> dict:

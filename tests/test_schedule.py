@@ -4,6 +4,7 @@ still trains exactly as one device does (real gloo groups)."""
 import copy
 import math
 import operator
+import re
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def test_the_cost_model_chunks_where_it_hides_more_than_it_drags(scheme):
                                                        + DRAG * (b["hidden_fwd"] + b["hidden_bwd"]))
     blocking = sum(c.seconds for c in plan.collectives if c.node.startswith("dropout"))
     assert 0 < b["activations_hidden"] < b["exposed"] and blocking > 0
-    assert "overdecomposed" in str(plan) and "4 conversions into" in str(plan)
+    assert "overdecomposed" in str(plan) and sum(int(n) for n in re.findall(r"(\d+) conversions? into", str(plan))) == 4
     small = _meta_gpt(32, 16)
     plan = autoshard.plan(small[0], small[1], mesh=(8,), pin=getattr(autoshard.schemes, scheme)(*small, (8,)))
     assert plan.schedule["chunks"] == [] and plan.breakdown["exposed"] > 0

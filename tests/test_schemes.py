@@ -135,9 +135,28 @@ def test_scheme_plans_with_its_pins(captured, name, scheme):
     elif scheme == "megatron":   # exactly the block linears' weights (and the column ones' biases)
         assert {n for n in split if n.endswith(".weight")} == {w for w, r in ROLES[name].items() if r != "other"}
         # the row-parallel matmuls' partial sums are reduced over the axis
-        assert ("all_reduce", "forward", (0,)) in {(c.kind, c.phase, c.axes) for c in plan.collectives}
+        kinds = {(c.kind, c.phase, c.axes) for c in plan.collectives}
+        assert ("all_reduce", "forward", (0,)) in kinds
     else:
         assert split == set(plan.params)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_megatron_keeps_the_stream_whole_on_any_cluster(captured, name):
+    """Megatron-LM without sequence parallelism: each row-parallel matmul's partial sums are
+    all-reduced into a residual stream kept whole, also on a cluster whose all-reduce starts
+    three times slower than a reduce-scatter or an all-gather (where the solver, left free, would split the stream
+    by sequence or by batch and gather it back): a scheme is one program, not the cluster's pick."""
+    model, inputs, graph = captured[name]
+    rows = tuple((kind, 2, 1, 3e-4 if kind == "all_reduce" else 1e-4, 1e10)
+                 for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
+    skewed = autoshard.Cluster.preset("a100-80gb-nvlink-ib").with_(collectives=rows)
+    pins = schemes.megatron(model, inputs, (2,), graph=graph)
+    plan = plan_graph(graph, (2,), pin=pins, cluster=skewed)
+    forward = {c.kind for c in plan.collectives if c.phase == "forward" and c.axes == (0,)}
+    assert forward == {"all_reduce"}, forward
+    rows_ = sum(r == "row" for r in schemes.roles(model, inputs).values())
+    assert sum(c.kind == "all_reduce" and c.phase == "forward" for c in plan.collectives) == rows_ > 0
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
