@@ -11,6 +11,7 @@ import contextlib
 import math
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -691,6 +692,7 @@ class Pending:
         # a gather bucket's, for gathering it again in backward (regather_member)
         self.shares = self.group = self.p = self.layout = self.again = None
         self.dtype = None                       # a gather bucket's or a cast step's: the dtype gathered in
+        self.start = self.reduced = None        # a gather bucket's: its start's context; its started reduce-scatter
         self.packs = 0
         self.copy_out = False
         self.kept: dict = {}                      # what outlives the call: a gradient bucket's buffer
@@ -820,24 +822,40 @@ class _BucketStart(torch.autograd.Function):
         out = flat.new_empty((p, flat.numel()))
         h.work, h.keep = _all_gather(out.view(-1), flat, group=group, async_op=True), flat
         h.shares, h.group, h.p, h.dtype = [x.detach() for x in shares], group, p, dtype   # what a regather needs
+        # what its wait needs to start the reduce-scatter in backward (not ctx: ctx holds h)
+        h.start = SimpleNamespace(group=group, shapes=ctx.shapes, sync=ctx.sync, reduce=ctx.reduce, dtypes=ctx.dtypes)
         return out
 
     @staticmethod
     def backward(ctx, g):
         h = ctx.h
-        none = (None,) * 4
-        if ctx.reduce is not None:
-            g = g.to(ctx.reduce)
-        if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
-            _unsynced(h.kept, g)
-            h.bwd_result = [None] * len(ctx.shapes)
-            return none + (None,) * len(ctx.shapes)
-        g = _with_unsynced(h.kept, g).contiguous()
-        out = g.new_empty(g.shape[1])
-        h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
-        h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
-        h.keep = g
-        return none + _handed_late(h.bwd_result, ctx.dtypes)
+        if h.reduced is None:   # no _BucketWait started it (it always does in a scheduled program)
+            return (None,) * 4 + _reduce_bucket(h, g, ctx)
+        started, grads = h.reduced
+        h.reduced = None
+        if g is not started:
+            raise RuntimeError("autoshard internal error: a gather bucket's gradient reached its start other "
+                               "than as its wait reduce-scattered it (a second use of the gathered buffer?)")
+        return (None,) * 4 + grads
+
+
+def _reduce_bucket(h: Pending, g, ctx) -> tuple:
+    """Start the one reduce-scatter of a gather bucket's gradients ``g`` ((p, total), as its
+    _BucketWait lays them out), in the policy's reduce dtype where the mesh has one, or keep them
+    unreduced under no_sync; the shares' gradients to return, handed on by the bucket's
+    _GradWait once reduced. ``ctx``: the bucket's _BucketStart context, or what its forward kept of it."""
+    if ctx.reduce is not None:
+        g = g.to(ctx.reduce)
+    if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
+        _unsynced(h.kept, g)
+        h.bwd_result = [None] * len(ctx.shapes)
+        return (None,) * len(ctx.shapes)
+    g = _with_unsynced(h.kept, g).contiguous()
+    out = g.new_empty(g.shape[1])
+    h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
+    h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
+    h.keep = g
+    return _handed_late(h.bwd_result, ctx.dtypes)
 
 
 def _handed_late(results, dtypes) -> tuple:
@@ -853,7 +871,7 @@ class _BucketWait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buf, h, layout):
-        ctx.layout, ctx.p, ctx.meta = layout, buf.shape[0], (buf.dtype, buf.device)
+        ctx.layout, ctx.p, ctx.meta, ctx.h = layout, buf.shape[0], (buf.dtype, buf.device), h
         _wait(h.work)
         h.work = h.keep = None
         h.layout = layout
@@ -864,7 +882,14 @@ class _BucketWait(torch.autograd.Function):
         parts = [_from_dim(g, ctx.p, dim, groups) if g is not None
                  else torch.zeros((ctx.p, math.prod(shape)), dtype=ctx.meta[0], device=ctx.meta[1])
                  for g, (shape, dim, groups) in zip(gs, ctx.layout)]
-        return torch.cat(parts, dim=1), None, None
+        g = torch.cat(parts, dim=1)
+        # the reduce-scatter starts here, as soon as the bucket's gradients are made: its
+        # _BucketStart, made at the program's start, is the oldest node and autograd runs it only
+        # once nothing made later is ready, at the end of backward
+        h = ctx.h
+        h.reduced = (g, _reduce_bucket(h, g, h.start))
+        h.start = None
+        return g, None, None
 
 
 def bucket_start(h: Pending, axis, *shares, dtype=None):

@@ -269,6 +269,41 @@ def test_every_bucket_starts_before_any_wait(world4):
         assert max(launches) < min(waits), events
 
 
+def reduce_scatter_order_case():
+    """FSDP's gather buckets, several: record when each bucket's gradient reduce-scatter starts
+    against when backward reaches the model's input (its last step)."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    pm = autoshard.parallelize(model, (x,), pin=FSDP, bucket_bytes=2048)
+    events = []
+    real = runtime._reduce_scatter
+
+    def traced(*args, **kw):
+        events.append("reduce_scatter")
+        return real(*args, **kw)
+
+    x = x.clone().requires_grad_()
+    x.register_hook(lambda g: events.append("input"))
+    runtime._reduce_scatter = traced
+    try:
+        pm(x).sum().backward()
+    finally:
+        runtime._reduce_scatter = real
+    return events, pm.program
+
+
+def test_gather_buckets_reduce_scatter_as_backward_makes_their_gradients(world4):
+    """A gather bucket's reduce-scatter starts when its gradients are made, beside the rest of
+    backward: its start is made at the program's start (prefetched), and autograd runs the
+    oldest ready node last, so started there it would wait for the end of backward."""
+    for events, program in world4.run(reduce_scatter_order_case):
+        assert program.count("bucket_start(") >= 3, program
+        first_input = events.index("input")
+        assert events.count("reduce_scatter") >= 3
+        # every bucket but the one holding the first layer starts before backward reaches the input
+        assert events[:first_input].count("reduce_scatter") >= events.count("reduce_scatter") - 1, events
+
+
 # ---- activation collectives started early, waited on late ----------------------------------------
 
 def test_activation_steps_start_after_their_input_and_wait_before_first_use():
