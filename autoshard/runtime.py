@@ -39,6 +39,7 @@ class RankMesh:
         self.coords = list(device_mesh.get_coordinate())
         self.generator = generator
         self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
+        self.hybrid: list = []  # backward: hybrid gather buckets reduce-scattered, their all-reduces not started
         self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
         self.reduce_dtype = None  # a mixed-precision policy's: parameter gradients all-reduced in it
         # axes -> the group spanning them; ``joint`` shares them between modules on one mesh
@@ -693,6 +694,8 @@ class Pending:
         self.shares = self.group = self.p = self.layout = self.again = None
         self.dtype = None                       # a gather bucket's or a cast step's: the dtype gathered in
         self.start = self.reduced = None        # a gather bucket's: its start's context; its started reduce-scatter
+        self.sync_group = self.reduced_out = None   # a hybrid gather bucket's: its all-reduce's group and buffer
+        self.mesh = None                        # a gather bucket's RankMesh (backward runs outside ``active``)
         self.packs = 0
         self.copy_out = False
         self.kept: dict = {}                      # what outlives the call: a gradient bucket's buffer
@@ -724,6 +727,9 @@ class _GradWait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         h = ctx.h
+        if h.reduced_out is not None:   # a hybrid bucket whose all-reduce no later bucket started
+            _all_reduce_after(h)
+            h.mesh.hybrid = [e for e in h.mesh.hybrid if e is not h]
         _wait(h.bwd_work)
         out = h.bwd_result if h.bwd_result is not None else list(gs)
         if h.copy_out:
@@ -852,10 +858,29 @@ def _reduce_bucket(h: Pending, g, ctx) -> tuple:
         return (None,) * len(ctx.shapes)
     g = _with_unsynced(h.kept, g).contiguous()
     out = g.new_empty(g.shape[1])
+    m = h.mesh
+    for earlier in m.hybrid:   # the hybrid buckets reduce-scattered before: their all-reduces next
+        _all_reduce_after(earlier)
+    m.hybrid = []
     h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
     h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
     h.keep = g
+    if h.sync_group is not None:
+        h.reduced_out = out
+        m.hybrid.append(h)
     return _handed_late(h.bwd_result, ctx.dtypes)
+
+
+def _all_reduce_after(h: Pending) -> None:
+    """A hybrid-sharded bucket's second reduction: once its reduce-scatter is done, the all-reduce
+    of the result over the axes its parameters are stored broadcast on, started. Called when the
+    next bucket's gradients are made (its reduce-scatter is then most likely done) or by the
+    bucket's _GradWait, whichever comes first; on every rank in the same order."""
+    if h.reduced_out is None:
+        return
+    _wait(h.bwd_work)
+    h.bwd_work = dist.all_reduce(h.reduced_out, group=h.sync_group, async_op=True)
+    h.reduced_out = None
 
 
 def _handed_late(results, dtypes) -> tuple:
@@ -892,10 +917,12 @@ class _BucketWait(torch.autograd.Function):
         return g, None, None
 
 
-def bucket_start(h: Pending, axis, *shares, dtype=None):
+def bucket_start(h: Pending, axis, *shares, dtype=None, sync=()):
     """Start one all-gather of several parameters' ``shares`` over ``axis`` (one, or a tuple),
-    cast to ``dtype`` where given."""
+    cast to ``dtype`` where given. ``sync``: the axes the parameters are stored broadcast on
+    (hybrid sharding), over which their reduce-scattered gradients are then all-reduced."""
     m = _mesh()
+    h.mesh, h.sync_group = m, (m.group(tuple(sync)) if sync else None)
     return _BucketStart.apply(h, m.group(axis), m.size(axis), dtype, *shares)
 
 

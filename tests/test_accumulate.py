@@ -58,6 +58,8 @@ def accumulate_case(name, pin, mesh, overlap):
     ref = copy.deepcopy(model)
     if name == "gpt":
         pin = schemes.megatron(model, micro[0], mesh)   # tensor parallel on the last axis
+    elif pin == "hybrid":   # FSDP on the last axis, data parallel on the first
+        pin = schemes.fsdp(model, micro[0], mesh, shard=1)
     pm = autoshard.parallelize(model, micro[0], pin=pin, mesh=mesh, overlap=overlap)
     reduced = {n for n, p in pm.named_parameters() if "Replicate()" in str(p.placements) or len(p.placements) > 1}
     counts, empty = [], True
@@ -79,13 +81,13 @@ def accumulate_case(name, pin, mesh, overlap):
 
 @pytest.mark.parametrize("name,pin,mesh,overlap", [
     ("mlp", DP, (4,), True), ("mlp", DP, (4,), False), ("mlp", FSDP, (4,), True), ("mlp", FSDP, (4,), False),
-    ("mlp", None, (2, 2), True), ("gpt", None, (2, 2), True)],
-    ids=["dp", "dp-unscheduled", "fsdp", "fsdp-unscheduled", "default-2x2", "megatron-2x2"])
+    ("mlp", None, (2, 2), True), ("gpt", None, (2, 2), True), ("mlp", "hybrid", (2, 2), True)],
+    ids=["dp", "dp-unscheduled", "fsdp", "fsdp-unscheduled", "default-2x2", "megatron-2x2", "hybrid-fsdp-2x2"])
 def test_no_sync_accumulates_exactly(world4, name, pin, mesh, overlap):
     for diff, empty, counts in world4.run(accumulate_case, name, pin, mesh, overlap):
         assert diff <= 1e-5, diff
         assert empty
-        if name == "mlp" and pin is DP or pin is FSDP and overlap:
+        if name == "mlp" and pin is DP or pin in (FSDP, "hybrid") and overlap:
             # data parallel and bucketed FSDP: nothing reduced until the last micro-batch
             assert counts == [0, 0], counts
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -194,18 +195,24 @@ def test_gradient_reduction_priced_in_reduce_dtype():
 
 
 class _Collectives:
-    """The all-gathers and reduce-scatters this rank runs, with their input's dtype and size."""
+    """The all-gathers, reduce-scatters and all-reduces this rank runs, with their input's dtype
+    and size."""
 
     def __enter__(self):
-        self.calls, self.saved = [], (runtime._all_gather, runtime._reduce_scatter)
+        self.calls, self.saved = [], (runtime._all_gather, runtime._reduce_scatter, dist.all_reduce)
 
         def count(kind, f):
             return lambda out, inp, **kw: (self.calls.append((kind, inp.dtype, inp.numel())), f(out, inp, **kw))[1]
+
+        def reduce(t, *args, **kw):
+            self.calls.append(("all_reduce", t.dtype, t.numel()))
+            return self.saved[2](t, *args, **kw)
         runtime._all_gather, runtime._reduce_scatter = count("all_gather", self.saved[0]), count("reduce_scatter", self.saved[1])
+        dist.all_reduce = reduce
         return self
 
     def __exit__(self, *exc):
-        runtime._all_gather, runtime._reduce_scatter = self.saved
+        runtime._all_gather, runtime._reduce_scatter, dist.all_reduce = self.saved
 
 
 def fsdp_policy_case(reduce, overlap=True, mesh=(4,), roles=None):
@@ -283,20 +290,26 @@ def test_fsdp_policy_reduces_in_reduce_dtype_without_the_schedule(world4):
 
 
 def test_hybrid_sharding_reduces_in_reduce_dtype_under_the_schedule(world4):
-    """Hybrid sharding on (2, 2) with the schedule: a copy whose master goes through its
-    gradient's all-reduce is not taken by a gather bucket; its gather is an activation step that
-    casts the master, started early and waited on late, its gradient reduce-scattered in fp32."""
+    """Hybrid sharding on (2, 2) with the schedule: the copies whose masters are stored
+    broadcast on axis 0 are gathered on axis 1 in prefetched buckets that cast them to bf16, and
+    the buckets reduce-scatter their gradients in fp32 and then all-reduce them over axis 0 in
+    fp32 (no step of its own per parameter, no gradient all-reduce apart)."""
     for res in world4.run(fsdp_policy_case, torch.float32, True, (2, 2), {"shard": 1}):
         assert res["split"]
         program = res["program"]
-        casting = [line for line in program.splitlines()
-                   if "autoshard_runtime_step_start(" in line and "dtype = torch.bfloat16" in line]
-        assert len(casting) > 20, program
-        assert "autoshard_runtime_cast_all_gather(" not in program
+        buckets = [line for line in program.splitlines() if "autoshard_runtime_bucket_start(" in line]
+        assert buckets and all("sync = (0,)" in b for b in buckets), program
+        # (the tied head's master is gathered in fp32 and cast after: the embedding takes it too)
+        casting = [b for b in buckets if "dtype = torch.bfloat16" in b]
+        assert casting, program
+        assert "autoshard_runtime_cast_all_gather(" not in program and "autoshard_runtime_step_start(" not in program
+        assert "grad_sync" not in program
         gathers = [c for c in res["calls"] if c[0] == "all_gather"]
         scatters = [c for c in res["calls"] if c[0] == "reduce_scatter"]
+        reduces = [c for c in res["calls"] if c[0] == "all_reduce" and c[2] > 1]   # not the loss's scalars
         assert sum(dtype == BF16 for _, dtype, _ in gathers) >= len(casting), res["calls"]
         assert scatters and all(dtype == torch.float32 for _, dtype, _ in scatters), res["calls"]
+        assert len(reduces) >= len(scatters) and all(dtype == torch.float32 for _, dtype, _ in reduces), res["calls"]
         bad = {n: e for n, e in res["grads"].items() if e > bf16_tol(res)}
         assert not bad, (bad, res["noise"])
         assert sum(not v for v in res["in_bf16"].values()) > len(res["in_bf16"]) // 2, res["in_bf16"]

@@ -197,7 +197,11 @@ def accumulate_case(pin, overlap, mesh=None, steps=2):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(8, 32)
     ref = copy.deepcopy(model)
-    pm = autoshard.parallelize(model, (x,), pin=pin, overlap=overlap, mesh=mesh)
+    if pin == "hybrid":   # FSDP on axis 1, data parallel on axis 0; 2 KB gather buckets
+        pm = autoshard.parallelize(model, (x,), pin=autoshard.schemes.fsdp(model, (x,), mesh, shard=1),
+                                   overlap=overlap, mesh=mesh, bucket_bytes=2048)
+    else:
+        pm = autoshard.parallelize(model, (x,), pin=pin, overlap=overlap, mesh=mesh)
     opt, ref_opt = torch.optim.Adam(pm.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     for i in range(steps):
         xi = x * (i + 1)
@@ -214,8 +218,8 @@ def accumulate_case(pin, overlap, mesh=None, steps=2):
 
 
 @pytest.mark.parametrize("pin,mesh", [(DP, None), (FSDP, None), (None, None), (None, (2, 2)),
-                                      ({"x": ("S(0)", "S(0)")}, (2, 2))],
-                         ids=["dp", "fsdp", "default", "default-2x2", "dp-2x2"])
+                                      ({"x": ("S(0)", "S(0)")}, (2, 2)), ("hybrid", (2, 2))],
+                         ids=["dp", "fsdp", "default", "default-2x2", "dp-2x2", "hybrid-fsdp-2x2"])
 def test_scheduled_program_trains_exactly(world4, pin, mesh):
     for grads, params, out, program in world4.run(accumulate_case, pin, True, mesh):
         assert grads <= 1e-5 and params <= 1e-5 and out <= 1e-5, (grads, params, out)
@@ -224,6 +228,9 @@ def test_scheduled_program_trains_exactly(world4, pin, mesh):
             assert "grad_bucket" in program and "grad_sync" not in program
         if pin is FSDP:
             assert "bucket_start" in program and "bucket_wait" in program
+        if pin == "hybrid":   # gathered in prefetched buckets, which also all-reduce over axis 0
+            assert program.count("bucket_start(") >= 3 and "sync = (0,)" in program, program
+            assert "grad_sync" not in program and "step_start" not in program
 
 
 def test_without_overlap_the_program_is_the_rewriters(world4):

@@ -61,7 +61,10 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
     start = _Cursor(g, placeholders[-1] if placeholders else None)
-    joint = _bucket_gradients(g, nodes, order, start, bucket_bytes)
+    # a hybrid-sharded parameter's all-reduce over its broadcast axes: done by its gather bucket
+    taken = {found[2] for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
+             and "sizes" not in n.kwargs for found in [_gathered_share(n)] if found is not None and found[2] is not None}
+    joint = _bucket_gradients(g, nodes, order, start, bucket_bytes, taken)
     _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
     chunked = overdecompose(g, chunks)
     _start_steps_early(g, start)
@@ -97,9 +100,9 @@ def _local_bytes(ph: fx.Node) -> int:
     return math.prod(meta.shape) * meta.itemsize
 
 
-def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
+def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int, taken=frozenset()) -> set:
     syncs = [n for n in nodes if n.op == "call_function" and n.target is runtime.grad_sync and n.users
-             and n.args[0].op == "placeholder" and len(n.args[0].users) == 1]
+             and n.args[0].op == "placeholder" and len(n.args[0].users) == 1 and n not in taken]
     first_use = {n: min(order[u] for u in n.users) for n in syncs}
     buckets, open_ = [], {}
     # gradients complete in reverse order of first use: fill buckets in that order
@@ -128,17 +131,33 @@ def _bucket_gradients(g, nodes, order, start: _Cursor, cap: int) -> set:
 
 
 def _gathered_share(n):
-    """(placeholder, dtype to cast it to or None) where the all-gather ``n`` gathers a
-    parameter's share: the placeholder itself, used by nothing else (but the recipe that makes
-    the gathered parameter again for backward, runtime.regather), or a cast of it that a
-    mixed-precision policy or autocast made, which the placeholder and the cast feed alone (its
-    copy is then gathered in the cast's bytes, the cast done by the bucket)."""
+    """(placeholder, dtype to cast it to or None, its grad_sync or None) where the all-gather
+    ``n`` gathers a parameter's share: the placeholder itself, used by nothing else (but the
+    recipe that makes the gathered parameter again for backward, runtime.regather), or a cast of
+    it that a mixed-precision policy or autocast made, which the placeholder and the cast feed
+    alone (its copy is then gathered in the cast's bytes, the cast done by the bucket). A
+    hybrid-sharded parameter (stored broadcast on other axes) comes through its ``grad_sync``,
+    which then feeds the gather (or the cast) alone: its bucket all-reduces the reduce-scattered
+    gradient over those axes too."""
     x = n.args[0]
-    if x.op == "placeholder" and sum(u.target is not runtime.regather for u in x.users) == 1:
-        return x, None
-    if _copy(x) and x.args[0].op == "placeholder" and len(x.args[0].users) == 1:
-        return x.args[0], x.kwargs["dtype"]
+    sync = None
+    if _synced(x):
+        x, sync = x.args[0], x
+    elif _copy(x) and _synced(x.args[0]):
+        x, sync = x.args[0].args[0], x.args[0]
+        return x, n.args[0].kwargs["dtype"], sync
+    if x.op == "placeholder" and sum(u.target is not runtime.regather for u in (sync or x).users) == 1:
+        return x, None, sync
+    if sync is None and _copy(x) and x.args[0].op == "placeholder" and len(x.args[0].users) == 1:
+        return x.args[0], x.kwargs["dtype"], None
     return None
+
+
+def _synced(x) -> bool:
+    """Whether ``x`` is a parameter's ``grad_sync``, the placeholder's one use, used once but for
+    the regather recipe."""
+    return (x.op == "call_function" and x.target is runtime.grad_sync and x.args[0].op == "placeholder"
+            and len(x.args[0].users) == 1 and sum(u.target is not runtime.regather for u in x.users) == 1)
 
 
 def _copy(x) -> bool:
@@ -185,12 +204,12 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
     # neighbours in use order on one group, of one dtype, up to ``cap`` gathered bytes: one
     # collective, as FSDP gathers a module's parameters at once
     buckets = []
-    for n, (ph, cast) in gathers:
+    for n, (ph, cast, sync) in gathers:
         axis, meta = n.kwargs["axis"], ph.meta["local"]
         dtype = cast or meta.dtype
         size = math.prod(meta.shape) * dtype.itemsize * math.prod(
             mesh_shape[a] for a in ((axis,) if isinstance(axis, int) else axis))
-        key = (axis, meta.dtype, cast)
+        key = (axis, meta.dtype, cast, tuple(sync.args[1]) if sync is not None else ())
         b = buckets[-1] if buckets else None
         if b is None or b["key"] != key or b["bytes"] + size > cap:
             b = {"key": key, "members": [], "bytes": 0}
@@ -211,7 +230,10 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
         while j >= 0 and sum(sizes[j:i + 1]) <= limit:
             j -= 1
         cursor = start if j < 0 else after.setdefault(j, _Cursor(g, waits[j]))
-        started = cursor.call(runtime.bucket_start, (h, axis, *waited), {"dtype": b["key"][2]} if b["key"][2] else None)
+        kw = {"dtype": b["key"][2]} if b["key"][2] else {}
+        if b["key"][3]:
+            kw["sync"] = b["key"][3]
+        started = cursor.call(runtime.bucket_start, (h, axis, *waited), kw or None)
         layout = tuple((tuple(ph.meta["local"].shape), n.kwargs["dim"], n.kwargs.get("groups", 1))
                        for ph, n in zip(shares, members))
         with g.inserting_before(members[0]):
@@ -228,6 +250,8 @@ def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int
             g.erase_node(n)
             if cast is not None:   # the bucket casts
                 g.erase_node(cast)
+            if shared[n][2] is not None:   # the bucket all-reduces over the broadcast axes
+                g.erase_node(shared[n][2])
         waits.append(wait)
 
 
