@@ -309,15 +309,16 @@ def test_2x2_mesh_matches_single_device(world4, name, pin):
             assert placement == pin[next(iter(pin))]
 
 
-def reshard_case(mesh, reshard, overlap):
-    """FSDP on ``mesh``: one training step against the single device, the gathers each phase
+def reshard_case(mesh, reshard, overlap, shard=None):
+    """FSDP on ``mesh`` (storing parameters split on the ``shard`` axes, default all: others
+    hybrid, broadcast): one training step against the single device, the gathers each phase
     issues, and what the plan says of them."""
     from autoshard import runtime, schemes
     torch.manual_seed(0)
     model = GPT(layers=2)
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
     ref = copy.deepcopy(model)
-    pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=schemes.fsdp(model, inputs, mesh),
+    pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=schemes.fsdp(model, inputs, mesh, shard=shard),
                                reshard_after_forward=reshard, overlap=overlap)
     opt, ref_opt = torch.optim.Adam(pm.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     out, ref_out = pm(*inputs), ref(*inputs)
@@ -338,14 +339,15 @@ def reshard_case(mesh, reshard, overlap):
                 planned_again=len(again), activations=plan.memory["activations"], text=str(plan))
 
 
-@pytest.mark.parametrize("mesh,overlap", [((4,), True), ((4,), False), ((2, 2), True)])
-def test_reshard_after_forward_gathers_weights_again_for_backward(world4, mesh, overlap):
+@pytest.mark.parametrize("mesh,overlap,shard", [((4,), True, None), ((4,), False, None), ((2, 2), True, None),
+                                               ((2, 2), True, 1)], ids=["4", "4-unscheduled", "2x2", "2x2-hybrid"])
+def test_reshard_after_forward_gathers_weights_again_for_backward(world4, mesh, overlap, shard):
     """``reshard_after_forward=True``: every weight FSDP gathers for a matmul is freed after
     forward and gathered again when the matmul's backward needs it (with the weights of its gather bucket:
     at most as many gathers as the plan prices), the activations no longer hold the gathered weights, and the step still
-    equals the single device's."""
-    kept = world4.run(reshard_case, mesh, False, overlap)
-    freed = world4.run(reshard_case, mesh, True, overlap)
+    equals the single device's; hybrid sharding (stored split on axis 1, broadcast on axis 0) too."""
+    kept = world4.run(reshard_case, mesh, False, overlap, shard)
+    freed = world4.run(reshard_case, mesh, True, overlap, shard)
     for k, f in zip(kept, freed):
         for r in (k, f):
             assert max(r["out"], r["grads"], r["params"]) <= 1e-5, (r["out"], r["grads"], r["params"])
