@@ -15,7 +15,10 @@ moved, so that communication overlaps compute.
                           reduce-scatter, also one per bucket, starts as soon as the bucket's
                           gradients are complete and is waited on late. With
                           reshard_after_forward, backward gathers a bucket again, once, when the
-                          first of its parameters is needed.
+                          first of its parameters is needed. A parameter also stored broadcast
+                          on other axes (hybrid sharding) travels in these buckets too: its
+                          bucket then all-reduces the reduce-scattered gradients over those
+                          axes, started when the next bucket's gradients are complete.
 
     activation step       every other collective between ops (the rewriter's conversions of
                           activations, and of parameters no bucket took) starts right after its
@@ -27,10 +30,10 @@ moved, so that communication overlaps compute.
 The cost model prices this schedule: bucketed all-reduces share one launch and latency per
 bucket, and parameter collectives hide behind the compute of their phase (``cost.price``,
 ``passes.solve``), and what the activation steps hide too (``cost.overlap``).
-A policy copy no bucket took (a hybrid-sharded parameter's, whose master goes through its
-gradient's all-reduce first) is gathered by an activation step that casts (``step_start``'s
-``dtype``), and without the schedule by ``runtime.cast_all_gather`` (``fuse_cast_gathers``, run
-on every program): either way its gradient is reduce-scattered in ``reduce_dtype``.
+A policy copy no bucket took (one whose master's gradient all-reduce or placeholder feeds more
+than this gather) is gathered by an activation step that casts (``step_start``'s ``dtype``), and
+without the schedule by ``runtime.cast_all_gather`` (``fuse_cast_gathers``, run on every
+program): either way its gradient is reduce-scattered in ``reduce_dtype``.
 """
 from __future__ import annotations
 
@@ -274,7 +277,7 @@ def _start_steps_early(g, start: _Cursor) -> None:
         kw = n.kwargs
         args = (kind, kw["axis"], kw.get("dim"), kw.get("dim2"), kw.get("groups", 1), kw.get("sizes"), kw.get("sizes2"))
         cast = x if kind == "all_gather" and _copy(x) and _master(x.args[0]) else None
-        if cast is not None:   # a policy copy no bucket took (hybrid sharding): the step casts
+        if cast is not None:   # a policy copy no bucket took: the step casts
             x, kw = x.args[0], {"dtype": cast.kwargs["dtype"]}
         else:
             kw = {}
