@@ -693,7 +693,7 @@ class Pending:
         # a gather bucket's, for gathering it again in backward (regather_member)
         self.shares = self.group = self.p = self.layout = self.again = None
         self.dtype = None                       # a gather bucket's or a cast step's: the dtype gathered in
-        self.start = self.reduced = None        # a gather bucket's: its start's context; its started reduce-scatter
+        self.start = self.reduced = None        # a gather bucket's: how it is reduced; its started reduce-scatter
         self.sync_group = self.reduced_out = None   # a hybrid gather bucket's: its all-reduce's group and buffer
         self.mesh = None                        # a gather bucket's RankMesh (backward runs outside ``active``)
         self.packs = 0
@@ -820,24 +820,22 @@ class _BucketStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, group, p, dtype, *shares):
-        ctx.h, ctx.group, ctx.shapes, ctx.sync = h, group, [x.shape for x in shares], _mesh().sync_grads
-        ctx.reduce, ctx.dtypes = _mesh().reduce_dtype, [x.dtype for x in shares]
+        ctx.h = h
+        # how its gradients are reduced, which its _BucketWait starts in backward
+        h.start = SimpleNamespace(group=group, shapes=[x.shape for x in shares], sync=_mesh().sync_grads,
+                                  reduce=_mesh().reduce_dtype, dtypes=[x.dtype for x in shares])
         flat = torch.cat([x.reshape(-1) for x in shares])
         if dtype is not None:
             flat = flat.to(dtype)
         out = flat.new_empty((p, flat.numel()))
         h.work, h.keep = _all_gather(out.view(-1), flat, group=group, async_op=True), flat
         h.shares, h.group, h.p, h.dtype = [x.detach() for x in shares], group, p, dtype   # what a regather needs
-        # what its wait needs to start the reduce-scatter in backward (not ctx: ctx holds h)
-        h.start = SimpleNamespace(group=group, shapes=ctx.shapes, sync=ctx.sync, reduce=ctx.reduce, dtypes=ctx.dtypes)
         return out
 
     @staticmethod
     def backward(ctx, g):
         h = ctx.h
-        if h.reduced is None:   # no _BucketWait started it (it always does in a scheduled program)
-            return (None,) * 4 + _reduce_bucket(h, g, ctx)
-        started, grads = h.reduced
+        started, grads = h.reduced if h.reduced is not None else (None, ())
         h.reduced = None
         if g is not started:
             raise RuntimeError("autoshard internal error: a gather bucket's gradient reached its start other "
@@ -845,30 +843,30 @@ class _BucketStart(torch.autograd.Function):
         return (None,) * 4 + grads
 
 
-def _reduce_bucket(h: Pending, g, ctx) -> tuple:
+def _reduce_bucket(h: Pending, g, how) -> tuple:
     """Start the one reduce-scatter of a gather bucket's gradients ``g`` ((p, total), as its
     _BucketWait lays them out), in the policy's reduce dtype where the mesh has one, or keep them
     unreduced under no_sync; the shares' gradients to return, handed on by the bucket's
-    _GradWait once reduced. ``ctx``: the bucket's _BucketStart context, or what its forward kept of it."""
-    if ctx.reduce is not None:
-        g = g.to(ctx.reduce)
-    if not ctx.sync:    # kept unreduced (no_sync): nothing reaches the parameters
+    _GradWait once reduced. ``how``: what the bucket's _BucketStart kept of it (``h.start``)."""
+    if how.reduce is not None:
+        g = g.to(how.reduce)
+    if not how.sync:    # kept unreduced (no_sync): nothing reaches the parameters
         _unsynced(h.kept, g)
-        h.bwd_result = [None] * len(ctx.shapes)
-        return (None,) * len(ctx.shapes)
+        h.bwd_result = [None] * len(how.shapes)
+        return (None,) * len(how.shapes)
     g = _with_unsynced(h.kept, g).contiguous()
     out = g.new_empty(g.shape[1])
     m = h.mesh
     for earlier in m.hybrid:   # the hybrid buckets reduce-scattered before: their all-reduces next
         _all_reduce_after(earlier)
     m.hybrid = []
-    h.bwd_work = _reduce_scatter(out, g.view(-1), group=ctx.group, async_op=True)
-    h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in ctx.shapes]), ctx.shapes)]
+    h.bwd_work = _reduce_scatter(out, g.view(-1), group=how.group, async_op=True)
+    h.bwd_result = [part.view(shape) for part, shape in zip(out.split([math.prod(s) for s in how.shapes]), how.shapes)]
     h.keep = g
     if h.sync_group is not None:
         h.reduced_out = out
         m.hybrid.append(h)
-    return _handed_late(h.bwd_result, ctx.dtypes)
+    return _handed_late(h.bwd_result, how.dtypes)
 
 
 def _all_reduce_after(h: Pending) -> None:
@@ -913,7 +911,6 @@ class _BucketWait(torch.autograd.Function):
         # once nothing made later is ready, at the end of backward
         h = ctx.h
         h.reduced = (g, _reduce_bucket(h, g, h.start))
-        h.start = None
         return g, None, None
 
 

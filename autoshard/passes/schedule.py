@@ -64,11 +64,12 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
     start = _Cursor(g, placeholders[-1] if placeholders else None)
+    gathers = [(n, found) for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
+               and "sizes" not in n.kwargs for found in [_gathered_share(n)] if found is not None]
     # a hybrid-sharded parameter's all-reduce over its broadcast axes: done by its gather bucket
-    taken = {found[2] for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
-             and "sizes" not in n.kwargs for found in [_gathered_share(n)] if found is not None and found[2] is not None}
+    taken = {sync for _, (_, _, sync) in gathers if sync is not None}
     joint = _bucket_gradients(g, nodes, order, start, bucket_bytes, taken)
-    _prefetch_gathers(g, nodes, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
+    _prefetch_gathers(g, gathers, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
     chunked = overdecompose(g, chunks)
     _start_steps_early(g, start)
     _weight_grads_later(g)
@@ -143,16 +144,17 @@ def _gathered_share(n):
     which then feeds the gather (or the cast) alone: its bucket all-reduces the reduce-scattered
     gradient over those axes too."""
     x = n.args[0]
-    sync = None
+    if _copy(x):
+        inner = x.args[0]
+        if _synced(inner):
+            return inner.args[0], x.kwargs["dtype"], inner
+        if inner.op == "placeholder" and len(inner.users) == 1:
+            return inner, x.kwargs["dtype"], None
+        return None
     if _synced(x):
-        x, sync = x.args[0], x
-    elif _copy(x) and _synced(x.args[0]):
-        x, sync = x.args[0].args[0], x.args[0]
-        return x, n.args[0].kwargs["dtype"], sync
-    if x.op == "placeholder" and sum(u.target is not runtime.regather for u in (sync or x).users) == 1:
-        return x, None, sync
-    if sync is None and _copy(x) and x.args[0].op == "placeholder" and len(x.args[0].users) == 1:
-        return x.args[0], x.kwargs["dtype"], None
+        return x.args[0], None, x
+    if x.op == "placeholder" and sum(u.target is not runtime.regather for u in x.users) == 1:
+        return x, None, None
     return None
 
 
@@ -200,10 +202,8 @@ def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _prefetch_gathers(g, nodes, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
-    gathers = [(n, found) for n in nodes if n.op == "call_function" and n.target is runtime.all_gather
-               and "sizes" not in n.kwargs
-               for found in [_gathered_share(n)] if found is not None]
+def _prefetch_gathers(g, gathers: list, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
+    """``gathers``: [(all-gather node, its ``_gathered_share``)], in program order."""
     # neighbours in use order on one group, of one dtype, up to ``cap`` gathered bytes: one
     # collective, as FSDP gathers a module's parameters at once
     buckets = []
