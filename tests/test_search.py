@@ -149,6 +149,51 @@ def test_a_plan_lifts_exactly_and_descent_only_improves_it():
     assert result.objective == pytest.approx(choice_cost(graph, fs, result.choice, costs), rel=1e-6)
 
 
+def test_a_proven_plan_lifted_gains_nothing_on_the_axes_not_split():
+    """A descent from a proven two-axis plan lifted onto a refinement skips, in its first round,
+    the axes the lift did not split (``descend.unsplit``): a step on such an axis solves what the
+    coarse solve chose with the other axes held (priced on the finer mesh, where a group over the
+    split axes may cost a little more than one over the coarse axis), and finds no plan better by
+    more than the solver's gap.
+    Each step's effort is bounded (``STEP_EFFORT``): it starts from a plan and needs no proof."""
+    from autoshard.passes import descend as descent
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+    from autoshard.cost.price import Costs
+    from autoshard.passes.solve import GAP_LIMIT, choice_cost, solve
+    from autoshard.cluster import PRESETS
+    assert descent.unsplit((2, 1)) == {2} and descent.unsplit((1, 2)) == {0}
+    assert descent.unsplit((1, 2, 1)) == {0, 3} and descent.unsplit((2, 2)) == set()
+    model, inputs = _gpt(world_batch=64)
+    graph = capture(model, inputs)
+    cluster = PRESETS["a100-80gb-nvlink-ib"]
+    coarse, fine = (8, 4), (2, 4, 4)
+    cs = annotate(graph, coarse)
+    sol = solve(graph, cs, Costs(graph, coarse, cluster, True))
+    assert sol.status == "OPTIMAL"
+    fs = annotate(graph, fine)
+    choice = descent.lift(graph, cs, sol.choice, (2, 1), fs)
+    costs = Costs(graph, fine, cluster, True)
+    start = choice_cost(graph, fs, choice, costs)
+    # axis 2 alone: axes 0 and 1 are "settled" for this one round
+    alone = descent.descend(graph, fs, costs, choice, max_rounds=1, settled=frozenset({0, 1}))
+    assert alone.objective >= start * (1 - GAP_LIMIT), (alone.objective, start)
+    efforts = []
+    real = descent.solve
+
+    def recorded(*args, **kwargs):
+        efforts.append(kwargs.get("effort"))
+        return real(*args, **kwargs)
+
+    try:
+        descent.solve = recorded
+        skipped = descent.descend(graph, fs, costs, choice, settled=descent.unsplit((2, 1)))
+    finally:
+        descent.solve = real
+    assert efforts and set(efforts) == {descent.STEP_EFFORT}
+    assert skipped.objective <= start * (1 + 1e-9)
+
+
 def test_a_four_axis_mesh_too_large_to_solve_whole_descends():
     # one block: four axes descend whatever the depth (8 one-axis solves either way), in 60% the time
     model, inputs = _gpt(world_batch=256, layers=1)

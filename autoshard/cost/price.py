@@ -191,16 +191,15 @@ class Costs:
                                        self.regathered(value) or memory.in_region(self.graph, value, consumer))
 
     def overlapped(self, value, src) -> bool:
-        """Whether the first gather of this value runs as a scheduled start/wait pair: a
-        parameter not also all-reduced, or its low-precision copy (``passes.schedule`` moves only
-        collectives a parameter placeholder feeds directly, or through the cast it feeds alone)."""
+        """Whether the first gather of this value is prefetched in a gather bucket: a parameter's,
+        or its low-precision copy's (``passes.schedule`` buckets the gathers a parameter
+        placeholder feeds directly, through its gradient's all-reduce over the axes it is stored
+        broadcast on (hybrid sharding: the bucket runs that all-reduce after its reduce-scatter),
+        or through the cast it feeds alone)."""
         producer = self.graph.by_name[value[0]]
         if producer.name in self._copies:
             producer = self.graph.by_name[self._copies[producer.name]]
-        if producer.kind != "param":
-            return False
-        synced = self.training and producer.requires_grad
-        return not (synced and any(isinstance(p, pl.Broadcast) and n > 1 for p, n in zip(src, self.mesh_shape)))
+        return producer.kind == "param"
 
     def handed_over(self, value, src, dst, consumer: Optional[Node]):
         """The layout ``consumer`` takes ``value`` in: ``dst``, but a user output kept in its

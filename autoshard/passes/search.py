@@ -38,7 +38,7 @@ import warnings
 from autoshard.passes.annotate import annotate
 from autoshard.passes.coarse import coarse_bound
 from autoshard.passes.axonn_start import descend_from_pins
-from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh
+from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh, unsplit
 from autoshard.passes.fanout import Fanout, available
 from autoshard.passes.progress import Progress, uncollected
 from autoshard.cost.price import Costs
@@ -227,15 +227,18 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
         solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort, support=support)
         return solution, plan_cost(graph, strategies, solution, costs)
 
-    def refined(fine, coarse, choice, groups):
+    def refined(fine, coarse, choice, groups, proven):
         """The plan of ``fine`` descended from ``coarse``'s plan (its ``choice``) lifted onto it,
-        and its estimated step; None when the pins do not fit it."""
+        and its estimated step; None when the pins do not fit it. ``proven``: the coarse plan is
+        a whole solve's within the solver's gap, so the descent skips the axes not split first
+        (``descend.unsplit``)."""
         work = cands.work(fine)
         if work is None:
             return None
         strategies, costs = work
         lifted = lift(graph, cands.work(coarse)[0], choice, groups, strategies)
-        solution = solve_mesh(graph, strategies, costs, time_limit, budget, lambda: [lifted])
+        solution = solve_mesh(graph, strategies, costs, time_limit, budget, lambda: [lifted],
+                              unsplit(groups) if proven else frozenset())
         return solution, plan_cost(graph, strategies, solution, costs)
 
     fan = Fanout(1, {"bound": bound, "solve": solved, "refine": refined})
@@ -354,7 +357,9 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
                 report(f"descended on {mesh}")
         while frontier:   # a beam: the BEAM best refinements of a round that improve on their parent
             grown = []
-            round_ = [(plan, fine, (fine, mesh, choice, groups)) for plan, mesh, choice in frontier
+            # a parent solved whole within GAP_LIMIT ("solved"; not a descent's local optimum)
+            round_ = [(plan, fine, (fine, mesh, choice, groups, cands.entries[mesh]["status"] == "solved"))
+                      for plan, mesh, choice in frontier
                       for fine, groups in splits(mesh)
                       if len(fine) <= max_axes and fine in cands.entries and cands.entries[fine]["cost"] is None]
             firsts = {}
