@@ -393,7 +393,7 @@ class ParallelModule(nn.Module):
         program = checkpoint_blocks(rewrite(graph, plan, device=self._device, coords=self._rank_mesh.coords), graph, plan)
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES),
-                               chunks=plan.schedule.get("chunks", ()))
+                               chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1))
         program = fuse_cast_gathers(program)
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))

@@ -13,7 +13,7 @@ from typing import Optional
 
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
-from autoshard.cost import comm
+from autoshard.cost import comm, interleave
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.overlap import added, edge_overlap
 from autoshard.cost.step import Cost
@@ -247,10 +247,12 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory["total"] += peak - freed
     # the conversions the schedule chunks: none made in a recomputed block's submodule
     chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1 and o.producer not in rerun]
+    # the batch cut into k interleaved chunks where that hides more than it costs (cost.interleave)
+    k, saved = interleave.choose(graph, strategies, solution.choice, costs, overlaps, colls, rerun)
     plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
-                input_shapes, memory, breakdown(total, overlaps),
+                input_shapes, memory, breakdown(total, overlaps) | {"interleave_saved": saved},
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
-                 "chunks": chunks},
+                 "chunks": chunks, "interleave": k},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
     plan._priced = (graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
     return plan

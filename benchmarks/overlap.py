@@ -5,6 +5,9 @@ right before its first use, in forward and, mirrored, in backward) and without i
 the linears before every all-reduce or reduce-scatter overdecomposed into ``--chunks`` chunks
 (``chunked``: each chunk's collective started while the next chunk's matmul runs; the plan's
 ``schedule["chunks"]`` set to every conversion the cost model could chunk), and with the schedule
+pass and the batch cut into ``--interleave`` chunks run segment by segment (``interleaved``:
+``passes.interleave``, each chunk's collectives in flight while the next chunk computes; the
+plan's ``schedule["interleave"]`` set to it), and with the schedule
 pass but each linear's weight gradient made beside the last step before the linear only
 (``dW last``: how the schedule placed them before it spread them over every bare step of that
 run, so that a block's reduce-scatter into the residual stream flies beside one too), back to back on a
@@ -29,12 +32,12 @@ Cases:
 
 Rounds interleave the contenders (order rotated each round); a step is forward and backward of
 the loss, timed on the slowest rank from a barrier; medians after the warm-up rounds. Prints ms
-per step, on/off, chunked/off and dW last/off; "comm share" is comm alone over the step without overlap; under
+per step, on/off, chunked/off, interleaved/off and dW last/off; "comm share" is comm alone over the step without overlap; under
 it, the forward's medians alone, and the step's less them (backward), off, on and compute alone. The
 plan's own choice of chunks on the cluster it was made for (``--cluster``) is printed under each
 case.
 
-    python benchmarks/overlap.py [--world 2] [--rounds 12] [--chunks 4] [--cases megatron,seq-parallel,default]
+    python benchmarks/overlap.py [--world 2] [--rounds 12] [--chunks 4] [--interleave 2] [--cases megatron,seq-parallel,default]
 """
 from __future__ import annotations
 
@@ -203,9 +206,13 @@ def rank_case(case, a):
     dist.broadcast_object_list(text, src=0)
     chunks = autoshard.Plan.from_json(text[0])
     chunked = autoshard.parallelize(copy.deepcopy(model), plan=chunks, overlap=True)
+    batched = copy.copy(plan)
+    batched.schedule = dict(plan.schedule, interleave=a.interleave)
+    interleaved = autoshard.parallelize(copy.deepcopy(model), plan=batched, overlap=True)
     fwd = {"off": [], "on": [], "compute": []}   # each round's forward seconds, warm-up included
     contenders = {"off": lambda: _step(off, batch, forward=fwd["off"]), "on": lambda: _step(on, batch, forward=fwd["on"]),
-                  "chunked": lambda: _step(chunked, batch), "last": lambda: _step(last, batch)}
+                  "chunked": lambda: _step(chunked, batch), "last": lambda: _step(last, batch),
+                  "interleaved": lambda: _step(interleaved, batch)}
 
     def compute_alone():
         with _patched(_no_comm):
@@ -248,6 +255,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cases", default="megatron,seq-parallel,default")
     ap.add_argument("--chunks", type=int, default=4, help="k of the chunked contender")
+    ap.add_argument("--interleave", type=int, default=2, help="k of the interleaved contender")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
@@ -259,9 +267,10 @@ def main():
     print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq} "
           f"tokens; gloo world {a.world}; forward + backward; medians of {a.rounds} rounds after {a.warmup}")
     print()
-    print(f"| case | off ms | on ms | chunked (k={a.chunks}) ms | on/off | chunked/off | dW last/off | compute alone ms "
+    print(f"| case | off ms | on ms | chunked (k={a.chunks}) ms | interleaved (k={a.interleave}) ms | on/off | chunked/off "
+          "| interleaved/off | dW last/off | compute alone ms "
           "| comm alone ms | ideal ms | ideal/off | both at once ms | both/off | comm share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     world = LocalWorld(a.world, timeout_s=900.0)   # a case's rounds take minutes on a loaded machine
     try:
         for case in a.cases.split(","):
@@ -270,8 +279,9 @@ def main():
             med = {k: statistics.median(max(r["times"][k][i] for r in res) for i in range(a.rounds)) * 1e3
                    for k in res[0]["times"]}
             ideal = max(med["compute"], med["comm"])
-            print(f"| {case} | {med['off']:.1f} | {med['on']:.1f} | {med['chunked']:.1f} | "
-                  f"{med['on'] / med['off']:.2f} | {med['chunked'] / med['off']:.2f} | {med['last'] / med['off']:.2f} | "
+            print(f"| {case} | {med['off']:.1f} | {med['on']:.1f} | {med['chunked']:.1f} | {med['interleaved']:.1f} | "
+                  f"{med['on'] / med['off']:.2f} | {med['chunked'] / med['off']:.2f} | "
+                  f"{med['interleaved'] / med['off']:.2f} | {med['last'] / med['off']:.2f} | "
                   f"{med['compute']:.1f} | {med['comm']:.1f} | {ideal:.1f} | {ideal / med['off']:.2f} | "
                   f"{med['both']:.1f} | {med['both'] / med['off']:.2f} | {med['comm'] / med['off']:.2f} |")
             # the forward alone, and the rest of the step (backward), each the slowest rank's

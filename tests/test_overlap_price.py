@@ -145,3 +145,32 @@ def test_a_gathered_linears_weight_gradient_covers_no_dual():
         own = costs.node(n, strat).compute_bwd / 2 / MESH[0]
         assert 0 < o.hidden_bwd <= own * (1 + 1e-9) and o.hidden_bwd < o.bwd
     assert gathered == 4   # qkv and fc of each block
+
+
+@pytest.mark.parametrize("scheme", ["megatron", "sequence_parallel"])
+def test_the_cost_model_interleaves_the_batch_where_it_hides_more_than_it_drags(scheme):
+    """The batch cut into k interleaved chunks (``cost.interleave``): a 2048-wide GPT on 8 A100s
+    pinned to ``scheme`` runs in k > 1 chunks, which save part of the communication it leaves
+    exposed, and the plan says so; a 32-wide one keeps k = 1 (each chunk's launches and latency
+    cost more than its compute hides), and so does a cluster whose compute hides nothing."""
+    def meta(d, seq):
+        with torch.device("meta"):
+            model = GPT(vocab=512, d=d, heads=4, layers=2, seq=seq)
+        idx = torch.zeros(8, seq, dtype=torch.long, device="meta")
+        return model, (idx, idx)
+
+    def planned(d, seq, cluster=None):
+        model, batch = meta(d, seq)
+        pin = getattr(autoshard.schemes, scheme)(model, batch, MESH)
+        return autoshard.plan(model, batch, mesh=MESH, pin=pin, cluster=cluster)
+
+    plan = planned(2048, 1024)
+    k, saved = plan.schedule["interleave"], plan.breakdown["interleave_saved"]
+    assert k > 1 and 0 < saved < plan.breakdown["exposed"], (k, saved, plan.breakdown["exposed"])
+    assert f"the batch cut into {k} interleaved chunks" in str(plan)
+    assert autoshard.Plan.from_json(plan.to_json()).schedule["interleave"] == k
+    small = planned(32, 16)
+    assert small.schedule["interleave"] == 1 and small.breakdown["interleave_saved"] == 0
+    assert small.breakdown["exposed"] > 0 and "interleaved" not in str(small)
+    blind = planned(2048, 1024, autoshard.Cluster(name="no-overlap", overlap=0.0))
+    assert blind.schedule["interleave"] == 1

@@ -458,3 +458,60 @@ def test_overlapped_activation_steps_train_exactly(request, mesh, scheme, cluste
             depth += {"start": 1, "wait": -1}.get(e, 0)
             inside += e == "dW" and depth > 0
         assert inside == events.count("dW") > 0, events
+
+
+def interleave_case(mesh, scheme, k):
+    """The GPT pinned to ``scheme`` with its batch cut into ``k`` interleaved chunks
+    (``plan.schedule["interleave"]``), scheduled and not, against one device: the largest
+    differences of loss and gradients; how many ops the program cut; and, of the scheduled
+    program's collective steps, how many have a matmul of another chunk between start and wait."""
+    model, batch, pin = _gpt(mesh, scheme)
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    refp = dict(ref.named_parameters())
+    plan = autoshard.plan(model, batch, mesh=mesh, pin=pin)
+    plan.schedule["interleave"] = k
+    out = {}
+    for overlap in (True, False):
+        pm = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=overlap)
+        loss = pm(*batch)
+        loss.backward()
+        out[overlap] = (rel_err(loss, ref_loss),
+                        max(rel_err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters()),
+                        {n: p.grad.full_tensor() for n, p in pm.named_parameters()})
+        if overlap:
+            (program, *_), = pm._programs.values()
+    on, off = out[True], out[False]
+    same = max((on[2][n] - off[2][n]).abs().max().item() for n in on[2])
+    nodes = list(program.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    matmuls = {torch.ops.aten.linear.default, runtime.linear_dw_later, runtime.linear_gathered,
+               runtime.linear_local_part}
+    starts = _calls(program, runtime.step_start)
+    beside = 0
+    for start in starts:
+        wait = next(u for u in start.users if u.target is runtime.step_wait)
+        beside += any(n.target in matmuls for n in nodes[at[start]:at[wait]])
+    return on[:2], off[:2], same, program.meta["interleaved"], beside, len(starts)
+
+
+@pytest.mark.parametrize("mesh,scheme", [((2,), "megatron"), ((4,), "sequence_parallel"), ((2, 2), "megatron")],
+                         ids=["megatron-2", "sequence-parallel-4", "megatron-2x2"])
+def test_an_interleaved_batch_trains_exactly_and_flies_each_chunks_steps_beside_the_next(request, mesh, scheme):
+    """The batch cut into two interleaved chunks (``passes.interleave``): loss and gradients those
+    of one device and of the program without the schedule; every op of the blocks cut; and each
+    chunk's collective steps in flight while the other chunk's matmuls run: at least one of
+    every two steps has a matmul between its start and its wait, where without the cut no step
+    of the Megatron block has one (its all-reduce's input is the matmul just before it, its
+    output needed by the next op)."""
+    world = request.getfixturevalue("world2" if mesh == (2,) else "world4")
+    for on, off, same, cut, beside, starts in world.run(interleave_case, mesh, scheme, 2):
+        assert on[0] <= 1e-5 and on[1] <= 1e-5, on
+        assert off[0] <= 1e-5 and off[1] <= 1e-5, off
+        assert same <= 1e-5
+        assert cut >= 40, cut   # two blocks' ops, and the embedding's and the head's
+        assert starts > 0 and 2 * beside >= starts, (beside, starts)
+    if scheme == "megatron" and mesh == (2,):
+        for *_, cut, beside, starts in world.run(interleave_case, mesh, scheme, 1):
+            assert cut == 0 and beside == 0 and starts > 0

@@ -120,14 +120,15 @@ def test_coarsenings_merge_neighbouring_axes():
     assert len(coarsenings((2, 2, 2, 2))) == 7
 
 
-def test_a_plan_lifts_exactly_and_descent_only_improves_it():
+def _lifted():
+    """The small GPT's exact plan on (8, 4) lifted onto (2, 4, 4): (graph, coarse strategies,
+    its solution, fine strategies, the lifted choice, fine costs)."""
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
-    from autoshard.passes.descend import descend, lift
+    from autoshard.passes.descend import lift
     from autoshard.cost.price import Costs
-    from autoshard.passes.solve import choice_cost, solve
+    from autoshard.passes.solve import solve
     from autoshard.cluster import PRESETS
-    from autoshard import placement as pl
     model, inputs = _gpt(world_batch=64)
     graph = capture(model, inputs)
     cluster = PRESETS["a100-80gb-nvlink-ib"]
@@ -135,14 +136,21 @@ def test_a_plan_lifts_exactly_and_descent_only_improves_it():
     cs = annotate(graph, coarse)
     sol = solve(graph, cs, Costs(graph, coarse, cluster, True))
     fs = annotate(graph, fine)
-    choice = lift(graph, cs, sol.choice, (2, 1), fs)
+    return graph, cs, sol, fs, lift(graph, cs, sol.choice, (2, 1), fs), Costs(graph, fine, cluster, True)
+
+
+def test_a_plan_lifts_exactly_and_descent_only_improves_it():
+    from autoshard.passes.descend import descend
+    from autoshard.passes.solve import choice_cost
+    from autoshard import placement as pl
+    graph, cs, sol, fs, choice, costs = _lifted()
+    coarse, fine = (8, 4), (2, 4, 4)
     assert choice is not None
     for n in graph.nodes:   # the same shares on every rank: equal local shapes, axis 0 of 8 -> 2 x 4
         a, b = cs[n.name][sol.choice[n.name]], fs[n.name][choice[n.name]]
         for meta, p, q in zip(n.outputs, a.outputs, b.outputs):
             assert pl.local_shape(meta.shape, p, coarse) == pl.local_shape(meta.shape, q, fine)
             assert q[0] == q[1] == p[0] and q[2] == p[1]
-    costs = Costs(graph, fine, cluster, True)
     start = choice_cost(graph, fs, choice, costs)
     result = descend(graph, fs, costs, choice)
     assert result.objective <= start * (1 + 1e-9) and result.bound is None
@@ -157,23 +165,11 @@ def test_a_proven_plan_lifted_gains_nothing_on_the_axes_not_split():
     more than the solver's gap.
     Each step's effort is bounded (``STEP_EFFORT``): it starts from a plan and needs no proof."""
     from autoshard.passes import descend as descent
-    from autoshard.passes.annotate import annotate
-    from autoshard.passes.capture import capture
-    from autoshard.cost.price import Costs
-    from autoshard.passes.solve import GAP_LIMIT, choice_cost, solve
-    from autoshard.cluster import PRESETS
+    from autoshard.passes.solve import GAP_LIMIT, choice_cost
     assert descent.unsplit((2, 1)) == {2} and descent.unsplit((1, 2)) == {0}
     assert descent.unsplit((1, 2, 1)) == {0, 3} and descent.unsplit((2, 2)) == set()
-    model, inputs = _gpt(world_batch=64)
-    graph = capture(model, inputs)
-    cluster = PRESETS["a100-80gb-nvlink-ib"]
-    coarse, fine = (8, 4), (2, 4, 4)
-    cs = annotate(graph, coarse)
-    sol = solve(graph, cs, Costs(graph, coarse, cluster, True))
+    graph, _, sol, fs, choice, costs = _lifted()
     assert sol.status == "OPTIMAL"
-    fs = annotate(graph, fine)
-    choice = descent.lift(graph, cs, sol.choice, (2, 1), fs)
-    costs = Costs(graph, fine, cluster, True)
     start = choice_cost(graph, fs, choice, costs)
     # axis 2 alone: axes 0 and 1 are "settled" for this one round
     alone = descent.descend(graph, fs, costs, choice, max_rounds=1, settled=frozenset({0, 1}))

@@ -45,6 +45,7 @@ import torch.fx as fx
 
 from autoshard import runtime
 from autoshard.cost.buckets import BUCKET_BYTES
+from autoshard.passes.interleave import interleave as interleave_batch
 from autoshard.passes.overdecompose import overdecompose
 from autoshard.precision import CAST
 
@@ -52,14 +53,18 @@ PREFETCH_BYTES = 64 * 2**20   # gathered parameters held ahead of their use
 
 
 def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
-             prefetch_bytes: int = PREFETCH_BYTES, chunks=()) -> fx.GraphModule:
+             prefetch_bytes: int = PREFETCH_BYTES, chunks=(), interleave: int = 1) -> fx.GraphModule:
     """A new program with the parameter collectives of ``program`` scheduled; ``program`` is not
     changed. Its ``meta["joint_axes"]`` lists the axis sets whose groups the runtime must create
     (the rewriter's, and the gradient buckets'). ``chunks``: the conversions to overdecompose, as
     the plan chose them (``plan.schedule["chunks"]``, ``passes.overdecompose``); the program's
-    ``meta["chunked"]`` lists those it chunked."""
+    ``meta["chunked"]`` lists those it chunked. ``interleave``: how many chunks of the batch the
+    ops that act on each sample alone run in, one after the other segment by segment
+    (``plan.schedule["interleave"]``, ``passes.interleave``); the program's
+    ``meta["interleaved"]`` says how many ops it cut."""
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))
+    cut = interleave_batch(g, interleave, program.meta["mesh_shape"])
     nodes = list(g.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -79,6 +84,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     gm.meta["passes"] = list(program.meta.get("passes", [])) + ["schedule"]
     gm.meta["joint_axes"] = sorted(joint | set(program.meta.get("joint_axes", ())))
     gm.meta["chunked"] = chunked
+    gm.meta["interleaved"] = cut
     return gm
 
 
