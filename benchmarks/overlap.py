@@ -129,7 +129,9 @@ def _build(case, a):
     mesh = (dist.get_world_size(),)
     pin = {"megatron": schemes.megatron, "seq-parallel": schemes.sequence_parallel}.get(case)
     kw = {"pin": pin(model, batch, mesh)} if pin else {}
-    text = [autoshard.plan(model, batch, mesh=mesh, cluster=a.cluster, **kw).to_json() if dist.get_rank() == 0 else None]
+    # a measured cluster is measured by every rank together (collectives), then planned on by rank 0
+    cluster = autoshard.Cluster.measure() if a.cluster == "measure" else a.cluster
+    text = [autoshard.plan(model, batch, mesh=mesh, cluster=cluster, **kw).to_json() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)     # one plan, rank 0's, on every rank
     plan = autoshard.Plan.from_json(text[0])
     if pin:   # only the split matmuls train: every collective left is an activation's
@@ -245,7 +247,8 @@ def rank_case(case, a):
     for name, _, _ in log:
         kinds[name] = kinds.get(name, 0) + 1
     return {"times": times, "forward": {k: v[a.warmup:] for k, v in fwd.items()}, "collectives": kinds, "mesh": plan.mesh_shape, "chunked": len(chunks.schedule["chunks"]),
-            "chosen": [k for _, _, k, _ in plan.schedule.get("chunks", [])]}
+            "chosen": [k for _, _, k, _ in plan.schedule.get("chunks", [])], "interleave": plan.schedule.get("interleave", 1),
+            "saved": plan.breakdown.get("interleave_saved", 0.0)}
 
 
 def main():
@@ -294,7 +297,9 @@ def main():
             chosen = res[0]["chosen"]
             print(f"|  | collectives per step on rank 0 (not chunked): {counts}; chunked contender: "
                   f"{res[0]['chunked']} conversions in {a.chunks}; the plan's own choice: "
-                  + (f"{len(chosen)} chunked (k = {sorted(set(chosen))})" if chosen else "none chunked (k = 1)") + " |")
+                  + (f"{len(chosen)} chunked (k = {sorted(set(chosen))})" if chosen else "none chunked (k = 1)")
+                  + f", the batch in {res[0]['interleave']} interleaved chunks (priced to save "
+                  f"{res[0]['saved'] * 1e3:.2f} ms) |")
     finally:
         world.close()
 
