@@ -17,10 +17,11 @@ the same way (chunk 1's segment, then chunk 0's while chunk 1's dual flies).
 Only ops that act on each sample alone are cut (``_RULES``: each knows where its output keeps
 the batch dim and that it neither mixes samples nor draws random numbers); the batch dim is
 followed from the inputs' dim 0 through the ops that move it (views, transposes). Ops that
-mix samples (the loss, a mean over the batch), draw random numbers (dropout) or are not
-known stay whole: the chunks are concatenated before them and cut again after, so the
-chunked program computes what the whole one does, up to the rounding of matmuls on fewer
-rows and of weight gradients summed over chunks. Parameters and whatever is made from them
+mix samples (the loss, a mean over the batch) or are not known stay whole, with the chunks
+concatenated before them, and so does what follows them; a dropout that draws random numbers
+runs whole too, so that it draws what it would without the chunks, and its output is cut again
+after it. The chunked program computes what the whole one does, up to the rounding of matmuls
+on fewer rows and of weight gradients summed over chunks. Parameters and whatever is made from them
 alone (their gathers, casts) are shared by the chunks.
 """
 from __future__ import annotations
@@ -180,8 +181,8 @@ def _rule(n, bd, shapes):
             return bd[n.args[1]]
         return None
     d, s = bd[x], shapes.of[x]
-    if t is aten.dropout.default or t is runtime.dropout:   # drawing no random numbers: p = 0, or not training
-        return d if n.args[1] == 0 or not n.args[2] else None
+    if t is aten.dropout.default or t is runtime.dropout:   # whole where it draws random numbers (_random)
+        return d
     if t in (aten.split.Tensor, aten.split_with_sizes.default):   # a list of chunks, each batched alike
         dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
         return d if dim % len(s) != d else None
@@ -219,6 +220,12 @@ def _rule(n, bd, shapes):
     return None
 
 
+def _random(n) -> bool:
+    """A dropout that draws random numbers (p > 0, training): it runs on the whole batch, as
+    without the chunks, so that it draws the same numbers; its output is cut again after it."""
+    return n.target in (aten.dropout.default, runtime.dropout) and n.args[1] != 0 and bool(n.args[2])
+
+
 def _shape_arg(n, d: int, k: int):
     """The args of a view or reshape cut to one chunk: its batch dim's size over k."""
     shape = list(n.args[1])
@@ -234,7 +241,7 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> int:
         return 0
     shapes = _Shapes(g, mesh)
     bd = _batch_dims(g, shapes, k)
-    cut = {n for n in bd if not (n.target is runtime.to_local)}
+    cut = {n for n in bd if not (n.target is runtime.to_local or _random(n))}
     if not any(n.target in _STEPS for n in cut):
         return 0
     nodes = list(g.nodes)
