@@ -520,3 +520,35 @@ def test_an_interleaved_batch_trains_exactly_and_flies_each_chunks_steps_beside_
     if scheme == "megatron" and mesh == (2,) and not dropout:
         for *_, cut, beside, starts in world.run(interleave_case, mesh, scheme, 1):
             assert cut == 0 and beside == 0 and starts > 0
+
+
+def hf_interleave_case(name):
+    """HuggingFace ``name`` (one of ``models_hf.MODELS``, two layers) pinned to Megatron's layout
+    with its batch in 2 interleaved chunks, against one device: (ops cut, loss difference,
+    largest gradient difference over the largest gradient)."""
+    from models_hf import MODELS as HF, megatron_pins
+    model, inputs = HF[name](layers=2)
+    ref = copy.deepcopy(model)
+    # compute this slow makes the solver split the small model's activations as a large one's
+    slow = autoshard.Cluster(name="slow-compute", peak_flops=2e9, peak_flops_fp32=1e9, memory_bandwidth=4e9)
+    plan = autoshard.plan(model, inputs, mesh=(2,), pin=megatron_pins(model, inputs, (2,)), cluster=slow)
+    plan.schedule["interleave"] = 2
+    pm = autoshard.parallelize(model, inputs, plan=plan)
+    out, want = pm(**inputs), ref(**inputs)
+    out.loss.backward()
+    want.loss.backward()
+    refp = dict(ref.named_parameters())
+    (program, *_), = pm._programs.values()
+    grads = max((p.grad.full_tensor() - refp[n].grad).abs().max().item() for n, p in pm.named_parameters())
+    return program.meta["interleaved"], (out.loss - want.loss).abs().item(), grads / max(
+        p.grad.abs().max().item() for p in ref.parameters())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_huggingface_models_interleave_what_they_can_and_stay_exact(world2, name):
+    """GPT-2 (Conv1D's addmm, eager attention's batched matmuls) and LLaMA (rotary embeddings,
+    grouped-query attention's expand) cut what the rules follow and keep the rest whole: the
+    loss and gradients those of one device."""
+    for cut, loss, grads in world2.run(hf_interleave_case, name):
+        assert cut > 0
+        assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)

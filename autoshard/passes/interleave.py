@@ -42,7 +42,8 @@ _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
               aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.gelu.default, aten.relu.default,
               aten.silu.default, aten.tanh.default, aten.sigmoid.default, aten.neg.default, aten.exp.default,
               aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.clone.default,
-              aten._to_copy.default, aten.alias.default, aten.contiguous.default}
+              aten._to_copy.default, aten.alias.default, aten.contiguous.default, aten.to.dtype,
+              aten.to.dtype_layout, aten.reciprocal.default}
 _STEPS = {runtime.all_reduce: "all_reduce", runtime.all_gather: "all_gather",
           runtime.reduce_scatter: "reduce_scatter", runtime.all_to_all: "all_to_all"}
 
@@ -121,13 +122,14 @@ class _Shapes:
 def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int) -> dict:
     """node -> the dim of its output that holds the batch, for the nodes that may be cut into k
     chunks on it (``_rule``). The batch: dim 0 of the inputs (``runtime.to_local`` of a
-    placeholder), all of one size that k divides."""
+    placeholder) of two or more dims, all of one size that k divides; an input of one dim is
+    batched where its size is the batch's."""
     bd: dict = {}
     sizes = set()
-    for n in g.nodes:
+    for n in g.nodes:   # inputs of two or more dims (one-dim ones, positions say, may be anything)
         if n.op == "call_function" and n.target is runtime.to_local and n.args[0].op == "placeholder":
             s = shapes.of[n]
-            if s:
+            if s and len(s) > 1:
                 sizes.add(s[0])
     if len(sizes) != 1 or next(iter(sizes)) % k or next(iter(sizes)) < k:
         return {}
@@ -140,13 +142,13 @@ def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int) -> dict:
             if s and s[0] == batch:
                 bd[n] = 0
             continue
-        d = _rule(n, bd, shapes)
+        d = _rule(n, bd, shapes, k)
         if d is not None:
             bd[n] = d
     return bd
 
 
-def _rule(n, bd, shapes):
+def _rule(n, bd, shapes, k):
     """The batch dim of ``n``'s output where ``n`` can run on each chunk of its batched inputs
     alone, given theirs (``bd``); None where it cannot or holds no batch."""
     t, out = n.target, shapes.of.get(n)
@@ -155,6 +157,11 @@ def _rule(n, bd, shapes):
     if not batched or out is None:
         return None
     x = n.args[0] if n.args else None
+    if t is aten.cat.default:   # every piece batched on the same dim, joined on another
+        pieces = list(x)
+        dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(out)
+        dims = {bd.get(a) for a in pieces}
+        return dims.pop() if len(dims) == 1 and None not in dims and dim not in (bd.get(pieces[0]),) else None
     if t in _POINTWISE:
         aligned = {bd[a] + len(out) - len(shapes.of[a]) for a in batched}
         if len(aligned) != 1:
@@ -175,10 +182,17 @@ def _rule(n, bd, shapes):
             qkv = n.args[:3]
             mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
             drop = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
-            if all(a in bd and bd[a] == 0 for a in qkv) and mask is None and not drop:
+            if all(bd.get(a) == 0 for a in qkv) and (mask is None or bd.get(mask) == 0) and not drop:
+                return 0
+        if t in (aten.matmul.default, aten.bmm.default) and len(out) >= 3:
+            # a batched matmul, both operands batched on dim 0 with every leading dim theirs
+            a, b = n.args[:2]
+            if bd.get(a) == 0 and bd.get(b) == 0 and len(shapes.of[a]) == len(shapes.of[b]) == len(out):
                 return 0
         if t is aten.embedding.default and n.args[1] in bd and n.args[0] not in bd:
             return bd[n.args[1]]
+        if t is aten.addmm.default and bd.get(n.args[1]) == 0 and n.args[0] not in bd and n.args[2] not in bd:
+            return 0   # addmm(bias, x, w), GPT-2's Conv1D: x's rows are the batch
         return None
     d, s = bd[x], shapes.of[x]
     if t is aten.dropout.default or t is runtime.dropout:   # whole where it draws random numbers (_random)
@@ -200,9 +214,20 @@ def _rule(n, bd, shapes):
     if t is aten.permute.default:
         return [p % len(s) for p in n.args[1]].index(d)
     if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        # the dims before the batch kept as they are, the batch dim whole or merged with the dims after it
-        if tuple(out[:d]) == tuple(s[:d]) and len(out) > d and out[d] % s[d] == 0:
+        # the dims before the batch kept as they are; the batch dim whole, merged with the dims
+        # after it, or (a merged batch taken apart) its leading factor, which k divides
+        if tuple(out[:d]) == tuple(s[:d]) and len(out) > d and (
+                out[d] % s[d] == 0 or (s[d] % out[d] == 0 and out[d] % k == 0)):
             return d
+        return None
+    if t is aten.expand.default:   # the batch dim kept (its size, in the sizes, cut like a view's)
+        lead = len(out) - len(s)
+        return d + lead if n.args[1][d + lead] in (s[d], -1) and s[d] == out[d + lead] else None
+    if t is aten.unsqueeze.default:
+        return d + (n.args[1] % len(out) <= d)
+    if t is aten.slice.Tensor:
+        return d if (n.args[1] if len(n.args) > 1 else 0) % len(s) != d else None
+    if t is aten.cat.default:
         return None
     if t in (aten.mean.dim, aten.sum.dim_IntList):
         dims = [a % len(s) for a in (n.args[1] or ())]
@@ -226,8 +251,12 @@ def _random(n) -> bool:
     return n.target in (aten.dropout.default, runtime.dropout) and n.args[1] != 0 and bool(n.args[2])
 
 
+_SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+
+
 def _shape_arg(n, d: int, k: int):
-    """The args of a view or reshape cut to one chunk: its batch dim's size over k."""
+    """The args of a view, reshape or expand cut to one chunk: the output's batch dim's size
+    over k (-1, which expand keeps, stays)."""
     shape = list(n.args[1])
     shape[d] = shape[d] // k
     return (n.args[0], shape) + tuple(n.args[2:])
@@ -312,8 +341,7 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> int:
     while ready:
         _, _, _, (n, c) = heapq.heappop(ready)
         if n in cut:
-            args = _shape_arg(n, bd[n.args[0]], k) if n.target in (aten.view.default, aten.reshape.default,
-                                                                   aten._unsafe_view.default) else n.args
+            args = _shape_arg(n, bd[n], k) if n.target in _SIZED else n.args
             copy = new.call_function(n.target, torch.fx.node.map_arg(args, lambda a: arg(a, c)),
                                      dict(torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, c))))
             copy.meta.update(n.meta)
