@@ -106,10 +106,10 @@ def chunk_lines(plan, shown: int = 4) -> list:
     chunks = plan.schedule.get("chunks") or []
     saved = plan.breakdown.get("activations_hidden", 0.0)
     hides = f"activation collectives started early hide {fmt_s(saved)} of the step" if saved > 0 else ""
-    k = plan.schedule.get("interleave", 1)
-    batch = ([f"  the batch cut into {k} interleaved chunks, each chunk's activation collectives beside the "
+    cuts = plan.schedule.get("interleave", 1)
+    batch = ([f"  the batch cut into {cuts} interleaved chunks, each chunk's activation collectives beside the "
               f"next chunk's compute: about {fmt_s(plan.breakdown.get('interleave_saved', 0.0))} less a step "
-              "(not in the estimated step)"] if k > 1 else [])
+              "(not in the estimated step)"] if cuts > 1 else [])
     if not chunks:
         return ([f"  {hides}"] if hides else []) + batch
     by_k: dict = {}

@@ -413,8 +413,10 @@ def overlap_case(mesh, scheme="megatron", cluster=None):
             events.append(name)
             return real[cls](ctx, *gs)
         return staticmethod(backward)
+    plan = autoshard.plan(model, batch, pin=pin, mesh=mesh, cluster=cluster)
+    plan.schedule["interleave"] = 1   # the linears' chunks alone (the batch interleaved: interleave_case)
     for overlap in (True, False):
-        pm = autoshard.parallelize(copy.deepcopy(model), batch, pin=pin, mesh=mesh, overlap=overlap, cluster=cluster)
+        pm = autoshard.parallelize(copy.deepcopy(model), plan=plan, overlap=overlap)
         loss = pm(*batch)
         if overlap:
             chunked = pm.program.count("= torch.tensor_split("), pm.plan.schedule["chunks"]
@@ -460,7 +462,7 @@ def test_overlapped_activation_steps_train_exactly(request, mesh, scheme, cluste
         assert inside == events.count("dW") > 0, events
 
 
-def interleave_case(mesh, scheme, k, dropout=0.0):
+def interleave_case(mesh, scheme, k, dropout=0.0, cluster=None):
     """The GPT pinned to ``scheme`` with its batch cut into ``k`` interleaved chunks
     (``plan.schedule["interleave"]``), scheduled and not, against one device: the largest
     differences of loss and gradients; how many ops the program cut; and, of the scheduled
@@ -471,7 +473,7 @@ def interleave_case(mesh, scheme, k, dropout=0.0):
     ref_loss = ref(*batch)
     ref_loss.backward()
     refp = dict(ref.named_parameters())
-    plan = autoshard.plan(model, batch, mesh=mesh, pin=pin)
+    plan = autoshard.plan(model, batch, mesh=mesh, pin=pin, cluster=cluster)
     plan.schedule["interleave"] = k
     out = {}
     for overlap in (True, False):
@@ -498,20 +500,24 @@ def interleave_case(mesh, scheme, k, dropout=0.0):
     return on[:2], off[:2], same, program.meta["interleaved"], beside, len(starts)
 
 
-@pytest.mark.parametrize("mesh,scheme,dropout", [((2,), "megatron", 0.0), ((4,), "sequence_parallel", 0.0),
-                                                 ((2, 2), "megatron", 0.0), ((2,), "megatron", 0.2)],
-                         ids=["megatron-2", "sequence-parallel-4", "megatron-2x2", "megatron-2-dropout"])
+@pytest.mark.parametrize("mesh,scheme,dropout,cluster",
+                         [((2,), "megatron", 0.0, None), ((4,), "sequence_parallel", 0.0, None),
+                          ((2, 2), "megatron", 0.0, None), ((2,), "megatron", 0.2, None),
+                          ((4,), "sequence_parallel", 0.0, SLOW_LINK)],
+                         ids=["megatron-2", "sequence-parallel-4", "megatron-2x2", "megatron-2-dropout",
+                              "sequence-parallel-4-chunked"])
 def test_an_interleaved_batch_trains_exactly_and_flies_each_chunks_steps_beside_the_next(request, mesh, scheme,
-                                                                                         dropout):
+                                                                                         dropout, cluster):
     """The batch cut into two interleaved chunks (``passes.interleave``): loss and gradients those
     of one device and of the program without the schedule; every op of the blocks cut; and each
     chunk's collective steps in flight while the other chunk's matmuls run: at least one of
     every two steps has a matmul between its start and its wait, where without the cut no step
     of the Megatron block has one (its all-reduce's input is the matmul just before it, its
     output needed by the next op). A dropout that draws random numbers runs on the whole batch,
-    drawing the masks one device draws, and the ops after it are cut again."""
+    drawing the masks one device draws, and the ops after it are cut again; on the slow link each
+    chunk's linears before a reduce-scatter are chunked again (``passes.overdecompose``)."""
     world = request.getfixturevalue("world2" if mesh == (2,) else "world4")
-    for on, off, same, cut, beside, starts in world.run(interleave_case, mesh, scheme, 2, dropout):
+    for on, off, same, cut, beside, starts in world.run(interleave_case, mesh, scheme, 2, dropout, cluster):
         assert on[0] <= 1e-5 and on[1] <= 1e-5, on
         assert off[0] <= 1e-5 and off[1] <= 1e-5, off
         assert same <= 1e-5
@@ -520,6 +526,23 @@ def test_an_interleaved_batch_trains_exactly_and_flies_each_chunks_steps_beside_
     if scheme == "megatron" and mesh == (2,) and not dropout:
         for *_, cut, beside, starts in world.run(interleave_case, mesh, scheme, 1):
             assert cut == 0 and beside == 0 and starts > 0
+
+
+def test_interleave_shapes_each_step_as_the_conversion_planner_does():
+    """``passes.interleave`` follows local shapes through the runtime's steps with the conversion
+    planner's own rule (``cost.comm``): an all-to-all gathers ``dim`` and splits ``dim2``, an
+    all-gather multiplies its dim by the axis's ranks, a reduce-scatter divides it."""
+    from autoshard.passes.capture import TensorMeta
+    from autoshard.passes.interleave import _Shapes
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["local"] = TensorMeta((8, 16, 32), torch.float32)
+    a2a = g.call_function(runtime.all_to_all, (x,), {"axis": 1, "dim": 1, "dim2": 0})
+    ag = g.call_function(runtime.all_gather, (x,), {"axis": 0, "dim": 2})
+    rs = g.call_function(runtime.reduce_scatter, (x,), {"axis": (0, 1), "dim": 1})
+    g.output((a2a, ag, rs))
+    shapes = _Shapes(g, (2, 4))
+    assert shapes.of[a2a] == (2, 64, 32) and shapes.of[ag] == (8, 16, 64) and shapes.of[rs] == (8, 2, 32)
 
 
 def hf_interleave_case(name):

@@ -41,11 +41,13 @@ def _launch(costs, c) -> float:
 
 
 def batch_size(graph, strategies, choice, costs):
-    """The batch each rank holds: dim 0 of the inputs' local shapes, None where they disagree."""
+    """The batch each rank holds: dim 0 of the local shapes of the inputs of two or more dims
+    (as ``passes.interleave`` reads it: one-dim inputs, positions say, may be anything), None
+    where they disagree."""
     sizes = set()
     for name in graph.user_inputs:
         node = graph.by_name[name]
-        if not node.outputs or not node.outputs[0].shape:
+        if not node.outputs or len(node.outputs[0].shape) < 2:
             continue
         strat = strategies[name][choice[name]]
         sizes.add(pl.local_shape(node.outputs[0].shape, strat.outputs[0], costs.mesh_shape)[0])

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import runtime
+from autoshard.cost import comm
 
 aten = torch.ops.aten
 
@@ -44,8 +45,7 @@ _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
               aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.clone.default,
               aten._to_copy.default, aten.alias.default, aten.contiguous.default, aten.to.dtype,
               aten.to.dtype_layout, aten.reciprocal.default}
-_STEPS = {runtime.all_reduce: "all_reduce", runtime.all_gather: "all_gather",
-          runtime.reduce_scatter: "reduce_scatter", runtime.all_to_all: "all_to_all"}
+_STEPS = {getattr(runtime, k): k for k in runtime.COLLECTIVE_KINDS}   # the runtime's step -> its kind
 
 
 class _Shapes:
@@ -100,22 +100,14 @@ class _Shapes:
             return parts[n.args[1]]
         if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in self.dtype:
             self.dtype[n] = self.dtype[n.args[0]]
-        if t in (runtime.to_local, runtime.grad_sync, runtime.keep_partial, runtime.all_reduce, runtime.dropout):
+        if t in (runtime.to_local, runtime.grad_sync, runtime.keep_partial, runtime.dropout):
             return self.of[n.args[0]]
-        if t in _STEPS or t is runtime.slice_shard:
-            s = list(self.of[n.args[0]])
+        if t in _STEPS or t is runtime.slice_shard:   # as the conversion planner shapes its steps
             kw = n.kwargs
-            size = math.prod(self.mesh[a] for a in (kw["axis"] if isinstance(kw["axis"], tuple) else (kw["axis"],)))
             if kw.get("sizes") is not None or kw.get("sizes2") is not None:
                 return None
-            if t is runtime.all_gather:
-                s[kw["dim"]] *= size
-            elif t in (runtime.reduce_scatter, runtime.slice_shard):
-                s[kw["dim"]] //= size
-            elif t is runtime.all_to_all:
-                s[kw["dim"]] //= size
-                s[kw["dim2"]] *= size
-            return tuple(s)
+            step = comm.Step(_STEPS.get(t, "slice"), kw["axis"], kw.get("dim"), kw.get("dim2"))
+            return comm._apply_shape(self.of[n.args[0]], step, step.size(self.mesh))
         return None
 
 
@@ -152,7 +144,7 @@ def _rule(n, bd, shapes, k):
     """The batch dim of ``n``'s output where ``n`` can run on each chunk of its batched inputs
     alone, given theirs (``bd``); None where it cannot or holds no batch."""
     t, out = n.target, shapes.of.get(n)
-    ins = [a for a in n.all_input_nodes]
+    ins = list(n.all_input_nodes)
     batched = [a for a in ins if a in bd]
     if not batched or out is None:
         return None
@@ -227,8 +219,6 @@ def _rule(n, bd, shapes, k):
         return d + (n.args[1] % len(out) <= d)
     if t is aten.slice.Tensor:
         return d if (n.args[1] if len(n.args) > 1 else 0) % len(s) != d else None
-    if t is aten.cat.default:
-        return None
     if t in (aten.mean.dim, aten.sum.dim_IntList):
         dims = [a % len(s) for a in (n.args[1] or ())]
         if not dims or d in dims:
@@ -262,17 +252,17 @@ def _shape_arg(n, d: int, k: int):
     return (n.args[0], shape) + tuple(n.args[2:])
 
 
-def interleave(g: fx.Graph, k: int, mesh: tuple) -> int:
-    """Cut, in ``g``, every op that acts on each sample alone into ``k`` chunks of the batch, in
-    the order of the module docstring. Returns how many ops it cut (0: the program is left as
-    it is, where no collective step would fly beside another chunk's compute)."""
+def interleave(g: fx.Graph, k: int, mesh: tuple) -> tuple:
+    """(graph, how many ops it cut): ``g`` with every op that acts on each sample alone cut into
+    ``k`` chunks of the batch, in the order of the module docstring, as a new graph; ``g`` itself,
+    and 0, where no collective step would fly beside another chunk's compute."""
     if k <= 1:
-        return 0
+        return g, 0
     shapes = _Shapes(g, mesh)
     bd = _batch_dims(g, shapes, k)
     cut = {n for n in bd if not (n.target is runtime.to_local or _random(n))}
     if not any(n.target in _STEPS for n in cut):
-        return 0
+        return g, 0
     nodes = list(g.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     # a segment: how many collective steps lie on the longest chain of cut ops before the op
@@ -312,7 +302,8 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> int:
             return wholes[a]
         return env[a]
 
-    # emit in (segment, chunk, original order), every node once its inputs are out
+    # emit in (segment, chunk, original order), every node once its inputs are out; the keys
+    # are distinct, so the heap never compares the items themselves
     def key(item):
         n, c = item
         if n.op == "placeholder":
@@ -336,10 +327,10 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> int:
         waiting[(n, c)] = len(deps)
         for dep in deps:
             users.setdefault(dep, []).append((n, c))
-    ready = [(key(it), index[it[0]], -1 if it[1] is None else it[1], it) for it in items if waiting[it] == 0]
+    ready = [(key(it), it) for it in items if waiting[it] == 0]
     heapq.heapify(ready)
     while ready:
-        _, _, _, (n, c) = heapq.heappop(ready)
+        _, (n, c) = heapq.heappop(ready)
         if n in cut:
             args = _shape_arg(n, bd[n], k) if n.target in _SIZED else n.args
             copy = new.call_function(n.target, torch.fx.node.map_arg(args, lambda a: arg(a, c)),
@@ -351,12 +342,6 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> int:
         for u in users.get((n, c), ()):
             waiting[u] -= 1
             if waiting[u] == 0:
-                heapq.heappush(ready, (key(u), index[u[0]], -1 if u[1] is None else u[1], u))
+                heapq.heappush(ready, (key(u), u))
     assert all(v == 0 for v in waiting.values()), "interleave: a node was never ready"
-    # g takes the new graph's nodes in their order
-    for n in reversed(nodes):
-        g.erase_node(n)
-    remap: dict = {}
-    for n in new.nodes:
-        remap[n] = g.node_copy(n, lambda a: remap[a])
-    return len(cut)
+    return new, len(cut)

@@ -64,7 +64,7 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     ``meta["interleaved"]`` says how many ops it cut."""
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))
-    cut = interleave_batch(g, interleave, program.meta["mesh_shape"])
+    g, cut = interleave_batch(g, interleave, program.meta["mesh_shape"])
     nodes = list(g.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
