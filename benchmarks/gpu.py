@@ -103,7 +103,7 @@ def measure_compute(device, preset: str, out: str) -> dict:
             cells.append(f"{rate / 1e12:.1f} | {rate / base.matmul_flops(dtype.itemsize):.2f}")
         print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
     fig["matmuls"] = {f"{n} {d}": r for (n, d), r in rows.items()}
-    return fig
+    return fig, cluster
 
 
 def _gpt(device, sizes, seed=0):
@@ -125,8 +125,26 @@ def _largest_grad_gap(pm, ref) -> float:
     return max(gaps)
 
 
-def emitted_program(device, sizes, steps: int) -> dict:
-    """Part 2: the parallel GPT on mesh (1,) against the plain one, exactness then speed."""
+def _phases_ms(pm, opt, inputs, device) -> tuple:
+    """One step of ``pm`` timed phase by phase: (forward, backward, optimizer) ms."""
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    t0 = time.perf_counter()
+    loss = pm(*inputs)
+    _sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    _sync(device)
+    t2 = time.perf_counter()
+    opt.step()
+    _sync(device)
+    t3 = time.perf_counter()
+    return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2)
+
+
+def emitted_program(device, sizes, steps: int, cluster=None) -> dict:
+    """Part 2: the parallel GPT on mesh (1,) against the plain one, exactness then speed; with a
+    measured ``cluster``, the plan's predicted phases beside the program's measured ones."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     print(f"\n== 2. the emitted program on {device}: GPT d={sizes['d']}, {sizes['layers']} blocks, "
           f"batch {sizes['batch']} x {sizes['seq']}, mesh (1,) ==")
@@ -167,6 +185,19 @@ def emitted_program(device, sizes, steps: int) -> dict:
                     times[name].append(1e3 * (time.perf_counter() - start))
         ms = {k: statistics.median(v) for k, v in times.items()}
         fig[label] = dict(loss_gap=loss_gap, grad_gap=grad_gap, **{f"{k}_ms": v for k, v in ms.items()})
+        if cluster is not None:
+            phases = [_phases_ms(pm, opt, inputs, device) for _ in range(steps)]
+            measured = [statistics.median(p[i] for p in phases) for i in range(3)]
+            priced = autoshard.plan(_gpt(torch.device("meta"), sizes)[0], inputs, mesh=(1,), cluster=cluster,
+                                    verbose=False, **({"mp_policy": policy} if policy else {}))
+            b = priced.breakdown
+            predicted = [1e3 * b["compute_fwd"], 1e3 * b["compute_bwd"], 1e3 * b.get("optimizer", 0.0)]
+            fig[label]["phases_measured_ms"], fig[label]["phases_predicted_ms"] = measured, predicted
+            fig[label]["step_predicted_ms"] = 1e3 * priced.cost
+            print(f"  on the measured cluster, predicted / measured ms: step {1e3 * priced.cost:.2f} / "
+                  f"{sum(measured):.2f}; " + ", ".join(f"{name} {p:.2f} / {m:.2f}" for name, p, m in
+                                                      zip(("forward", "backward", "optimizer"), predicted, measured)),
+                  flush=True)
         print(f"{label}: loss {loss.item():.5f} vs {ref_loss.item():.5f} (relative gap {loss_gap:.1e}); largest "
               f"gradient gap {grad_gap:.1e} of its tensor's largest; ms/step autoshard {ms['autoshard']:.2f}, "
               f"plain {ms['plain']:.2f} ({ms['autoshard'] / ms['plain']:.2f}); medians of {steps}", flush=True)
@@ -213,9 +244,12 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--large", action="store_true", help="part 2 again at twice the width and batch")
     ap.add_argument("--port", type=int, default=29517)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
@@ -226,8 +260,11 @@ def main():
     backend = _init_group(device, args.port)
     print(f"process group: {backend}, world 1")
     try:
-        figures["measure"] = measure_compute(device, args.preset, args.out)
-        figures["program"] = emitted_program(device, sizes, args.steps)
+        figures["measure"], cluster = measure_compute(device, args.preset, args.out)
+        figures["program"] = emitted_program(device, sizes, args.steps, cluster)
+        if args.large:
+            big = dict(sizes, d=2 * sizes["d"], batch=2 * sizes["batch"])
+            figures["program_large"] = emitted_program(device, big, args.steps, cluster)
     finally:
         dist.destroy_process_group()
     if device.type == "cuda":

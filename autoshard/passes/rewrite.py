@@ -349,7 +349,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
             local[(node.name, 0)] = x
             continue
         ins = choice.in_placements()
-        mark = next(reversed(g.nodes), None)   # what this node's lowering adds comes after it
+        mark = next(iter(reversed(g.nodes)), None)   # what this node's lowering adds comes after it
 
         def fetch(value, dst):
             key = (value, dst)
