@@ -257,3 +257,15 @@ def cpu_memory_peak(fn) -> int:
         now += e.nbytes()
         peak = max(peak, now)
     return peak
+
+
+def copy_all(dst: list, src: list) -> None:
+    """``d.copy_(s)`` for each pair, in one call where torch has its foreach copy (one dispatch
+    and, between tensors of one dtype on a GPU, one kernel launch for them all)."""
+    import torch
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None:
+        copy(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)

@@ -27,7 +27,7 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.rewrite import rewrite
-from autoshard.passes.schedule import BUCKET_BYTES, fuse_cast_gathers, schedule
+from autoshard.passes.schedule import BUCKET_BYTES, batch_casts, fuse_cast_gathers, schedule
 from autoshard.passes.axonn_start import axonn_start
 from autoshard.passes.search import search
 from autoshard.passes.descend import lifted_starts, solve_mesh
@@ -394,7 +394,7 @@ class ParallelModule(nn.Module):
         if self._overlap:
             program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES),
                                chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1))
-        program = fuse_cast_gathers(program)
+        program = batch_casts(fuse_cast_gathers(program))
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))
         self._bound_collectives()

@@ -23,7 +23,9 @@ has. Every rank returns the same Cluster: each figure the median of the ranks' (
     memory        bytes/s of streaming elementwise ops (add, mul, each allocating its output)
     op launch     seconds one small op costs in an fx program shaped like the emitted one: the
                   Python of the graph module, the dispatcher and autograd's bookkeeping, per op
-                  in forward and per autograd node in backward
+                  in forward and per autograd node in backward; on a GPU, whose kernels run
+                  while the host launches the next (``Cluster.launch_hidden``), an op is priced
+                  the longer of its kernel and its launch, on a CPU their sum
     optimizer     AdamW's step over DTensor parameters, held as ``parallelize`` holds them:
                   t = fixed + per tensor * tensors + per byte * bytes, solved over three sets
                   (few small tensors, many small ones, few large ones out of cache)
@@ -74,6 +76,25 @@ OVERLAP_BYTES = 1 << 22       # the all-reduce the overlap is timed with: a laye
 # AdamW's parameter sets (tensors, elements each): few small, many small, few large (16 MB: with
 # their gradients and moments out of a CPU's cache, as a model's are)
 OPTIMIZER_SETS = ((8, 1 << 12), (32, 1 << 12), (8, 1 << 19))
+# A GPU runs the CPU's shapes in microseconds, where its launches, not its kernels, set the time
+# (an H200 measured 8.8 TFLOP/s on them and priced a 17 ms step at 536 ms): there the matmuls'
+# rows and features are made this much larger (features 4 times larger ran at 253 TFLOP/s,
+# and a GPT of width 2048 ran its forward 1.5 times faster than so priced), the memory-bound ops' rows, the
+# streams and the large optimizer set its square, so that each kernel runs for tenths of a
+# millisecond (a layer norm over 16 MB, 8 times the CPU's, still ran at 0.64 TB/s on an H200
+# whose streams ran at 4.2: its launch and the synchronisation set the time)
+GPU_SCALE = 8
+
+
+def _shapes(device) -> dict:
+    """The timed shapes for ``device``: the constants above on a CPU, scaled on a GPU."""
+    if device.type == "cpu":
+        return dict(tokens=TOKENS, rows=TOKENS, linears=LINEARS, attention=(4, 4, 128, 64), stream=STREAM_BYTES,
+                    optimizer=OPTIMIZER_SETS)
+    return dict(tokens=TOKENS * GPU_SCALE, rows=TOKENS * GPU_SCALE ** 2,
+                linears=tuple((GPU_SCALE * k, GPU_SCALE * n) for k, n in LINEARS),
+                attention=(8, 16, 1024, 64), stream=STREAM_BYTES * GPU_SCALE ** 2,
+                optimizer=OPTIMIZER_SETS[:2] + ((OPTIMIZER_SETS[2][0], OPTIMIZER_SETS[2][1] * GPU_SCALE ** 2),))
 
 
 def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Cluster:
@@ -114,6 +135,7 @@ def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Clust
         collectives=tuple(sorted((k, p, s) + fit for (k, p, s), fit in links.items())),
         **figures)
     changes["collective_overhead"] = changes["op_overhead"]   # the runtime's Python around each call
+    changes["launch_hidden"] = device.type != "cpu"   # a GPU's kernels run while the host launches on
     if grouped:
         changes["gpus_per_node"] = figures_per_node = _ranks_per_host()
         if overall is not None and figures_per_node >= world:
@@ -249,11 +271,12 @@ def fit_line(xs, ts) -> tuple:
 def _compute(device) -> dict:
     kernels = _kernels(device)
     matmul = next(k for k in kernels if k[0] == "matmul")
-    x, w, b = (torch.randn(*shape, device=device, dtype=torch.bfloat16)
-               for shape in ((TOKENS, LINEARS[0][0]), LINEARS[0][::-1], (LINEARS[0][1],)))
-    bf16 = 2.0 * TOKENS * LINEARS[0][0] * LINEARS[0][1] / _timed(lambda: aten.linear.default(x, w, b), device)
-    a, c = (torch.randn(STREAM_BYTES // 4, device=device) for _ in range(2))
-    stream = 6.0 * STREAM_BYTES / _timed(lambda: (a + c, a * c), device)   # each reads two, writes one
+    shapes = _shapes(device)
+    tokens, (k, n), streamed = shapes["tokens"], shapes["linears"][0], shapes["stream"]
+    x, w, b = (torch.randn(*shape, device=device, dtype=torch.bfloat16) for shape in ((tokens, k), (n, k), (n,)))
+    bf16 = 2.0 * tokens * k * n / _timed(lambda: aten.linear.default(x, w, b), device)
+    a, c = (torch.randn(streamed // 4, device=device) for _ in range(2))
+    stream = 6.0 * streamed / _timed(lambda: (a + c, a * c), device)   # each reads two, writes one
     fwd, bwd = _launch(device)
     return {"kernels": kernels, "peak_flops_fp32": matmul[1], "peak_flops": bf16, "memory_bandwidth": stream,
             "op_overhead": fwd, "backward_overhead": bwd, "optimizer": _optimizer(device),
@@ -266,15 +289,17 @@ def _kernels(device) -> tuple:
     seconds its forward, and then its backward, took."""
     from autoshard.cost.compute import FLOP_FAMILIES, work
     rand = lambda *shape: torch.randn(*shape, device=device, requires_grad=True)   # noqa: E731
+    shapes = _shapes(device)
+    tokens, rows, heads = shapes["tokens"], shapes["rows"], shapes["attention"]
     cases = {
-        "matmul": [(aten.linear.default, (rand(TOKENS, k), rand(n, k), rand(n)), {}) for k, n in LINEARS],
-        "attention": [(aten.scaled_dot_product_attention.default, (rand(4, 4, 128, 64), rand(4, 4, 128, 64),
-                                                                   rand(4, 4, 128, 64)), {"is_causal": True})],
-        "gelu": [(aten.gelu.default, (rand(TOKENS, 1024),), {})],
-        "norm": [(aten.layer_norm.default, (rand(TOKENS, 512), [512], rand(512), rand(512)), {})],
-        "softmax": [(aten._log_softmax.default, (rand(TOKENS // 2, 2048), -1, False), {})],
+        "matmul": [(aten.linear.default, (rand(tokens, k), rand(n, k), rand(n)), {}) for k, n in shapes["linears"]],
+        "attention": [(aten.scaled_dot_product_attention.default, (rand(*heads), rand(*heads), rand(*heads)),
+                       {"is_causal": True})],
+        "gelu": [(aten.gelu.default, (rand(rows, 1024),), {})],
+        "norm": [(aten.layer_norm.default, (rand(rows, 512), [512], rand(512), rand(512)), {})],
+        "softmax": [(aten._log_softmax.default, (rand(rows // 2, 2048), -1, False), {})],
         "cross_entropy": [(aten.cross_entropy_loss.default,
-                           (rand(TOKENS // 2, 4096), torch.randint(0, 4096, (TOKENS // 2,), device=device)), {})],
+                           (rand(rows // 2, 4096), torch.randint(0, 4096, (rows // 2,), device=device)), {})],
     }
     out = []
     for family, calls in cases.items():
@@ -327,7 +352,7 @@ def _optimizer(device) -> tuple:
     grouped = dist.is_available() and dist.is_initialized()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if grouped else None
     rows, ts = [], []
-    for count, numel in OPTIMIZER_SETS:
+    for count, numel in _shapes(device)["optimizer"]:
         params = []
         for _ in range(count):
             t = torch.randn(numel, device=device)

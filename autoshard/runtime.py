@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import placement as pl
-from autoshard._compat import dtensor_like
+from autoshard._compat import copy_all, dtensor_like
 
 _state = threading.local()
 
@@ -277,6 +277,47 @@ def cast_all_gather(x, axis: int, dim: int, dtype: torch.dtype, groups: int = 1,
         return all_gather(x.to(dtype), axis, dim, groups, sizes)
     m = _mesh()
     return _CastGather.apply(x, dtype, m.group(axis), m.size(axis), m.coord(axis), dim, groups, sizes)
+
+
+class _CastMany(torch.autograd.Function):
+    """Several tensors cast to one ``dtype`` as one autograd node: a policy's copies of the
+    parameters, made by one foreach copy instead of an op and an autograd node each (on a GPU
+    17 us and 24 us of the host's time apiece, more than the kernel of a small parameter's cast);
+    backward hands each gradient back in its master's dtype, as the cast's own backward does."""
+
+    @staticmethod
+    def forward(ctx, dtype, *xs):
+        ctx.set_materialize_grads(False)
+        ctx.dtypes = tuple(x.dtype for x in xs)
+        out = [torch.empty_like(x, dtype=dtype) for x in xs]
+        copy_all(out, list(xs))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = [None if g is None else torch.empty_like(g, dtype=d) for g, d in zip(grads, ctx.dtypes)]
+        given = [i for i, g in enumerate(grads) if g is not None]
+        if given:
+            copy_all([back[i] for i in given], [grads[i] for i in given])
+        return (None, *back)
+
+
+def cast_many(dtype: torch.dtype, *xs) -> tuple:
+    """``tuple(aten._to_copy(x, dtype=dtype) for x in xs)`` as one op, and one autograd node for
+    those that take a gradient (passes.schedule.batch_casts)."""
+    grad = torch.is_grad_enabled()
+    taking = [i for i, x in enumerate(xs) if grad and x.requires_grad]
+    out = [None] * len(xs)
+    rest = [i for i in range(len(xs)) if not (grad and xs[i].requires_grad)]
+    if rest:
+        copies = [torch.empty_like(xs[i], dtype=dtype) for i in rest]
+        copy_all(copies, [xs[i] for i in rest])
+        for i, c in zip(rest, copies):
+            out[i] = c
+    if taking:
+        for i, c in zip(taking, _CastMany.apply(dtype, *(xs[i] for i in taking))):
+            out[i] = c
+    return tuple(out)
 
 
 # the names the emitted program calls, one per step kind; ``groups``: of a blocked split S(dim)/groups;

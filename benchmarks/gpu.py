@@ -12,7 +12,7 @@ Three parts, each printed as it ends, so a run cut short still shows what it rea
    size timed directly, and each figure over the preset's (``--preset``): the efficiency the preset
    should assume. ``DIR/cluster.json`` holds the measured cluster.
 2. The emitted program on CUDA tensors: a GPT parallelized on the mesh (1,) against the same
-   model, unparallelized: the loss's and gradients' largest differences after one step (fp32,
+   model, unparallelized, and against DDP and FSDP2 on the same group of one: the loss's and gradients' largest differences after one step (fp32,
    then a bf16 policy with fp32 masters, against the same model under bf16 autocast), and ms per
    training step of each, taking turns, medians.
 3. Two processes on one GPU in an NCCL group: NCCL does not put two ranks on one device; the
@@ -91,8 +91,6 @@ def measure_compute(device, preset: str, out: str) -> dict:
     print("| n | " + " | ".join(f"{str(d).split('.')[-1]} TFLOP/s | of preset" for d in DTYPES) + " |")
     print("|---|" + "---|---|" * len(DTYPES))
     rows = {}
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True   # the preset's fp32 peak is TF32's
     for n in SIZES if device.type == "cuda" else SIZES[:2]:
         cells = []
         for dtype in DTYPES:
@@ -153,6 +151,7 @@ def emitted_program(device, sizes, steps: int, cluster=None) -> dict:
     for label, policy in (("fp32", None), ("bf16 policy", bf16)):
         model, inputs = _gpt(device, sizes)
         ref = copy.deepcopy(model)
+        peers = _peers(model, policy, device)
         pm = autoshard.parallelize(model, inputs, mesh=(1,), **({"mp_policy": policy} if policy else {}))
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=policy is not None)
         loss = pm(*inputs)
@@ -172,11 +171,14 @@ def emitted_program(device, sizes, steps: int, cluster=None) -> dict:
             out.backward()
             o.step()
 
-        times = {"autoshard": [], "plain": []}
-        for i in range(steps + 2):   # two warm-up rounds, then the two take turns
-            for name, m, o, ac in (("autoshard", pm, opt, torch.autocast(device.type, enabled=False)),
-                                   ("plain", ref, ref_opt, torch.autocast(device.type, dtype=torch.bfloat16,
-                                                                          enabled=policy is not None))):
+        off = torch.autocast(device.type, enabled=False)
+        contenders = [("autoshard", pm, opt, off),
+                      ("plain", ref, ref_opt, torch.autocast(device.type, dtype=torch.bfloat16,
+                                                             enabled=policy is not None))]
+        contenders += [(name, m, torch.optim.AdamW(m.parameters(), lr=1e-4), ac) for name, m, ac in peers]
+        times = {name: [] for name, *_ in contenders}
+        for i in range(steps + 2):   # two warm-up rounds, then they take turns
+            for name, m, o, ac in contenders:
                 _sync(device)
                 start = time.perf_counter()
                 step(m, o, ac)
@@ -188,6 +190,10 @@ def emitted_program(device, sizes, steps: int, cluster=None) -> dict:
         if cluster is not None:
             phases = [_phases_ms(pm, opt, inputs, device) for _ in range(steps)]
             measured = [statistics.median(p[i] for p in phases) for i in range(3)]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=policy is not None):
+                plain = [_phases_ms(ref, ref_opt, inputs, device) for _ in range(steps)]
+            plain = [statistics.median(p[i] for p in plain) for i in range(3)]
+            fig[label]["phases_plain_ms"] = plain
             priced = autoshard.plan(_gpt(torch.device("meta"), sizes)[0], inputs, mesh=(1,), cluster=cluster,
                                     verbose=False, **({"mp_policy": policy} if policy else {}))
             b = priced.breakdown
@@ -196,12 +202,53 @@ def emitted_program(device, sizes, steps: int, cluster=None) -> dict:
             fig[label]["step_predicted_ms"] = 1e3 * priced.cost
             print(f"  on the measured cluster, predicted / measured ms: step {1e3 * priced.cost:.2f} / "
                   f"{sum(measured):.2f}; " + ", ".join(f"{name} {p:.2f} / {m:.2f}" for name, p, m in
-                                                      zip(("forward", "backward", "optimizer"), predicted, measured)),
-                  flush=True)
+                                                      zip(("forward", "backward", "optimizer"), predicted, measured))
+                  + "; the plain model's measured: " + ", ".join(f"{m:.2f}" for m in plain), flush=True)
         print(f"{label}: loss {loss.item():.5f} vs {ref_loss.item():.5f} (relative gap {loss_gap:.1e}); largest "
               f"gradient gap {grad_gap:.1e} of its tensor's largest; ms/step autoshard {ms['autoshard']:.2f}, "
-              f"plain {ms['plain']:.2f} ({ms['autoshard'] / ms['plain']:.2f}); medians of {steps}", flush=True)
+              + ", ".join(f"{k} {v:.2f} ({ms['autoshard'] / v:.2f})" for k, v in ms.items() if k != "autoshard")
+              + f"; medians of {steps}", flush=True)
     return fig
+
+
+def _peers(model, policy, device) -> list:
+    """(name, module, autocast) of what a user would run instead on one GPU of a group of one,
+    each from ``model``'s weights: DDP (under autocast where a policy is asked for: DDP has
+    none) and FSDP2 with the policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(copy.deepcopy(model), device_ids=[device.index] if device.type == "cuda" else None)
+    fsdp = copy.deepcopy(model)
+    kw = {"mp_policy": policy or MixedPrecisionPolicy()}
+    for block in fsdp.blocks:
+        fully_shard(block, **kw)
+    fully_shard(fsdp, **kw)
+    auto = torch.autocast(device.type, dtype=torch.bfloat16, enabled=policy is not None)
+    return [("DDP", ddp, auto), ("FSDP2", fsdp, torch.autocast(device.type, enabled=False))]
+
+
+def profile(device, sizes, out: str) -> None:
+    """Part 2b: three fp32 steps of each, under torch.profiler: the ops that take the most host
+    time (where the emitted program's time goes beyond its kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiled
+    model, inputs = _gpt(device, sizes)
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, inputs, mesh=(1,))
+    print(f"\n== 2b. torch.profiler, 3 fp32 steps each, d={sizes['d']} ==")
+    for name, m in (("autoshard", pm), ("plain", ref)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        for _ in range(3):
+            _phases_ms(m, opt, inputs, device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profiled(activities=activities) as prof:
+            for _ in range(3):
+                _phases_ms(m, opt, inputs, device)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        if out:
+            with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
+                f.write(table)
+        print(f"{name}:\n" + "\n".join(table.splitlines()[:14]), flush=True)
 
 
 def _two_ranks(sizes):
@@ -244,6 +291,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of both programs")
     ap.add_argument("--large", action="store_true", help="part 2 again at twice the width and batch")
     ap.add_argument("--port", type=int, default=29517)
     args = ap.parse_args()
@@ -252,6 +300,7 @@ def main():
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls in TF32 throughout: the preset's fp32 peak is TF32's
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     sizes = dict(d=args.d, heads=args.heads, layers=args.layers, vocab=args.vocab, batch=args.batch, seq=args.seq)
     if args.out:
@@ -262,6 +311,8 @@ def main():
     try:
         figures["measure"], cluster = measure_compute(device, args.preset, args.out)
         figures["program"] = emitted_program(device, sizes, args.steps, cluster)
+        if args.profile:
+            profile(device, sizes, args.out)
         if args.large:
             big = dict(sizes, d=2 * sizes["d"], batch=2 * sizes["batch"])
             figures["program_large"] = emitted_program(device, big, args.steps, cluster)

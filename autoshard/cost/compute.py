@@ -137,7 +137,7 @@ def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> f
         return cluster.op_overhead
     timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster)
     kernel = timed[0] if timed else work_time(target, in_shapes, out_shapes, itemsize, cluster)
-    return kernel + cluster.op_overhead
+    return launched(kernel, cluster.op_overhead, cluster)
 
 
 def backward_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
@@ -147,4 +147,12 @@ def backward_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster
         return cluster.backward_overhead
     timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster)
     kernel = timed[1] if timed else BACKWARD_FACTOR * work_time(target, in_shapes, out_shapes, itemsize, cluster)
-    return kernel + cluster.backward_overhead
+    return launched(kernel, cluster.backward_overhead, cluster)
+
+
+def launched(kernel: float, launch: float, cluster: Cluster) -> float:
+    """Seconds of an op whose kernel takes ``kernel`` and whose launch ``launch``: on a CPU one
+    after the other; on a device that runs kernels while the host goes on (``launch_hidden``),
+    the longer of the two, the host running ahead of a long kernel and the device waiting on
+    a short one's launch."""
+    return max(kernel, launch) if cluster.launch_hidden else kernel + launch

@@ -208,6 +208,57 @@ def fuse_cast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def batch_casts(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each run of a policy's casts of parameters to one dtype, with nothing between them but
+    other such casts and the parameters' feeding (placeholders, gradient all-reduces and buckets,
+    a share sliced off), becomes one ``runtime.cast_many``: one op and one autograd node for the
+    run instead of one per parameter (a GPT of 52 parameters spent 2 ms of a 14 ms step on an
+    H200 launching them). The run's casts move to its last one, after every parameter they read."""
+    g, runs, run, fed = gm.graph, [], [], set()
+    for n in g.nodes:
+        if _feeding(n, fed):
+            fed.add(n)
+            continue
+        if _param_cast(n, fed) and (not run or run[0].kwargs["dtype"] == n.kwargs["dtype"]):
+            run.append(n)
+            continue
+        runs.append(run)
+        run = [n] if _param_cast(n, fed) else []
+    runs.append(run)
+    runs = [r for r in runs if len(r) > 1]
+    for run in runs:
+        with g.inserting_after(run[-1]):
+            fused = g.call_function(runtime.cast_many, (run[0].kwargs["dtype"], *(c.args[0] for c in run)))
+        fused.meta.update({k: v for k, v in run[0].meta.items() if k != "val"})
+        with g.inserting_after(fused):
+            for i, c in reversed(list(enumerate(run))):
+                part = g.call_function(operator.getitem, (fused, i))
+                part.meta.update(c.meta)
+                c.replace_all_uses_with(part)
+        for c in run:
+            g.erase_node(c)
+    if runs:
+        gm.recompile()
+    return gm
+
+
+# what hands a parameter's share to the program without computing on an activation
+_FEEDS = (runtime.grad_sync, runtime.pending, runtime.grad_bucket, runtime.grad_wait, runtime.slice_shard,
+          operator.getitem)
+
+
+def _feeding(n, fed: set) -> bool:
+    """Whether ``n`` is a placeholder, or feeds parameters (``_FEEDS``) from such nodes alone."""
+    if n.op == "placeholder":
+        return True
+    return n.op == "call_function" and n.target in _FEEDS and all(a in fed for a in n.all_input_nodes)
+
+
+def _param_cast(n, fed: set) -> bool:
+    """Whether ``n`` is a cast of a parameter's share as fed."""
+    return n.op == "call_function" and n.target is CAST and set(n.kwargs) == {"dtype"} and n.args[0] in fed
+
+
 def _prefetch_gathers(g, gathers: list, start: _Cursor, limit: int, mesh_shape, cap: int) -> None:
     """``gathers``: [(all-gather node, its ``_gathered_share``)], in program order."""
     # neighbours in use order on one group, of one dtype, up to ``cap`` gathered bytes: one
