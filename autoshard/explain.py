@@ -192,7 +192,7 @@ def explain(plan, name: str) -> str:
     rows = [("placement", "step", "vs plan", "compute", "comm", "memory/rank", "")]
     for k, o in enumerate(options):
         rows.append((_nd(o["outputs"][0]) if o["outputs"] else "-", fmt_s(o["step"]),
-                     "chosen" if k == 0 else _signed(o["step"] - plan.cost), fmt_s(o["compute"]), fmt_s(o["comm"]),
+                     "chosen" if k == 0 else _signed(o["step"] - chosen["step"]), fmt_s(o["compute"]), fmt_s(o["comm"]),
                      fmt_bytes(o["memory"]), "" if o["fits"] else "over the memory budget"))
     from autoshard.summary import columns
     lines += ["  " + r for r in columns(rows)]
@@ -203,17 +203,20 @@ def explain(plan, name: str) -> str:
 def _why(plan, name, chosen, others) -> list:
     """Words: why the chosen layout won over the runner-up, and the pin that forces another."""
     out = []
+    # the chosen layout's step as the solver priced it, before the batch is interleaved
+    # (plan.breakdown["interleave_saved"]), as every alternative is priced
+    base = chosen["step"]
     exact = plan.solver.get("gap") is not None
     runner = next((o for o in others if o["fits"]), None)
-    cheaper = [o for o in others if o["step"] < plan.cost * (1 - 1e-9)]
+    cheaper = [o for o in others if o["step"] < base * (1 - 1e-9)]
     if runner is not None:
         d_comm, d_comp = runner["comm"] - chosen["comm"], runner["compute"] - chosen["compute"]
         d_mem = runner["memory"] - chosen["memory"]
         parts = [f"communication {_signed(d_comm)}", f"compute {_signed(d_comp)}", f"memory {_signed_bytes(d_mem)} per rank"]
         new = [c for c in runner["collectives"] if c not in chosen["collectives"]]
-        verdict = ("costs the same: the solver's pick among equals" if abs(runner["step"] - plan.cost) <= 1e-12 else
-                   f"would cost {fmt_s(runner['step'] - plan.cost)} more per step" if runner["step"] > plan.cost else
-                   f"would save {fmt_s(plan.cost - runner['step'])} per step")
+        verdict = ("costs the same: the solver's pick among equals" if abs(runner["step"] - base) <= 1e-12 else
+                   f"would cost {fmt_s(runner['step'] - base)} more per step" if runner["step"] > base else
+                   f"would save {fmt_s(base - runner['step'])} per step")
         out.append(f"why: the next best, {_nd(runner['outputs'][0])}, {verdict} ({', '.join(parts)}"
                    + (f"; it would add {'; '.join(_coll_words(c) for c in new[:3])}" if new else "") + ")")
     unfit = [o for o in others if not o["fits"]]
@@ -221,7 +224,7 @@ def _why(plan, name, chosen, others) -> list:
         out.append(f"{', '.join(_nd(o['outputs'][0]) for o in unfit)} would not fit the memory budget")
     if cheaper:
         o = cheaper[0]
-        out.append(f"note: {_nd(o['outputs'][0])} alone would save {fmt_s(plan.cost - o['step'])} per step"
+        out.append(f"note: {_nd(o['outputs'][0])} alone would save {fmt_s(base - o['step'])} per step"
                    + ("" if o["fits"] else " but breaks the memory budget")
                    + ("; the solver's bound allows it (gap " + f"{100 * plan.solver['gap']:.2f}%)" if exact else
                       "; this plan is a local optimum of one-axis descent, not proven"))
@@ -233,7 +236,7 @@ def _why(plan, name, chosen, others) -> list:
             continue
         o = alt[0]
         out.append(f"  axis {axis}: {p} chosen; the best with {o['outputs'][0][axis]} there, {_nd(o['outputs'][0])}, "
-                   f"{_signed(o['step'] - plan.cost)} per step" + ("" if o["fits"] else ", over the memory budget"))
+                   f"{_signed(o['step'] - base)} per step" + ("" if o["fits"] else ", over the memory budget"))
     target = runner or (others[0] if others else None)
     if target is not None:
         pin = tuple(target["outputs"][0])

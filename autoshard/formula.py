@@ -352,6 +352,9 @@ def formula(plan, dims=None, part: str = "step", nodes=None) -> tuple:
     cf, cb = total.get("compute_fwd", zero), total.get("compute_bwd", zero)
     hf, hb, blocking = total.get("hidden_fwd", zero), total.get("hidden_bwd", zero), total.get("comm", zero)
     exposed = blocking + larger(zero, hf - cf) + larger(zero, hb - cb) + q(DRAG) * (hf + hb)
+    saved = plan.breakdown.get("interleave_saved", 0.0)
+    if nodes is None and saved:   # the batch interleaved (cost.interleave), a figure of the whole plan
+        exposed = exposed - Q(sympy.Float(saved), saved)
     result = {"compute": cf + cb, "communication": blocking + hf + hb, "exposed": exposed,
               "step": cf + cb + exposed}[part]
     used = result.e.free_symbols

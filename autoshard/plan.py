@@ -212,23 +212,15 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     """The chosen strategy of every node, with the collectives and costs it implies. What
     ``Plan.explain`` needs (each node's alternatives, priced) is worked out when first asked for."""
     mesh = costs.mesh_shape
-    nodes, params, colls, overlaps = {}, {}, [], []
+    nodes, params = {}, {}
     # recomputed blocks: their forward again in backward, their activations freed but one block's;
     # they run in checkpointed submodules, where the schedule overlaps and chunks nothing
     # (cost.overlap.unhidden gives back what their conversions' prices hide)
     extra, freed, peak, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
-    rerun = {o for b in (again or {}).get("blocks", ()) for o in recompute._stack_blocks(graph)[b]}
+    rerun = _rerun(graph, again)
     total = Cost()
+    colls, overlaps = _collectives(graph, strategies, solution.choice, costs, rerun)
     for n, strat, cost in _priced(graph, strategies, solution.choice, costs):
-        for slot, value in enumerate(n.inputs):
-            src = strategies[value[0]][solution.choice[value[0]]].outputs[value[1]]
-            dst = strat.inputs[slot]
-            # what the schedule hides of it, and how it chunks it (cost.overlap)
-            o = edge_overlap(costs, value, src, dst, n, slot)
-            o_run = o if n.name not in rerun else None
-            colls += _as_run(conversion_collectives(graph, costs, value, src, dst, n), o_run)
-            overlaps += [o_run] if o_run is not None else []
-        colls += own_collectives(graph, costs, n, strat)
         total = total + cost
         nodes[n.name] = NodeChoice(
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
@@ -247,10 +239,13 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory["total"] += peak - freed
     # the conversions the schedule chunks: none made in a recomputed block's submodule
     chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1 and o.producer not in rerun]
-    # the batch cut into k interleaved chunks where that hides more than it costs (cost.interleave)
+    # the batch cut into k interleaved chunks where that hides more than it costs (cost.interleave):
+    # the step the plan estimates, and that a mesh search compares, is the one it runs
     k, saved = interleave.choose(graph, strategies, solution.choice, costs, overlaps, colls, rerun)
-    plan = Plan(tuple(mesh), nodes, params, colls, total.step, costs.training, costs.cluster, solver,
-                input_shapes, memory, breakdown(total, overlaps) | {"interleave_saved": saved},
+    parts = breakdown(total, overlaps)
+    parts.update(interleave_saved=saved, exposed=parts["exposed"] - saved, hidden=parts["hidden"] + saved)
+    plan = Plan(tuple(mesh), nodes, params, colls, total.step - saved, costs.training, costs.cluster, solver,
+                input_shapes, memory, parts,
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
                  "chunks": chunks, "interleave": k},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
@@ -276,7 +271,34 @@ def plan_cost(graph, strategies, solution, costs) -> float:
     total = Cost()
     for _, _, cost in _priced(graph, strategies, solution.choice, costs):
         total = total + cost
-    return (total + recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)[0]).step
+    extra, _, _, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
+    rerun = _rerun(graph, again)
+    colls, overlaps = _collectives(graph, strategies, solution.choice, costs, rerun)
+    saved = interleave.choose(graph, strategies, solution.choice, costs, overlaps, colls, rerun)[1]
+    return (total + extra).step - saved
+
+
+def _rerun(graph, again) -> set:
+    """The nodes of the blocks a plan recomputes (``recompute.chosen``'s last part)."""
+    return {o for b in (again or {}).get("blocks", ()) for o in recompute._stack_blocks(graph)[b]}
+
+
+def _collectives(graph, strategies, choice: dict, costs, rerun: set) -> tuple:
+    """(the plan's collectives as the schedule runs them, in graph order; the ``cost.overlap``
+    records of its conversions outside the recomputed blocks ``rerun``)."""
+    colls, overlaps = [], []
+    for n in graph.nodes:
+        strat = strategies[n.name][choice[n.name]]
+        for slot, value in enumerate(n.inputs):
+            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+            dst = strat.inputs[slot]
+            # what the schedule hides of it, and how it chunks it (cost.overlap)
+            o = edge_overlap(costs, value, src, dst, n, slot)
+            o_run = o if n.name not in rerun else None
+            colls += _as_run(conversion_collectives(graph, costs, value, src, dst, n), o_run)
+            overlaps += [o_run] if o_run is not None else []
+        colls += own_collectives(graph, costs, n, strat)
+    return colls, overlaps
 
 
 def _as_run(colls: list, o) -> list:

@@ -17,9 +17,12 @@ launches (a measured cluster's ``op_overhead`` and ``backward_overhead``). k is 
 ``CHOICES`` that saves the most, 1 where none saves anything; the batch must divide by it on
 every rank.
 
-The plan is solved without it and keeps its estimated step (``plan.cost``): the saving is a
-schedule's, reported beside it (``plan.breakdown["interleave_saved"]``) and carried out by the
-schedule pass (``plan.schedule["interleave"]``). Recomputed blocks run in checkpointed
+Each mesh's plan is solved without it; its saving is then taken off the plan's estimated step
+(``plan.cost``; ``plan.breakdown``: ``interleave_saved``, moved from ``exposed`` to ``hidden``)
+and off the step a mesh search compares meshes by (``plan.plan_cost``), so the search prefers
+the mesh whose plan interleaves well; the schedule pass carries it out
+(``plan.schedule["interleave"]``). ``Plan.explain`` prices a node's alternatives as the solver
+does, against the chosen layout's step before the saving. Recomputed blocks run in checkpointed
 submodules, which are not cut: their ops and conversions count for nothing here.
 """
 from __future__ import annotations
