@@ -570,8 +570,11 @@ def hf_interleave_case(name):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_huggingface_models_interleave_what_they_can_and_stay_exact(world2, name):
     """GPT-2 (Conv1D's addmm, eager attention's batched matmuls) and LLaMA (rotary embeddings,
-    grouped-query attention's expand) cut what the rules follow and keep the rest whole: the
-    loss and gradients those of one device."""
+    grouped-query attention's expand, masks built for the whole batch) cut what the rules
+    follow and keep the rest whole: the loss and gradients those of one device."""
     for cut, loss, grads in world2.run(hf_interleave_case, name):
-        assert cut > 0
+        # most of each block: the rotary embeddings (whose frequencies move to the device),
+        # the MLPs, and what a mask lined up with the batch meets (LLaMA cut 3 ops, GPT-2 22,
+        # before those were followed; now 45 and 98)
+        assert cut >= 30, cut
         assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)

@@ -80,8 +80,11 @@ class _Shapes:
             return None
         t = n.target
         if isinstance(t, torch._ops.OpOverload):
-            args = torch.fx.node.map_arg(n.args, self._meta)
-            kwargs = dict(torch.fx.node.map_arg(n.kwargs, self._meta))
+            # every device the op names the meta device (rotary embeddings move their
+            # frequencies with aten.to.device)
+            on_meta = lambda a: torch.device("meta") if isinstance(a, torch.device) else a   # noqa: E731
+            args = tuple(on_meta(a) for a in torch.fx.node.map_arg(n.args, self._meta))
+            kwargs = {k: on_meta(v) for k, v in torch.fx.node.map_arg(n.kwargs, self._meta).items()}
             if "device" in kwargs:
                 kwargs["device"] = torch.device("meta")
             out = t(*args, **kwargs)
@@ -111,11 +114,12 @@ class _Shapes:
         return None
 
 
-def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int) -> dict:
+def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int, enter=None) -> dict:
     """node -> the dim of its output that holds the batch, for the nodes that may be cut into k
     chunks on it (``_rule``). The batch: dim 0 of the inputs (``runtime.to_local`` of a
     placeholder) of two or more dims, all of one size that k divides; an input of one dim is
-    batched where its size is the batch's."""
+    batched where its size is the batch's. ``enter`` gets the operands not batched that the
+    cut ops take split (``_rule``)."""
     bd: dict = {}
     sizes = set()
     for n in g.nodes:   # inputs of two or more dims (one-dim ones, positions say, may be anything)
@@ -134,21 +138,53 @@ def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int) -> dict:
             if s and s[0] == batch:
                 bd[n] = 0
             continue
-        d = _rule(n, bd, shapes, k)
+        d = _rule(n, bd, shapes, k, batch, enter)
         if d is not None:
             bd[n] = d
     return bd
 
 
-def _rule(n, bd, shapes, k):
+def _rule(n, bd, shapes, k, batch=None, enter=None):
     """The batch dim of ``n``'s output where ``n`` can run on each chunk of its batched inputs
-    alone, given theirs (``bd``); None where it cannot or holds no batch."""
+    alone, given theirs (``bd``); None where it cannot or holds no batch. ``batch``: the local
+    batch's size. An operand not known to hold the batch whose dim the op lines up with the
+    batch dim has the batch's full size there (a mask built for every sample, LLaMA's): each
+    chunk takes its own rows of it, which are what the whole op combines with those samples;
+    ``enter`` records it (node -> that dim) where the op can then be cut."""
+    taken = {}
+
+    def lined_up(a, j) -> bool:   # operand a's dim j against the batch dim: broadcast, or split with it
+        s = shapes.of.get(a)
+        if s is None:
+            return False
+        if j < 0 or s[j] == 1:
+            return True
+        if batch is None or s[j] != batch or (enter or {}).get(a, j) != j or taken.get(a, j) != j:
+            return False
+        taken[a] = j
+        return True
+
+    def cut(d):
+        if d is not None and enter is not None:
+            enter.update(taken)
+        return d
+    return cut(_cut_dim(n, bd, shapes, k, batch, lined_up))
+
+
+def _cut_dim(n, bd, shapes, k, batch, lined_up):
+    """``_rule``'s dim; ``lined_up(operand, dim)``: whether an operand not batched may meet the
+    batch dim with that dim of it."""
     t, out = n.target, shapes.of.get(n)
     ins = list(n.all_input_nodes)
     batched = [a for a in ins if a in bd]
+    x = n.args[0] if n.args else None
+    if t is aten.expand.default and not batched and out and out[0] == batch and shapes.of.get(x) is not None:
+        # a tensor without the batch broadcast to it (LLaMA's causal mask): every row alike, so
+        # each chunk expands it to its own rows
+        s = shapes.of[x]
+        return 0 if len(out) > len(s) or s[0] == 1 else None
     if not batched or out is None:
         return None
-    x = n.args[0] if n.args else None
     if t is aten.cat.default:   # every piece batched on the same dim, joined on another
         pieces = list(x)
         dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(out)
@@ -159,14 +195,11 @@ def _rule(n, bd, shapes, k):
         if len(aligned) != 1:
             return None
         d = aligned.pop()
-        for a in ins:   # a shared operand must broadcast over the batch dim
+        for a in ins:   # a shared operand broadcasts over the batch dim, or is split with it
             if a in bd:
                 continue
             s = shapes.of.get(a)
-            if s is None:
-                return None
-            j = d - (len(out) - len(s))
-            if j >= 0 and s[j] != 1:
+            if s is None or not lined_up(a, d - (len(out) - len(s))):
                 return None
         return d
     if x not in bd or any(a in bd for a in ins if a is not x):
@@ -174,7 +207,9 @@ def _rule(n, bd, shapes, k):
             qkv = n.args[:3]
             mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
             drop = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
-            if all(bd.get(a) == 0 for a in qkv) and (mask is None or bd.get(mask) == 0) and not drop:
+            if all(bd.get(a) == 0 for a in qkv) and not drop and (
+                    mask is None or bd.get(mask) == 0 or mask not in bd and shapes.of.get(mask) is not None
+                    and lined_up(mask, len(shapes.of[mask]) - len(out))):
                 return 0
         if t in (aten.matmul.default, aten.bmm.default) and len(out) >= 3:
             # a batched matmul, both operands batched on dim 0 with every leading dim theirs
@@ -259,7 +294,8 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> tuple:
     if k <= 1:
         return g, 0
     shapes = _Shapes(g, mesh)
-    bd = _batch_dims(g, shapes, k)
+    enter: dict = {}
+    bd = _batch_dims(g, shapes, k, enter)
     cut = {n for n in bd if not (n.target is runtime.to_local or _random(n))}
     if not any(n.target in _STEPS for n in cut):
         return g, 0
@@ -287,10 +323,10 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> tuple:
     def arg(a, c):
         if a in cut:
             return chunks[a][c]
-        if a in bd:   # a batched value entering the cut ops: split once
+        if a in bd or a in enter:   # a batched value (or one lined up with the batch) entering the cut ops: split once
             if a not in parts:
                 whole = env[a]
-                split = new.call_function(torch.tensor_split, (whole, k, bd[a]))
+                split = new.call_function(torch.tensor_split, (whole, k, bd[a] if a in bd else enter[a]))
                 parts[a] = [new.call_function(operator.getitem, (split, i)) for i in range(k)]
             return parts[a][c]
         return env[a]
