@@ -31,7 +31,7 @@ from autoshard.cost import memory
 from autoshard.passes import recompute
 from autoshard.passes.progress import phase, uncollected
 from autoshard.cost.price import Costs
-from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoPlanInTime, Solution, choice_cost, solve
+from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, choice_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
@@ -158,6 +158,9 @@ def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds, s
             except NoPlanInTime:   # out of time with the incumbent still the best plan: keep it
                 return Solution(choice, best, None, f"LOCAL_OPTIMUM ({steps} one-axis solves, stopped by the "
                                 f"time limit)", time.perf_counter() - start, again)
+            except NoBetterPlan:   # none found in the step's effort: the incumbent stays
+                steps += 1
+                continue
             steps += 1
             if sol.objective < best * (1 - 1e-9):
                 choice = {name: keep[name][i] for name, i in sol.choice.items()}

@@ -396,11 +396,13 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
             except (RuntimeError, MemoryBudgetError):
                 pass
     if not found:
-        if beaten:
+        if beaten or effort is not None:   # or a bounded look found none: a search looks again, whole
             raise NoBetterPlan(False)
-        with recompute.mode(costs, "blocks"):   # every block recomputed is the least memory there is
-            solve(graph, strategies, costs, time_limit, memory_budget)
-        raise RuntimeError("the layout solver found no plan with or without recomputation in time; raise time_limit=")
+        # every block recomputed is the least memory there is: its plan, or the error that says
+        # nothing fits (a 96-layer GPT at world 8 found none in a mesh search's first, bounded
+        # look, and the search stopped on "no plan in time" where the mesh (8,) alone had one)
+        with recompute.mode(costs, "blocks"):
+            found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=below, support=support))
     # each layout with the fewest whole blocks recomputed that fit it: a layout chosen with every
     # block's cheap ops run again too (a 6-layer GPT on (4,) under a tight budget: 2 whole blocks,
     # 9% below the cheap ops of all 6, where "blocks"' bound let its own program be skipped)
