@@ -251,6 +251,33 @@ def test_launches_counted_per_op_and_views_cost_only_their_launch():
     assert with_launch.node(view, strategies[view.name][0]).compute_fwd == 1e-4    # a view moves no bytes
 
 
+def test_a_gpu_hides_launches_behind_kernels_and_times_kernels_long_enough(tmp_path):
+    """On a GPU (``launch_hidden``) an op costs the longer of its kernel and its launch, on a CPU
+    their sum; a saved cluster says which. The GPU times shapes whose kernels are longer than
+    their launches: the CPU's (a linear of 1024 x 256 by 256 x 1024) ran there at 8.8 TFLOP/s
+    and priced a 15 ms step at 536 ms."""
+    from autoshard.cost import compute
+    linear = torch.ops.aten.linear.default
+    bare = FAKE.with_(op_overhead=0.0, backward_overhead=0.0)
+    cpu = FAKE.with_(op_overhead=1e-4, backward_overhead=3e-4)
+    gpu = cpu.with_(launch_hidden=True)
+    for (x, w), long_kernel in ((((4, 8), (8, 8)), False), (((4096, 4096), (4096, 4096)), True)):
+        out = [(x[0], w[0])]
+        for price, launch in ((compute.op_time, 1e-4), (compute.backward_time, 3e-4)):
+            kernel = price(linear, (x, w), out, 4, bare)
+            assert price(linear, (x, w), out, 4, cpu) == pytest.approx(kernel + launch, rel=1e-9)
+            assert price(linear, (x, w), out, 4, gpu) == pytest.approx(max(kernel, launch), rel=1e-9)
+            assert (kernel > launch) is long_kernel
+    for cluster in (cpu, gpu):
+        cluster.save(tmp_path / "c.json")
+        assert Cluster.load(tmp_path / "c.json") == cluster
+    on_cpu, on_gpu = measure._shapes(torch.device("cpu")), measure._shapes(torch.device("cuda", 0))
+    flops = lambda sh: 2 * sh["tokens"] * sh["linears"][0][0] * sh["linears"][0][1]   # noqa: E731
+    assert on_cpu["linears"] == measure.LINEARS and on_cpu["tokens"] == measure.TOKENS
+    assert flops(on_gpu) >= 256 * flops(on_cpu)   # tenths of a millisecond on an H100-class GPU
+    assert on_gpu["stream"] >= 64 * on_cpu["stream"] and on_gpu["rows"] >= 64 * on_cpu["rows"]
+
+
 def test_measured_cluster_changes_the_price_and_counts_the_optimizer():
     torch.manual_seed(0)
     model, inputs = GPT(), (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
