@@ -76,13 +76,13 @@ OVERLAP_BYTES = 1 << 22       # the all-reduce the overlap is timed with: a laye
 # AdamW's parameter sets (tensors, elements each): few small, many small, few large (16 MB: with
 # their gradients and moments out of a CPU's cache, as a model's are)
 OPTIMIZER_SETS = ((8, 1 << 12), (32, 1 << 12), (8, 1 << 19))
-# A GPU runs the CPU's shapes in microseconds, where its launches, not its kernels, set the time
-# (an H200 measured 8.8 TFLOP/s on them and priced a 17 ms step at 536 ms): there the matmuls'
-# rows and features are made this much larger (features 4 times larger ran at 253 TFLOP/s,
-# and a GPT of width 2048 ran its forward 1.5 times faster than so priced), the memory-bound ops' rows, the
-# streams and the large optimizer set its square, so that each kernel runs for tenths of a
-# millisecond (a layer norm over 16 MB, 8 times the CPU's, still ran at 0.64 TB/s on an H200
-# whose streams ran at 4.2: its launch and the synchronisation set the time)
+# A GPU runs the CPU's shapes in microseconds, where its launches, not its kernels, set the
+# time (an H200 measured 8.8 TFLOP/s on them and priced a 17 ms step at 536 ms). There the
+# matmuls' rows and features are made this much larger (features 4 times larger ran at 253
+# TFLOP/s, and a GPT of width 2048 then ran its forward 1.5 times faster than priced), and the
+# memory-bound ops' rows, the streams and the large optimizer set its square, so that each
+# kernel runs for tenths of a millisecond (a layer norm over 16 MB still ran at 0.64 TB/s on an
+# H200 whose streams ran at 4.2: its launch and the synchronisation set the time)
 GPU_SCALE = 8
 
 
