@@ -33,7 +33,9 @@ bucket, and parameter collectives hide behind the compute of their phase (``cost
 A policy copy no bucket took (one whose master's gradient all-reduce or placeholder feeds more
 than this gather) is gathered by an activation step that casts (``step_start``'s ``dtype``), and
 without the schedule by ``runtime.cast_all_gather`` (``fuse_cast_gathers``, run on every
-program): either way its gradient is reduce-scattered in ``reduce_dtype``.
+program): either way its gradient is reduce-scattered in ``reduce_dtype``. The casts of
+parameters kept whole, side by side at the program's start, become one ``runtime.cast_many``
+per run (``batch_casts``, run on every program too).
 """
 from __future__ import annotations
 
