@@ -26,13 +26,41 @@ def thread_local_c10d():
     return _install_threaded_pg, _uninstall_threaded_pg, _set_thread_isolation_mode
 
 
-def blocked_shard(dim: int, groups: int):
+def blocked_shard(dim: int, groups: int, name: str = "a tensor"):
     """The DTensor placement of a blocked split S(dim)/groups on one mesh axis: the dim cut into
     ``groups`` blocks first and each block across the axis, which DTensor writes as a strided
     shard with split factor ``groups`` (the same on every axis that cuts the dim). DTensor has no
-    public name for it yet."""
+    public name for it yet, so whether this torch lays it out so is checked (once per split
+    factor) on a small tensor: where it does not, ``name`` (the parameter's) gets an error that
+    says what to change, not DTensor views (``full_tensor``, checkpoints) that disagree with the
+    program's own shares."""
     from torch.distributed.tensor.placement_types import _StridedShard
+    if groups not in _BLOCKED_LAYOUT_CHECKED:
+        _check_blocked_layout(_StridedShard, groups, name)
+        _BLOCKED_LAYOUT_CHECKED.add(groups)
     return _StridedShard(dim, split_factor=groups)
+
+
+_BLOCKED_LAYOUT_CHECKED: set = set()
+
+
+def _check_blocked_layout(strided, groups: int, name: str) -> None:
+    import torch
+    ranks = 2
+    whole = torch.arange(groups * ranks * 2)
+    want = [torch.cat([block.chunk(ranks)[r] for block in whole.chunk(groups)]) for r in range(ranks)]
+    try:
+        got = strided(0, split_factor=groups)._split_tensor(whole, ranks, with_padding=False)[0]
+        same = len(got) == ranks and all(torch.equal(a, b) for a, b in zip(got, want))
+    except Exception:   # a torch whose strided shard has no such method: unknown, so not trusted
+        same = False
+    if not same:
+        raise RuntimeError(
+            f"{name} is stored split by its {groups} blocks (each block across a mesh axis, as a fused "
+            f"qkv is), which autoshard writes as DTensor's strided shard; torch {torch.__version__}'s "
+            "DTensor does not lay that out as autoshard's program holds it, so p.full_tensor() and "
+            "checkpoints would disagree with the training. Use torch 2.13 or later, or pin it whole "
+            "on that axis ('B' there in its pin).")
 
 
 def dtensor_like(p, local):

@@ -457,8 +457,8 @@ class ParallelModule(nn.Module):
                     owners.setdefault(id(p), (p, []))[1].append((mod, pname, fqn))
         for p, places in owners.values():
             placement = next((plan.params[f] for _, _, f in places if f in plan.params), ("B",) * mesh.ndim)
-            dt = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups)) if isinstance(q, pl.Split)
-                  else Replicate() for q in map(pl.parse, placement)]
+            dt = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups, places[0][2]))
+                  if isinstance(q, pl.Split) else Replicate() for q in map(pl.parse, placement)]
             if any(isinstance(q, pl.Split) and q.groups > 1 for q in map(pl.parse, placement)):
                 checkpoint_blocked_splits()   # so that torch.distributed.checkpoint can save it
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, dt, src_data_rank=0), requires_grad=p.requires_grad)

@@ -93,6 +93,28 @@ def assert_same(got, want):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_a_torch_whose_dtensor_lays_out_blocked_splits_otherwise_is_refused_by_name():
+    """A blocked split (a fused qkv cut by its blocks) is written as DTensor's private strided
+    shard; this torch's layout of it is checked on a small tensor first. One that lays it out as
+    plain chunks gets an error naming the parameter and what to change, not DTensor views that
+    disagree with the program; torch's own passes."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from autoshard._compat import _check_blocked_layout
+
+    class PlainChunks:   # a strided shard that ignores its split factor
+        def __init__(self, dim, split_factor):
+            pass
+
+        def _split_tensor(self, t, n, with_padding=False):
+            return list(t.chunk(n)), []
+
+    for groups in (2, 3):
+        _check_blocked_layout(_StridedShard, groups, "blocks.0.attn.qkv.weight")
+        with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.qkv\.weight is stored split by its "
+                                               rf"{groups} blocks.*Use torch 2\.13 or later, or pin it whole"):
+            _check_blocked_layout(PlainChunks, groups, "blocks.0.attn.qkv.weight")
+
+
 def test_megatron_stores_qkv_as_blocked_splits(saved):
     _, out = saved
     assert out["sgd"][1] == ("S(0)/3",)
