@@ -241,7 +241,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1 and o.producer not in rerun]
     # the batch cut into k interleaved chunks where that hides more than it costs (cost.interleave):
     # the step the plan estimates, and that a mesh search compares, is the one it runs
-    k, saved = interleave.choose(graph, strategies, solution.choice, costs, overlaps, colls, rerun)
+    k, saved = interleave.choose(graph, strategies, solution.choice, costs, rerun, lambda: (colls, overlaps))
     parts = breakdown(total, overlaps)
     parts.update(interleave_saved=saved, exposed=parts["exposed"] - saved, hidden=parts["hidden"] + saved)
     plan = Plan(tuple(mesh), nodes, params, colls, total.step - saved, costs.training, costs.cluster, solver,
@@ -273,8 +273,8 @@ def plan_cost(graph, strategies, solution, costs) -> float:
         total = total + cost
     extra, _, _, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
     rerun = _rerun(graph, again)
-    colls, overlaps = _collectives(graph, strategies, solution.choice, costs, rerun)
-    saved = interleave.choose(graph, strategies, solution.choice, costs, overlaps, colls, rerun)[1]
+    saved = interleave.choose(graph, strategies, solution.choice, costs, rerun,
+                              lambda: _collectives(graph, strategies, solution.choice, costs, rerun))[1]
     return (total + extra).step - saved
 
 

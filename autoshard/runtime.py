@@ -289,33 +289,38 @@ class _CastMany(torch.autograd.Function):
     def forward(ctx, dtype, *xs):
         ctx.set_materialize_grads(False)
         ctx.dtypes = tuple(x.dtype for x in xs)
-        out = [torch.empty_like(x, dtype=dtype) for x in xs]
-        copy_all(out, list(xs))
-        return tuple(out)
+        return tuple(_copies(xs, [dtype] * len(xs)))
 
     @staticmethod
     def backward(ctx, *grads):
-        back = [None if g is None else torch.empty_like(g, dtype=d) for g, d in zip(grads, ctx.dtypes)]
         given = [i for i, g in enumerate(grads) if g is not None]
-        if given:
-            copy_all([back[i] for i in given], [grads[i] for i in given])
+        back = [None] * len(grads)
+        for i, g in zip(given, _copies([grads[i] for i in given], [ctx.dtypes[i] for i in given])):
+            back[i] = g
         return (None, *back)
+
+
+def _copies(xs, dtypes) -> list:
+    """Each of ``xs`` copied into a new tensor of its ``dtypes`` entry, by one foreach copy."""
+    out = [torch.empty_like(x, dtype=d) for x, d in zip(xs, dtypes)]
+    if out:
+        copy_all(out, list(xs))
+    return out
 
 
 def cast_many(dtype: torch.dtype, *xs) -> tuple:
     """``tuple(aten._to_copy(x, dtype=dtype) for x in xs)`` as one op, and one autograd node for
     those that take a gradient (passes.schedule.batch_casts)."""
     grad = torch.is_grad_enabled()
-    taking = [i for i, x in enumerate(xs) if grad and x.requires_grad]
+    taking = [grad and x.requires_grad for x in xs]
     out = [None] * len(xs)
-    rest = [i for i in range(len(xs)) if not (grad and xs[i].requires_grad)]
-    if rest:
-        copies = [torch.empty_like(xs[i], dtype=dtype) for i in rest]
-        copy_all(copies, [xs[i] for i in rest])
-        for i, c in zip(rest, copies):
-            out[i] = c
-    if taking:
-        for i, c in zip(taking, _CastMany.apply(dtype, *(xs[i] for i in taking))):
+    for want in (False, True):
+        idx = [i for i, t in enumerate(taking) if t is want]
+        if not idx:
+            continue
+        parts = _CastMany.apply(dtype, *(xs[i] for i in idx)) if want else _copies([xs[i] for i in idx],
+                                                                                     [dtype] * len(idx))
+        for i, c in zip(idx, parts):
             out[i] = c
     return tuple(out)
 

@@ -109,7 +109,7 @@ def chunk_lines(plan, shown: int = 4) -> list:
     cuts = plan.schedule.get("interleave", 1)
     batch = ([f"  the batch cut into {cuts} interleaved chunks, each chunk's activation collectives beside the "
               f"next chunk's compute: about {fmt_s(plan.breakdown.get('interleave_saved', 0.0))} less a step "
-              "(not in the estimated step)"] if cuts > 1 else [])
+              "(taken off the estimated step)"] if cuts > 1 else [])
     if not chunks:
         return ([f"  {hides}"] if hides else []) + batch
     by_k: dict = {}

@@ -57,13 +57,17 @@ def batch_size(graph, strategies, choice, costs):
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def choose(graph, strategies, choice, costs, overlaps, colls, rerun) -> tuple:
-    """(k, seconds saved) for the plan ``choice``: ``overlaps``, its conversions'
-    ``cost.overlap.Overlap`` records (of the blocks run as they are); ``colls``, its collectives
-    (``plan.Collective``); ``rerun``: the nodes of its recomputed blocks."""
+def choose(graph, strategies, choice, costs, rerun, collectives) -> tuple:
+    """(k, seconds saved) for the plan ``choice``; ``rerun``: the nodes of its recomputed blocks;
+    ``collectives()``: its collectives (``plan.Collective``) and its conversions'
+    ``cost.overlap.Overlap`` records (of the blocks run as they are), asked for only where the
+    batch can be cut (a mesh search prices many plans whose batch cannot)."""
     batch = batch_size(graph, strategies, choice, costs)
+    if batch is None:
+        return 1, 0.0
+    colls, overlaps = collectives()
     edges = {(o.producer, o.consumer): o for o in overlaps if o.fwd > 0 and o.chunks == 1}
-    if batch is None or not edges:
+    if not edges:
         return 1, 0.0
     seg, c_f, c_b, ops = {}, {}, {}, 0
     for n in graph.nodes:
