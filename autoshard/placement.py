@@ -18,27 +18,60 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
 
-@dataclass(frozen=True)
 class Split:
-    dim: int
-    groups: int = 1     # > 1: a blocked split, S(d)/g
+    """S(d), or S(d)/g. One object per (dim, groups), made once (``_interned``): placements are
+    hashed and compared by the million while a mesh is priced, and one object per value lets
+    Python do both by identity, in C, instead of a dataclass's Python-level methods."""
+    __slots__ = ("dim", "groups")
+    _interned: dict = {}
+
+    def __new__(cls, dim: int, groups: int = 1):
+        key = (int(dim), int(groups))
+        self = cls._interned.get(key)
+        if self is None:
+            self = object.__new__(cls)
+            object.__setattr__(self, "dim", key[0])
+            object.__setattr__(self, "groups", key[1])
+            cls._interned[key] = self
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a placement cannot be changed ({name})")
+
+    def __reduce__(self):   # pickled, copied and unpickled as the one object of its value
+        return Split, (self.dim, self.groups)
 
     def __repr__(self) -> str:
         return f"S({self.dim})" if self.groups == 1 else f"S({self.dim})/{self.groups}"
 
 
-@dataclass(frozen=True)
-class Broadcast:
+class _Single:
+    """A placement with one value (B, P): one object, compared and hashed by identity."""
+    __slots__ = ()
+    _one = None
+
+    def __new__(cls):
+        if cls._one is None:
+            cls._one = object.__new__(cls)
+        return cls._one
+
+    def __reduce__(self):
+        return type(self), ()
+
+
+class Broadcast(_Single):
+    __slots__ = ()
+
     def __repr__(self) -> str:
         return "B"
 
 
-@dataclass(frozen=True)
-class Partial:
+class Partial(_Single):
+    __slots__ = ()
+
     def __repr__(self) -> str:
         return "P"
 
@@ -132,8 +165,19 @@ def _cut(shape, pl, mesh_shape, pick):
 
 def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]):
     """The largest shape one rank holds (every rank's, where each split divides evenly): what
-    compute, memory and collectives are priced by. None where no rank's shape exists (``_cut``)."""
-    return _cut(shape, pl, mesh_shape, None)
+    compute, memory and collectives are priced by. None where no rank's shape exists (``_cut``).
+    Remembered (``_LOCAL``): a mesh's pricing asks for the same few hundred thousand times."""
+    key = (tuple(shape), tuple(pl), tuple(mesh_shape))
+    hit = _LOCAL.get(key, _LOCAL)
+    if hit is _LOCAL:
+        if len(_LOCAL) >= LOCAL_KEPT:
+            _LOCAL.clear()
+        hit = _LOCAL[key] = _cut(shape, pl, mesh_shape, None)
+    return hit
+
+
+_LOCAL: dict = {}
+LOCAL_KEPT = 1 << 18   # shapes kept before the memo starts again
 
 
 def rank_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]):
