@@ -557,10 +557,11 @@ def linear_gathered(whole, part, w, b, axis, dim: int):
     return _Gathered.apply(whole, part, w, b, p, me, dim % whole.dim())
 
 
-def _convert(x, src, dst, m: RankMesh, whole=None):
+def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
     """Raw conversion between nd placements (no autograd), by the shared step planner. ``whole``:
     the tensor's whole shape, which an uneven split's chunk sizes come from (None: every split
-    is even)."""
+    is even). ``arriving``: a last step that is a collective is started and not waited for; the
+    result is an ``Arriving`` tensor, which waits when it is first read."""
     from autoshard.cost.comm import rank_sizes, transition
     if whole is not None and pl.is_even(whole, src, m.shape) and pl.is_even(whole, dst, m.shape):
         whole = None    # the even path: no chunk sizes to work out on every call
@@ -570,10 +571,81 @@ def _convert(x, src, dst, m: RankMesh, whole=None):
     else:
         steps = transition(pl.local_shape(whole, src, m.shape), src, dst, m.shape, whole=whole)
         sizes = rank_sizes(whole, src, steps, m.shape, m.coords)
-    for st, kw in zip(steps, sizes):
-        x = _run(x, st.kind, m.group(st.axis), m.size(st.axis), m.coord(st.axis), st.dim, st.dim2, st.groups,
-                 kw.get("sizes"), kw.get("sizes2"))
+    # the whole shape the result has (dst is whole where ``arriving``)
+    shape = whole if whole is not None or not arriving else tuple(
+        n * pl.split_factor(src, m.shape, d) for d, n in enumerate(x.shape))
+    for i, (st, kw) in enumerate(zip(steps, sizes)):
+        args = (st.kind, m.group(st.axis), m.size(st.axis))
+        if arriving and i == len(steps) - 1 and st.kind in COLLECTIVE_KINDS:
+            work, finish = _launch(x, *args, st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
+            return Arriving(work, finish, tuple(shape), x.dtype, x.device)
+        x = _run(x, *args, m.coord(st.axis), st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
     return x
+
+
+# ---- outputs still arriving ---------------------------------------------------------------------
+#
+# A returned output made whole by a collective (a data-parallel loss's all-reduce) would make every
+# rank wait at the end of its forward for the slowest: a barrier DDP's step does not have (each
+# rank returns its own loss). Backward never reads the loss's value (autograd starts from ones of
+# its shape), so the last collective is started and the output returned at once, a tensor that
+# waits for it when anything reads it: loss.item(), printing, arithmetic. Backward, started from
+# it, runs meanwhile (GPT world 2, data parallel: 1-2% of the step, the difference from DDP).
+
+# ops that make a tensor of an output's shape without reading it (backward's first gradient)
+_SHAPED_LIKE = {torch.ops.aten.ones_like.default: torch.ones, torch.ops.aten.zeros_like.default: torch.zeros,
+                torch.ops.aten.empty_like.default: torch.empty}
+
+
+class Arriving(torch.Tensor):
+    """A returned output whose last collective may still be running: every op that reads it
+    waits for the collective first, then runs on the whole value (a plain tensor). Its autograd
+    history is the output's own; ``detach()`` gives the plain value."""
+
+    @staticmethod
+    def __new__(cls, work, finish, shape, dtype, device):
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        out._work, out._finish, out._value = work, finish, None
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """Whether nothing has read it yet, so its collective may still be running."""
+        return self._value is None
+
+    def arrived(self) -> torch.Tensor:
+        """The value, once the collective is done (waiting for it the first time)."""
+        if self._value is None:
+            self._work.wait()
+            self._value, self._work, self._finish = self._finish(), None, None
+        return self._value
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        made = _SHAPED_LIKE.get(func)
+        if made is not None and isinstance(args[0], Arriving):
+            like = args[0]
+            kw = {k: v for k, v in kwargs.items() if k != "memory_format"}
+            return made(like.shape, dtype=kw.pop("dtype", None) or like.dtype,
+                        device=kw.pop("device", None) or like.device, **kw)
+        arrived = lambda t: t.arrived() if isinstance(t, Arriving) else t   # noqa: E731
+        return func(*[arrived(a) for a in args], **{k: arrived(v) for k, v in kwargs.items()})
+
+    # the Python methods that read the data without an op
+    def tolist(self):
+        return self.arrived().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.arrived().numpy(force=force)
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self.arrived())
+
+    def __reduce_ex__(self, proto):
+        return self.arrived().__reduce_ex__(proto)
 
 
 def _dual(placements):
@@ -625,7 +697,7 @@ class _ToWhole(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, src, mesh, shape=None):
         ctx.src, ctx.mesh = src, mesh
-        return _convert(x, src, _whole(len(src)), mesh, shape)
+        return _convert(x, src, _whole(len(src)), mesh, shape, arriving=True)
 
     @staticmethod
     def backward(ctx, g):

@@ -134,9 +134,56 @@ def partial_loss_case():
                          for n, p in pm.named_parameters())}
 
 
+def arriving_loss_case():
+    """A data-parallel loss made whole (the default outputs): returned while its all-reduce runs,
+    backward taken without waiting for it, and every read of it the whole loss."""
+    from autoshard.runtime import Arriving
+    torch.manual_seed(0)
+    model, x, y = TwoLayer(16, 32), torch.randn(8, 16), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, (x, y), pin={"x": ("S(0)",), "y": ("S(0)",)})
+    loss, ref_loss = pm(x, y), ref(x, y)
+    out = {"type": type(loss).__name__, "arriving": isinstance(loss, Arriving), "shape": tuple(loss.shape),
+           "grad_fn": loss.grad_fn is not None}
+    loss.backward()
+    ref_loss.backward()
+    out["pending after backward"] = loss.pending
+    want = ref_loss.item()
+    buf = io.BytesIO()
+    torch.save(loss, buf)
+    buf.seek(0)
+    reads = {"item": loss.item(), "float": float(loss), "tolist": loss.tolist(), "detach": loss.detach().item(),
+             "times 2": (loss * 2).item() / 2, "saved": torch.load(buf).item()}
+    out["repr"] = abs(float(repr(loss)[len("tensor("):-1]) - want)   # printed to 4 decimals
+    out["pending after reads"] = loss.pending
+    out["reads"] = {k: abs(v - want) / abs(want) for k, v in reads.items()}
+    ref_params = dict(ref.named_parameters())
+    out["grads"] = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())
+    # and a second step, its loss read before backward: the same values either way
+    pm.zero_grad()
+    ref.zero_grad()
+    loss, ref_loss = pm(x, y), ref(x, y)
+    out["read first"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    out["grads read first"] = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())
+    return out
+
+
 @pytest.fixture(scope="module")
 def at2(world2):
-    return {"(2,)": world2.run(loss_parallel_case, (2,)), "partial loss": world2.run(partial_loss_case)}
+    return {"(2,)": world2.run(loss_parallel_case, (2,)), "partial loss": world2.run(partial_loss_case),
+            "arriving": world2.run(arriving_loss_case)}
+
+
+def test_a_whole_loss_arrives_while_backward_runs_and_reads_whole(at2):
+    """The all-reduce of a data-parallel loss is not waited for at the end of forward (a barrier
+    DDP's step does not have); backward runs from it, and every read gets the whole loss."""
+    for r in at2["arriving"]:
+        assert r["arriving"] and r["type"] == "Arriving" and r["shape"] == () and r["grad_fn"], r
+        assert r["pending after backward"] and not r["pending after reads"], r
+        assert max(r["reads"].values()) < 1e-6 and r["repr"] < 1e-4, r
+        assert r["grads"] < 1e-5 and r["grads read first"] < 1e-5 and r["read first"] < 1e-6, r
 
 
 @pytest.fixture(scope="module")
