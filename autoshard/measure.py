@@ -72,6 +72,11 @@ COLLECTIVE_CALLS = 4          # calls per timed collective point, after one warm
 LARGE_CALLS = 2               # at 4 MB or more: a call takes tens of ms, two already span several slices
 COLLECTIVE_ROWS = 8           # rows of a timed collective's (rows, columns) tensor, exchanged on columns
 OVERLAP_TRIALS = 5            # trials of the overlap, of which the median is kept
+# calls of each of the three timings of an overlap trial: with two, gloo's all-reduce beside
+# matmuls at world 2 on 2 cores gave trials from -0.03 to 0.78 (medians 0.14-0.56 from one
+# measurement to the next, and a plan that chunked Megatron's batch on 0.56 ran 34% slower
+# than priced); with eight, -0.2 to 0.2, medians 0.05-0.06
+OVERLAP_CALLS = 8
 OVERLAP_BYTES = 1 << 22       # the all-reduce the overlap is timed with: a layer's activations
 # AdamW's parameter sets (tensors, elements each): few small, many small, few large (16 MB: with
 # their gradients and moments out of a CPU's cache, as a model's are)
@@ -475,7 +480,8 @@ def _calls(nbytes: int) -> int:
 def _overlap(device) -> float:
     """The fraction of an all-reduce that matmuls run beside it hide (see the module docstring):
     the median over ``OVERLAP_TRIALS`` trials, each timing the all-reduce alone, the matmuls
-    alone and both at once back to back, every rank together, so that the three see one load."""
+    alone and both at once back to back (``OVERLAP_CALLS`` calls each), every rank together, so
+    that the three see one load."""
     x = torch.randn(OVERLAP_BYTES // 4, device=device)
     a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
     reduce = lambda: dist.all_reduce(x.clone())   # noqa: E731
@@ -496,8 +502,8 @@ def _overlap(device) -> float:
 
     trials = []
     for _ in range(OVERLAP_TRIALS):
-        alone = _timed_together(reduce, device, 2, dist.barrier)
-        work = _timed_together(compute, device, 2, dist.barrier)
-        together = _timed_together(both, device, 2, dist.barrier)
+        alone = _timed_together(reduce, device, OVERLAP_CALLS, dist.barrier)
+        work = _timed_together(compute, device, OVERLAP_CALLS, dist.barrier)
+        together = _timed_together(both, device, OVERLAP_CALLS, dist.barrier)
         trials.append((alone + work - together) / min(alone, work))
     return min(1.0, max(0.0, statistics.median(trials)))
