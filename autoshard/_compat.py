@@ -3,7 +3,7 @@
 torch.utils._pytree flattens and rebuilds nested inputs and outputs exactly as torch.export saw
 them (ExportedProgram.call_spec holds its TreeSpecs); torch has no public equivalent yet.
 """
-from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # noqa: F401
 
 
 def thread_local_c10d():

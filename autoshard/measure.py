@@ -37,9 +37,10 @@ has. Every rank returns the same Cluster: each figure the median of the ranks' (
 Each figure is a mean over a window of calls, not the best of short bursts: on a machine whose
 cores are shared, a burst often runs unhindered while a training step gets only its share.
 Outside a process group only this process's compute can be measured: the links stay those of
-``base`` (a warning says so). Measurement takes seconds: 3-5 s at world 2 and 8-11 s at world 4
-on 2 shared CPU cores (load 4-6), a second or two of it the first DTensor optimizer step's
-one-time set-up (importing torch._dynamo), which ``parallelize`` pays anyway.
+``base`` (a warning says so). Measurement takes seconds: on 2 quiet CPU cores 2.0-2.1 s at world
+2 and 5.1-5.6 s at world 4 (2026-11-28, the overlap's trials 0.8 and 2-3 s of it), 3-5 s and
+8-11 s under a load of 4-6; the first measurement in a process a second or two more, the first
+DTensor optimizer step's one-time set-up (importing torch._dynamo), which ``parallelize`` pays anyway.
 """
 from __future__ import annotations
 

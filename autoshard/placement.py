@@ -41,6 +41,9 @@ class Split:
     def __setattr__(self, name, value):
         raise AttributeError(f"a placement cannot be changed ({name})")
 
+    def __delattr__(self, name):
+        raise AttributeError(f"a placement cannot be changed ({name})")
+
     def __reduce__(self):   # pickled, copied and unpickled as the one object of its value
         return Split, (self.dim, self.groups)
 
@@ -49,14 +52,16 @@ class Split:
 
 
 class _Single:
-    """A placement with one value (B, P): one object, compared and hashed by identity."""
+    """A placement with one value (B, P): one object per class (``_one``, each its own), compared
+    and hashed by identity."""
     __slots__ = ()
-    _one = None
 
     def __new__(cls):
-        if cls._one is None:
-            cls._one = object.__new__(cls)
-        return cls._one
+        one = cls.__dict__.get("_one")
+        if one is None:
+            one = object.__new__(cls)
+            type.__setattr__(cls, "_one", one)
+        return one
 
     def __reduce__(self):
         return type(self), ()
@@ -172,7 +177,7 @@ def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Seque
     if hit is _LOCAL:
         if len(_LOCAL) >= LOCAL_KEPT:
             _LOCAL.clear()
-        hit = _LOCAL[key] = _cut(shape, pl, mesh_shape, None)
+        hit = _LOCAL[key] = _cut(*key, None)   # the tuples: an iterator given is read once
     return hit
 
 

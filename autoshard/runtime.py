@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import placement as pl
-from autoshard._compat import copy_all, dtensor_like
+from autoshard._compat import copy_all, dtensor_like, tree_map_only
 
 _state = threading.local()
 
@@ -576,7 +576,9 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
         n * pl.split_factor(src, m.shape, d) for d, n in enumerate(x.shape))
     for i, (st, kw) in enumerate(zip(steps, sizes)):
         args = (st.kind, m.group(st.axis), m.size(st.axis))
-        if arriving and i == len(steps) - 1 and st.kind in COLLECTIVE_KINDS:
+        # an all-reduce works on a copy (``_launch``), so the result is the value at this point
+        # whatever the caller does to ``x`` after; the other kinds read ``x`` while they run
+        if arriving and i == len(steps) - 1 and st.kind == "all_reduce" and not kw:
             work, finish = _launch(x, *args, st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
             return Arriving(work, finish, tuple(shape), x.dtype, x.device)
         x = _run(x, *args, m.coord(st.axis), st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
@@ -592,15 +594,19 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
 # waits for it when anything reads it: loss.item(), printing, arithmetic. Backward, started from
 # it, runs meanwhile (GPT world 2, data parallel: 1-2% of the step, the difference from DDP).
 
+_ARRIVING = threading.Lock()   # one reader waits for an Arriving tensor's collective at a time
 # ops that make a tensor of an output's shape without reading it (backward's first gradient)
 _SHAPED_LIKE = {torch.ops.aten.ones_like.default: torch.ones, torch.ops.aten.zeros_like.default: torch.zeros,
                 torch.ops.aten.empty_like.default: torch.empty}
 
 
 class Arriving(torch.Tensor):
-    """A returned output whose last collective may still be running: every op that reads it
-    waits for the collective first, then runs on the whole value (a plain tensor). Its autograd
-    history is the output's own; ``detach()`` gives the plain value."""
+    """A returned output whose last collective (an all-reduce, of a copy) may still be running:
+    every op that reads it, and ``format``, ``tolist``, ``numpy`` and pickling, wait for the
+    collective first, then use the whole value (a plain tensor). Its autograd history is the
+    output's own; ``detach()`` gives the plain value. What reads a tensor's memory without an op
+    (``data_ptr()``, ``share_memory_()``, ``torch.tensor([t])``) does not wait: read
+    ``t.detach()`` there."""
 
     @staticmethod
     def __new__(cls, work, finish, shape, dtype, device):
@@ -614,10 +620,13 @@ class Arriving(torch.Tensor):
         return self._value is None
 
     def arrived(self) -> torch.Tensor:
-        """The value, once the collective is done (waiting for it the first time)."""
+        """The value, once the collective is done (waiting for it the first time; one thread
+        waits, any other reading at once waits for it)."""
         if self._value is None:
-            self._work.wait()
-            self._value, self._work, self._finish = self._finish(), None, None
+            with _ARRIVING:
+                if self._value is None:
+                    self._work.wait()
+                    self._value, self._work, self._finish = self._finish(), None, None
         return self._value
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -631,12 +640,16 @@ class Arriving(torch.Tensor):
             kw = {k: v for k, v in kwargs.items() if k != "memory_format"}
             return made(like.shape, dtype=kw.pop("dtype", None) or like.dtype,
                         device=kw.pop("device", None) or like.device, **kw)
-        arrived = lambda t: t.arrived() if isinstance(t, Arriving) else t   # noqa: E731
-        return func(*[arrived(a) for a in args], **{k: arrived(v) for k, v in kwargs.items()})
+        # nested too: torch.stack([loss, ...]), the foreach ops, an index
+        args, kwargs = tree_map_only(Arriving, Arriving.arrived, (args, kwargs))
+        return func(*args, **kwargs)
 
     # the Python methods that read the data without an op
     def tolist(self):
         return self.arrived().tolist()
+
+    def __format__(self, spec):
+        return self.arrived().__format__(spec)
 
     def numpy(self, *, force: bool = False):
         return self.arrived().numpy(force=force)

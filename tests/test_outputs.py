@@ -153,7 +153,8 @@ def arriving_loss_case():
     torch.save(loss, buf)
     buf.seek(0)
     reads = {"item": loss.item(), "float": float(loss), "tolist": loss.tolist(), "detach": loss.detach().item(),
-             "times 2": (loss * 2).item() / 2, "saved": torch.load(buf).item()}
+             "times 2": (loss * 2).item() / 2, "saved": torch.load(buf).item(), "format": float(f"{loss:.9f}"),
+             "stack": torch.stack([loss, loss * 3]).sum().item() / 4}   # a list of tensors in one op
     out["repr"] = abs(float(repr(loss)[len("tensor("):-1]) - want)   # printed to 4 decimals
     out["pending after reads"] = loss.pending
     out["reads"] = {k: abs(v - want) / abs(want) for k, v in reads.items()}
