@@ -587,12 +587,13 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
 
 # ---- outputs still arriving ---------------------------------------------------------------------
 #
-# A returned output made whole by a collective (a data-parallel loss's all-reduce) would make every
-# rank wait at the end of its forward for the slowest: a barrier DDP's step does not have (each
-# rank returns its own loss). Backward never reads the loss's value (autograd starts from ones of
-# its shape), so the last collective is started and the output returned at once, a tensor that
-# waits for it when anything reads it: loss.item(), printing, arithmetic. Backward, started from
-# it, runs meanwhile (GPT world 2, data parallel: 1-2% of the step, the difference from DDP).
+# A returned output made whole by an all-reduce (a data-parallel loss) would make every rank wait
+# at the end of its forward for the slowest: a barrier DDP's step does not have (each rank returns
+# its own loss). Backward never reads the loss's value (autograd starts from ones of its shape),
+# so the all-reduce, of a copy, is started and the output returned at once, a tensor that waits
+# for it when anything reads it: loss.item(), printing, arithmetic. Backward, started from it,
+# runs meanwhile (GPT world 2, data parallel: 1-2% of the step, the difference from DDP). Only an
+# all-reduce: the other collectives read their input while they run.
 
 _ARRIVING = threading.Lock()   # one reader waits for an Arriving tensor's collective at a time
 # ops that make a tensor of an output's shape without reading it (backward's first gradient)
