@@ -571,16 +571,13 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
     else:
         steps = transition(pl.local_shape(whole, src, m.shape), src, dst, m.shape, whole=whole)
         sizes = rank_sizes(whole, src, steps, m.shape, m.coords)
-    # the whole shape the result has (dst is whole where ``arriving``)
-    shape = whole if whole is not None or not arriving else tuple(
-        n * pl.split_factor(src, m.shape, d) for d, n in enumerate(x.shape))
     for i, (st, kw) in enumerate(zip(steps, sizes)):
         args = (st.kind, m.group(st.axis), m.size(st.axis))
-        # an all-reduce works on a copy (``_launch``), so the result is the value at this point
-        # whatever the caller does to ``x`` after; the other kinds read ``x`` while they run
+        # an all-reduce works on a copy (``_launch``) of x's shape, so the result is the value at
+        # this point whatever the caller does to ``x`` after; the other kinds read ``x`` while they run
         if arriving and i == len(steps) - 1 and st.kind == "all_reduce" and not kw:
-            work, finish = _launch(x, *args, st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
-            return Arriving(work, finish, tuple(shape), x.dtype, x.device)
+            work, finish = _launch(x, *args, st.dim, st.dim2, st.groups)
+            return Arriving(work, finish, tuple(x.shape), x.dtype, x.device)
         x = _run(x, *args, m.coord(st.axis), st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
     return x
 
