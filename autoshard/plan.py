@@ -19,6 +19,7 @@ from autoshard.cost.overlap import added, edge_overlap
 from autoshard.cost.step import Cost
 from autoshard import explain, summary
 from autoshard.passes import recompute
+from autoshard.passes.solve import choice_cost
 from autoshard.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
 
 
@@ -268,14 +269,11 @@ def _priced(graph, strategies, choice: dict, costs):
 def plan_cost(graph, strategies, solution, costs) -> float:
     """``make_plan(...).cost`` without the rest of the plan: the estimated step a mesh search
     compares plans by, before it makes the plan of the one it chooses."""
-    total = Cost()
-    for _, _, cost in _priced(graph, strategies, solution.choice, costs):
-        total = total + cost
     extra, _, _, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
     rerun = _rerun(graph, again)
     saved = interleave.choose(graph, strategies, solution.choice, costs, rerun,
                               lambda: _collectives(graph, strategies, solution.choice, costs, rerun))[1]
-    return (total + extra).step - saved
+    return choice_cost(graph, strategies, solution.choice, costs, extra) - saved   # the priced nodes', tied
 
 
 def _rerun(graph, again) -> set:

@@ -31,8 +31,13 @@ class _Counted(fanout.Fanout):
         _Counted.made.append(self.count)
 
     def ask(self, owner, name, *args):
-        _Counted.asked.append((owner, name))
+        _Counted.asked.append((owner, name, args))
         return super().ask(owner, name, *args)
+
+    def share(self, name, jobs):
+        got = super().share(name, jobs)
+        _Counted.asked.extend((owner, name, job) for (owner, _), job in zip(got, jobs))
+        return got
 
 
 def _searched(monkeypatch, workers: int):
@@ -66,27 +71,47 @@ def test_a_shared_search_plans_what_one_process_plans(monkeypatch, alone):
     for workers in (2, 3):
         shared, made, asked = _searched(monkeypatch, workers)
         assert made == [1, workers]
-        sent |= {name for owner, name in asked if owner > 0}
+        sent |= {name for owner, name, _ in asked if owner > 0}
         _same(shared, alone)
-    assert sent == {"bound", "solve", "refine"}   # the copies bounded, solved and refined meshes
+        # a mesh is solved by the process that bounded it, which keeps its program
+        bounded_by = {mesh: owner for owner, name, job in asked if name == "bounds" for mesh in job[0]}
+        solved = [(owner, args[0]) for owner, name, args in asked if name == "solve"]
+        assert solved and all(owner == bounded_by[mesh] for owner, mesh in solved)
+    assert sent >= {"bounds", "refine"}   # the copies bounded and refined meshes
     assert any(c["status"].startswith("refined") for c in alone.mesh_candidates)
 
 
-def test_a_copy_that_dies_mid_search_loses_nothing(monkeypatch, alone):
+def test_a_copy_that_dies_mid_search_loses_nothing(monkeypatch, alone, tmp_path):
     real = search.lower_bound
     calls = []
+    died = tmp_path / "died"
 
-    def dies_in_a_copy(graph, strategies, costs, *args):
+    def dies_in_a_copy(graph, strategies, costs, *args, **kw):
         calls.append(costs.mesh_shape)
-        if os.getpid() != PARENT and costs.mesh_shape == (4, 64):
-            os._exit(7)   # a copy killed while it bounds a mesh
-        return real(graph, strategies, costs, *args)
+        if os.getpid() != PARENT:
+            died.write_text(repr(costs.mesh_shape))
+            os._exit(7)   # a copy killed while it bounds the first mesh it took
+        return real(graph, strategies, costs, *args, **kw)
 
     monkeypatch.setattr(search, "lower_bound", dies_in_a_copy)
     shared, made, _ = _searched(monkeypatch, 2)
     assert made == [1, 2]
-    assert (4, 64) in calls   # bounded here, once the copy was gone
+    assert eval(died.read_text()) in calls   # bounded here, once the copy was gone
     _same(shared, alone)
+
+
+def test_shared_jobs_go_to_whichever_process_is_free():
+    with fanout.Fanout(3, HANDLERS) as fan:
+        # the first two jobs keep two processes a while; the others take the quick ones meanwhile
+        got = fan.share("nap", [(0.6,), (0.6,)] + [(0.0,)] * 10)
+        assert [fan.answer(t) for _, t in got] == [0.6, 0.6] + [0.0] * 10
+        owners = [o for o, _ in got]
+        assert owners[0] != owners[1] and set(owners) == {0, 1, 2}
+        assert owners[2:].count(owners[0]) + owners[2:].count(owners[1]) < owners[2:].count(3 - owners[0] - owners[1])
+        # a copy that dies holding a job: it is done here
+        got = fan.share("dies_late_here", [(i,) for i in range(6)])
+        assert [fan.answer(t) for _, t in got] == [-i for i in range(6)]
+        assert None in fan.copies
 
 
 def _plan_in_a_rank(workers: int):
@@ -118,10 +143,21 @@ def _square(x):
     return x * x
 
 
+def _nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
 def _dies(x):
     if os.getpid() != PARENT:
         os._exit(3)
     return -x
+
+
+def _dies_late_here(x):
+    if os.getpid() == PARENT and x == 0:
+        time.sleep(0.3)   # the copies take the next jobs meanwhile
+    return _dies(x)
 
 
 def _hangs(x):
@@ -147,8 +183,8 @@ def _odd():
     raise _Unpicklable(1, 2)
 
 
-HANDLERS = {"square": _square, "dies": _dies, "hangs": _hangs, "no_better": _no_better,
-            "over_budget": _over_budget, "odd": _odd}
+HANDLERS = {"nap": _nap, "square": _square, "dies": _dies, "dies_late_here": _dies_late_here, "hangs": _hangs,
+            "no_better": _no_better, "over_budget": _over_budget, "odd": _odd}
 
 
 def test_answers_come_back_in_order_from_every_copy():

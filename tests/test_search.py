@@ -214,7 +214,7 @@ def test_a_tiny_model_keeps_the_simplest_mesh_and_refines_nothing(monkeypatch):
     from autoshard.passes import search as search_mod
     calls = []
     real = search_mod.lower_bound
-    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None: calls.append(c.mesh_shape) or real(g, s, c, b))
+    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None, **kw: calls.append(c.mesh_shape) or real(g, s, c, b, **kw))
     plan = autoshard.plan(*_tiny_gpt(), world=8)
     by_mesh = {tuple(c["mesh"]): c for c in plan.mesh_candidates}
     assert plan.mesh_shape == (8,) and by_mesh[(8,)]["status"].startswith("chosen")
@@ -328,7 +328,7 @@ def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(m
     from autoshard.passes.solve import lower_bound
     calls = []
     real = search_mod.lower_bound
-    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None: calls.append(c.mesh_shape) or real(g, s, c, b))
+    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None, **kw: calls.append(c.mesh_shape) or real(g, s, c, b, **kw))
     model, inputs = _gpt()
     plan = autoshard.plan(model, inputs, world=8, cluster="a100-80gb-nvlink-ib")   # 8 GPUs per node
     assert (4, 2) not in calls and (2, 4) in calls

@@ -154,7 +154,7 @@ def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds, s
             hint = {name: idx.index(choice[name]) for name, idx in keep.items()}
             left = max(1.0, time_limit - (time.perf_counter() - start))
             try:
-                sol = solve(graph, sub, costs, left, budget, hint=hint, effort=STEP_EFFORT)
+                sol = solve(graph, sub, costs, left, budget, hint=hint, effort=STEP_EFFORT, relaxed_first=True)
             except NoPlanInTime:   # out of time with the incumbent still the best plan: keep it
                 return Solution(choice, best, None, f"LOCAL_OPTIMUM ({steps} one-axis solves, stopped by the "
                                 f"time limit)", time.perf_counter() - start, again)

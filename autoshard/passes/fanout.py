@@ -33,6 +33,7 @@ from autoshard.passes.progress import CLOCK, PHASES
 
 MAX_WORKERS = 8
 ENV = "AUTOSHARD_PLAN_WORKERS"
+SHARED_JOBS = 1024   # the most jobs one ``Fanout.share`` hands out; more are run here
 
 
 def available() -> int:
@@ -73,7 +74,9 @@ class Fanout:
 
     ``ask(owner, name, *args)`` queues a task on its owner (0: this process, run at once) and
     returns a ticket; ``answer(ticket)`` its result, raising what it raised (pickled across,
-    or ``CopyFailed`` with its traceback). A copy's answers come back in the order asked."""
+    or ``CopyFailed`` with its traceback). A copy's answers come back in the order asked.
+    ``share(name, jobs)`` runs a list of tasks on whichever process is free first (each takes
+    the next job not yet taken, this one too): (owner, ticket) per job."""
 
     STALL = 60.0   # seconds a copy that owes an answer may go without CPU before it is taken for hung
 
@@ -83,6 +86,13 @@ class Fanout:
         self.done = {}     # ticket -> ("ok", value) or ("err", payload)
         self.tasks = {}    # ticket -> (owner, name, args)
         self.next = 0
+        # ``share``'s jobs, taken one at a time by whichever process is free: the batch being
+        # shared, the next job to take, and who took each (its process number)
+        if count > 1:   # shared with the copies: made before they are forked
+            self._batch = multiprocessing.Value("l", 0)   # its lock guards all three
+            self._taken = multiprocessing.Value("l", 0, lock=False)
+            self._takers = multiprocessing.Array("l", SHARED_JOBS, lock=False)
+        self.me = 0   # this process's number: 0 the planning process, i a copy
         for _ in range(count - 1):
             # os.fork, not multiprocessing.Process: a search may run in a daemonic process (a
             # rank of launch.LocalWorld), which multiprocessing forbids to have children
@@ -100,6 +110,7 @@ class Fanout:
                 child.close()
                 break
             if pid == 0:   # the copy
+                self.me = len(self.copies) + 1
                 parent.close()
                 for other in self.copies:   # the earlier copies' ends: theirs to see closed
                     other[0].close()
@@ -135,14 +146,72 @@ class Fanout:
                 if msg is None:
                     break
                 ticket, name, args = msg
-                before = dict(CLOCK.seconds)
-                outcome = _carried(self._run(name, args))
-                spent = {p: CLOCK.seconds[p] - before[p] for p in PHASES}
-                conn.send((ticket, outcome, spent))
+                if ticket is None:   # a share: every job still untaken, one at a time
+                    batch, base, jobs = args
+                    while (i := self._take(batch, len(jobs))) is not None:
+                        self._answer(conn, base + i, name, jobs[i])
+                else:
+                    self._answer(conn, ticket, name, args)
         except (KeyboardInterrupt, BrokenPipeError, OSError):
             pass
         finally:
             os._exit(0)   # neither atexit handlers nor the parent's buffers run twice
+
+    def _answer(self, conn, ticket: int, name: str, args) -> None:
+        before = dict(CLOCK.seconds)
+        outcome = _carried(self._run(name, args))
+        spent = {p: CLOCK.seconds[p] - before[p] for p in PHASES}
+        conn.send((ticket, outcome, spent))
+
+    def _take(self, batch: int, count: int):
+        """The index of the next job of ``batch`` nobody has taken, now this process's; None
+        when all are taken (or the batch is over: a copy late to its last look)."""
+        with self._batch.get_lock():
+            i = self._taken.value
+            if self._batch.value != batch or i >= count:
+                return None
+            self._taken.value = i + 1
+            self._takers[i] = self.me
+            return i
+
+    def share(self, name: str, jobs: list) -> list:
+        """Run ``name(*job)`` for every job of ``jobs``, each on whichever process is free to
+        take it first: the copies take jobs as they finish the ones before, and this process
+        runs what it takes at once. Returns (owner, ticket) per job, in order, once every job
+        is taken; ``answer(ticket)`` gives its result as for ``ask``. Where every job costs
+        about as much, the processes end at once, where tasks given out in turn leave the
+        last to end one job behind (the 96-layer GPT's nine two-axis bounds, 0.43-0.79 s each:
+        0.85 s apart)."""
+        live = [i + 1 for i, c in enumerate(self.copies) if c is not None]
+        if not live or len(jobs) > SHARED_JOBS:
+            return [(0, self.ask(0, name, *job)) for job in jobs]
+        with self._batch.get_lock():
+            self._batch.value += 1
+            self._taken.value = 0
+            batch = self._batch.value
+        base, self.next = self.next, self.next + len(jobs)
+        for owner in live:
+            try:
+                self.copies[owner - 1][0].send((None, name, (batch, base, jobs)))
+            except (OSError, ValueError):
+                self._lose(owner)
+        mine = set()
+        while (i := self._take(batch, len(jobs))) is not None:
+            mine.add(i)
+            self.tasks[base + i] = (0, name, jobs[i])
+            self.done[base + i] = self._run(name, jobs[i])
+        out = []
+        for i, job in enumerate(jobs):
+            owner = 0 if i in mine else self._takers[i]
+            if owner:
+                self.tasks[base + i] = (owner, name, job)
+                copy = self.copies[owner - 1]
+                if copy is None:   # lost meanwhile: done here
+                    self.done[base + i] = self._run(name, job)
+                else:
+                    copy[2].append(base + i)
+            out.append((owner, base + i))
+        return out
 
     def _run(self, name, args):
         try:

@@ -270,15 +270,21 @@ class NoBetterPlan(Exception):
 
 def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0,
           memory_budget: Optional[float] = None, hint: Optional[dict] = None,
-          below: Optional[float] = None, effort: Optional[float] = None, support: bool = True) -> Solution:
+          below: Optional[float] = None, effort: Optional[float] = None, support: bool = True,
+          relaxed_first: bool = False) -> Solution:
     """The cheapest strategy per node. ``hint`` (node name -> strategy index), a plan the solver
     starts from. ``below`` (seconds): only a plan cheaper than that will do (a mesh search's best
     so far); raises ``NoBetterPlan`` when there is none. ``effort``: CP-SAT's deterministic
     seconds for the whole program once the LP's support has not proven its plan (0: return that
     plan as it is, with the LP's bound): what a mesh search spends on a mesh that only might win.
     ``support=False`` skips the LP support's plan: CP-SAT alone on the whole program, as a mesh
-    search does for a mesh whose support plan it already has."""
+    search does for a mesh whose support plan it already has. ``relaxed_first``: the LP
+    relaxation's plan where it is whole (``_whole``), before CP-SAT (a descent's steps)."""
     start = time.perf_counter()
+    if relaxed_first:
+        whole = _whole(graph, strategies, costs, memory_budget)
+        if whole is not None:
+            return replace(whole, seconds=time.perf_counter() - start)
     if hint is None and recompute.chooses(graph, strategies, costs, memory_budget):
         found = _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support)
         return replace(found, seconds=time.perf_counter() - start)   # its bounds and every mode's solve
@@ -346,6 +352,30 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     if name == "FEASIBLE" and obj - bound <= GAP_LIMIT * obj:   # proven by the LP's bound
         name = "OPTIMAL"
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start, again)
+
+
+def _whole(graph, strategies, costs, memory_budget) -> Optional[Solution]:
+    """The plan of the LP relaxation where every layout weight is 0 or 1 and the plan costs
+    what the relaxation does: then no plan of the program beats it, proven without CP-SAT (the
+    96-layer GPT's refinements at world 1024: 6 of their 8 descent steps whole, 0.04-0.07 s
+    each with their pricing, against CP-SAT's 0.07-0.17 s after it). Only without
+    recomputation and user checkpoint regions, whose programs choose nothing beside the
+    layouts; None elsewhere, or where the relaxation is not whole."""
+    if recompute.mode_of(costs) != "none" or any(n.region is not None for n in graph.nodes):
+        return None
+    bound, weights = _relaxation(graph, strategies, costs, memory_budget)
+    if weights is None or math.isinf(bound):
+        return None
+    choice = dict.fromkeys(strategies, 0)
+    for name, ws in weights.items():
+        i = max(range(len(ws)), key=ws.__getitem__)
+        if ws[i] < 1 - 1e-6:
+            return None
+        choice[name] = i
+    cost = choice_cost(graph, strategies, choice, costs)
+    if cost > bound * (1 + 1e-9):   # a part the relaxation prices below the plan's: not proven
+        return None
+    return Solution(choice, cost, min(bound, cost), "OPTIMAL", 0.0, {})
 
 
 def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support) -> Solution:
@@ -438,14 +468,16 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
     return Solution(best.choice, best.objective, bound, status, time.perf_counter() - start, best.recompute)
 
 
-def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
+def _mode_bounds(graph, strategies, costs, memory_budget, quick: bool = False) -> dict:
     """recompute mode -> seconds none of its plans under the budget beats, for the linear modes
     ``"auto"`` chooses among. ``"none"``'s LP relaxation first: where the budget is slack at its
     optimum it binds nothing, and ``"none"`` is the only mode (recomputation only adds). Else
     ``"blocks"``'s floor (``recompute.floor``, no program); its LP relaxation only where nothing
     fits without recomputation (GPT-3 175B), to tell whether anything fits at all: elsewhere
     ``solve`` in that mode, when the floor lets it beat the best plan, has the relaxation as its
-    first step anyway; and ``"selective"``'s LP relaxation. Both are ``"none"``'s program with
+    first step anyway; and ``"selective"``'s floor, raised by its LP relaxation where the floor
+    lies below ``"none"``'s bound (elsewhere no value of it moves the least; ``quick``: not
+    raised at all, a weaker bound for ``lower_bound(quick=True)``). Both are ``"none"``'s program with
     its coefficients moved (``_switch``), not programs of their own. inf: nothing fits in that
     mode. A mesh search bounds each mesh with the
     least of them: the weak relaxation of the whole choice (a fractional block recomputed frees
@@ -462,8 +494,13 @@ def _mode_bounds(graph, strategies, costs, memory_budget) -> dict:
         with recompute.mode(costs, "blocks"):
             out["blocks"] = max(out["blocks"], _relaxation(graph, strategies, costs, memory_budget)[0])
     with recompute.mode(costs, recompute.SELECTIVE):
-        out[recompute.SELECTIVE] = max(recompute.floor(table, costs, light=True),
-                                       _relaxation(graph, strategies, costs, memory_budget)[0])
+        light = recompute.floor(table, costs, light=True)
+        # its relaxation only where its floor lies below "none"'s bound: elsewhere no value of
+        # it moves the modes' least, and its floor is its bound (the 96-layer GPT at world 1024:
+        # the floor 0.982 s on every two-axis mesh, "none"'s relaxation 0.939-0.963 s on seven
+        # of the nine, a fifth of each mesh's bound saved)
+        out[recompute.SELECTIVE] = light if quick or light >= out["none"] else \
+            max(light, _relaxation(graph, strategies, costs, memory_budget)[0])
     return out
 
 
@@ -489,7 +526,23 @@ class _Watch(cp_model.CpSolverSolutionCallback):
 
 def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extra: Cost = Cost()) -> float:
     """Estimated seconds per step of a whole plan (node name -> strategy index), with ``extra``
-    (recomputed blocks' forward again: passes.recompute) on top."""
+    (recomputed blocks' forward again: passes.recompute) on top. A plan whose tied nodes
+    (passes.repeat) take their twins' strategies, as every plan the solver makes does, is
+    priced twin by twin, each counted as often as it occurs (the 96-layer GPT: 170 prices
+    instead of 7,500)."""
+    rep = tie_repeated(graph, strategies)
+    if all(choice[name] == choice[twin] for name, twin in rep.items() if name != twin):
+        sums = [0.0] * len(PARTS)
+        count = _count(rep[n.name] for n in graph.nodes)
+        for n in graph.nodes:
+            if rep[n.name] == n.name:
+                for i, x in enumerate(_node_cost(costs, n, strategies[n.name][choice[n.name]])[0]):
+                    sums[i] += count[n.name] * x
+        for u, value, v, slot, times in _tied_edges(graph, rep):
+            src = strategies[u.name][choice[u.name]].outputs[value[1]]
+            for i, x in enumerate(costs.pair(value, v, slot, src, strategies[v.name][choice[v.name]].inputs[slot])[1]):
+                sums[i] += times * x
+        return (extra + Cost(*sums)).step
     total = extra
     for n in graph.nodes:
         strat = strategies[n.name][choice[n.name]]
@@ -533,12 +586,17 @@ def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
                     found.status, found.seconds, found.recompute)
 
 
-def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None) -> float:
+def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None,
+                quick: bool = False) -> float:
     """Seconds no plan of this graph on this mesh can beat: the LP relaxation of the integer
     program (GLOP). inf when even the relaxation breaks the memory budget. Under
-    ``recompute="auto"`` and a budget, the least of its linear modes' (``_mode_bounds``)."""
+    ``recompute="auto"`` and a budget, the least of its linear modes' (``_mode_bounds``);
+    ``quick``: with the cheap ops recomputed bounded by their floor alone, never by their own
+    relaxation, a bound as good wherever that floor prunes (a mesh search asks again, not
+    quick, of a mesh it goes on to solve: the relaxations made are kept, so that costs one
+    relaxation at most)."""
     if recompute.chooses(graph, strategies, costs, memory_budget):
-        return min(_mode_bounds(graph, strategies, costs, memory_budget).values())
+        return min(_mode_bounds(graph, strategies, costs, memory_budget, quick).values())
     return _relaxation(graph, strategies, costs, memory_budget)[0]
 
 
@@ -868,6 +926,18 @@ def _count(keys) -> dict:
     for k in keys:
         out[k] = out.get(k, 0) + 1
     return out
+
+
+def _tied_edges(graph, rep: dict) -> list:
+    """``_edges``, once per graph and tying (a descent's steps tie alike)."""
+    kept = graph.cache.setdefault("tied edges", {})
+    key = tuple(rep.items())
+    hit = kept.get(key)
+    if hit is None:
+        hit = kept[key] = _edges(graph, rep)
+        while len(kept) > TABLES_KEPT:
+            kept.pop(next(iter(kept)))
+    return hit
 
 
 def _edges(graph, rep: dict) -> list:
