@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from autoshard import placement as pl
 
@@ -74,19 +75,30 @@ def _is_view(target) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
-def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: bool = False) -> dict:
+def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: bool = False,
+                tied: Optional[tuple] = None) -> dict:
     """Bytes per rank: parameters, gradients, optimizer state, activations, total. ``reshard``:
-    a parameter converted for an op is converted again in backward, not kept."""
+    a parameter converted for an op is converted again in backward, not kept. ``tied``: ({node:
+    how many nodes take its layout}, [(producer, value, consumer, slot, how many such edges)])
+    of a plan whose repeated blocks take their twins' layouts (``passes.solve.tied_plan``),
+    priced twin by twin."""
     total = dict.fromkeys(PARTS, 0)
+    count, edges = tied if tied is not None else (None, None)
     for n in graph.nodes:
+        times = 1 if count is None else count.get(n.name, 0)
+        if not times:
+            continue
         strat = strategies[n.name][choice[n.name]]
         for k, v in node_bytes(n, strat, mesh_shape, training).items():
-            total[k] += v
-        for slot, value in enumerate(n.inputs):
-            src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-            regathered = reshard and graph.by_name[value[0]].kind == "param" or in_region(graph, value, n)
-            total["activations"] += conversion_bytes(n, graph.meta(value), src, strat.inputs[slot], mesh_shape,
-                                                     training, regathered)
+            total[k] += times * v
+    if edges is None:
+        edges = [(graph.by_name[value[0]], value, n, slot, 1) for n in graph.nodes for slot, value in enumerate(n.inputs)]
+    for _, value, n, slot, times in edges:
+        src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
+        regathered = reshard and graph.by_name[value[0]].kind == "param" or in_region(graph, value, n)
+        total["activations"] += times * conversion_bytes(n, graph.meta(value), src,
+                                                         strategies[n.name][choice[n.name]].inputs[slot],
+                                                         mesh_shape, training, regathered)
     total["activations"] += region_peak(graph, strategies, choice, mesh_shape, training)
     total["total"] = sum(total[k] for k in PARTS)
     return total

@@ -31,7 +31,8 @@ from autoshard.cost import memory
 from autoshard.passes import recompute
 from autoshard.passes.progress import phase, uncollected
 from autoshard.cost.price import Costs
-from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, choice_cost, solve
+from autoshard.passes.solve import (GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, choice_cost, solve,
+                                    tied_plan)
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
@@ -92,7 +93,8 @@ def start_choice(graph, strategies, costs: Costs, budget: Optional[float]) -> di
 
 
 def _memory(graph, strategies, choice, costs) -> int:
-    return memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)["total"]
+    return memory.rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard,
+                              tied_plan(graph, strategies, choice))["total"]
 
 
 def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 60.0,

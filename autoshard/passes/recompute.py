@@ -449,7 +449,9 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
         return {**{g.name: len(g.blocks) for g in gs}, SELECTIVE: 1}
     if budget is None:
         return {}
-    need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard)["total"]
+    from autoshard.passes.solve import tied_plan
+    need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard,
+                       tied_plan(graph, strategies, choice))["total"]
     if need <= budget:
         return {}
     priced = [(g, *block_price(graph, strategies, choice, costs, g)) for g in gs]

@@ -530,15 +530,15 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
     (passes.repeat) take their twins' strategies, as every plan the solver makes does, is
     priced twin by twin, each counted as often as it occurs (the 96-layer GPT: 170 prices
     instead of 7,500)."""
-    rep = tie_repeated(graph, strategies)
-    if all(choice[name] == choice[twin] for name, twin in rep.items() if name != twin):
+    tied = tied_plan(graph, strategies, choice)
+    if tied is not None:
         sums = [0.0] * len(PARTS)
-        count = _count(rep[n.name] for n in graph.nodes)
+        count, edges = tied
         for n in graph.nodes:
-            if rep[n.name] == n.name:
+            if n.name in count:
                 for i, x in enumerate(_node_cost(costs, n, strategies[n.name][choice[n.name]])[0]):
                     sums[i] += count[n.name] * x
-        for u, value, v, slot, times in _tied_edges(graph, rep):
+        for u, value, v, slot, times in edges:
             src = strategies[u.name][choice[u.name]].outputs[value[1]]
             for i, x in enumerate(costs.pair(value, v, slot, src, strategies[v.name][choice[v.name]].inputs[slot])[1]):
                 sums[i] += times * x
@@ -926,6 +926,20 @@ def _count(keys) -> dict:
     for k in keys:
         out[k] = out.get(k, 0) + 1
     return out
+
+
+def tied_plan(graph, strategies, choice) -> Optional[tuple]:
+    """({node: how many nodes take its layout}, [(producer, value, consumer, slot, how many such
+    edges)]) of a plan whose repeated blocks' nodes (passes.repeat) take their twins' strategies,
+    as every plan the solver makes does: what it costs and keeps is theirs times their count.
+    None for a plan that does not, or a graph with user checkpoint regions (whose blocks may
+    checkpoint apart)."""
+    if any(n.region is not None for n in graph.nodes):
+        return None
+    rep = tie_repeated(graph, strategies)
+    if not all(choice[name] == choice[twin] for name, twin in rep.items() if name != twin):
+        return None
+    return _count(rep[n.name] for n in graph.nodes), _tied_edges(graph, rep)
 
 
 def _tied_edges(graph, rep: dict) -> list:
