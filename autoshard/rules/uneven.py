@@ -36,24 +36,36 @@ def allows_uneven(target) -> bool:
     return rule_for(target) in UNEVEN_RULES
 
 
-def _cut(shape, placement, dim) -> tuple:
-    return tuple(a for a, q in enumerate(placement) if isinstance(q, pl.Split) and q.dim == dim)
+_CUTS: dict = {}   # (shape, placement, mesh) -> ``_cuts``: annotate asks by the hundred thousand
+
+
+def _cuts(shape, placement, mesh_shape) -> tuple:
+    """Per mesh axis, None where it does not split the tensor, else ((the size of the dim it
+    cuts, every axis that cuts that dim), whether they cut it unevenly)."""
+    key = (shape, placement, mesh_shape)
+    hit = _CUTS.get(key)
+    if hit is None:
+        out = []
+        for q in placement:
+            if not isinstance(q, pl.Split):
+                out.append(None)
+                continue
+            axes = tuple(b for b, r in enumerate(placement) if isinstance(r, pl.Split) and r.dim == q.dim)
+            one = tuple(placement[b] if b in axes else pl.B for b in range(len(mesh_shape)))
+            out.append(((shape[q.dim], axes), not pl.is_even(shape, one, mesh_shape)))
+        if len(_CUTS) > 1 << 16:
+            _CUTS.clear()
+        hit = _CUTS[key] = tuple(out)
+    return hit
 
 
 def aligned(shapes, placements, mesh_shape) -> bool:
     """Whether, on every axis that cuts some tensor unevenly, every tensor it cuts has a dim of
     the same size cut by the same axes: then their chunks have the same bounds on every rank."""
+    mesh_shape = tuple(mesh_shape)
+    cuts = [_cuts(tuple(shape), placement, mesh_shape) for shape, placement in zip(shapes, placements)]
     for a in range(len(mesh_shape)):
-        cut = set()
-        uneven = False
-        for shape, placement in zip(shapes, placements):
-            q = placement[a]
-            if not isinstance(q, pl.Split):
-                continue
-            axes = _cut(shape, placement, q.dim)
-            cut.add((shape[q.dim], axes))
-            one = tuple(placement[b] if b in axes else pl.B for b in range(len(mesh_shape)))
-            uneven = uneven or not pl.is_even(shape, one, mesh_shape)
-        if uneven and len(cut) > 1:
+        cut = {c[a][0] for c in cuts if c[a] is not None}
+        if len(cut) > 1 and any(c[a][1] for c in cuts if c[a] is not None):
             return False
     return True
