@@ -11,6 +11,7 @@ from autoshard.passes import progress
 from autoshard.passes.capture import capture
 from autoshard.passes.repeat import tie_repeated
 from autoshard.cost.price import Costs
+from autoshard.cost.step import Cost
 from autoshard.passes.solve import NoBetterPlan, lower_bound, solve
 from models import GPT
 
@@ -112,3 +113,83 @@ def test_a_long_solve_shows_its_progress_unless_silenced(monkeypatch, capfd):
 def test_verbose_is_a_bool():
     with pytest.raises(TypeError, match="verbose is True or False"):
         autoshard.plan(*_gpt(2), mesh=(8,), verbose="yes")
+
+
+# ---- the large search's shortcuts price what the long way prices ----------------------------------
+
+def test_a_plan_of_tied_blocks_is_priced_and_weighed_twin_by_twin_as_node_by_node():
+    from autoshard.cost import memory
+    from autoshard.plan import _priced
+    from autoshard.passes.solve import choice_cost, tied_plan
+    graph = capture(*_gpt(6))
+    mesh = (2, 4)
+    strategies = annotate_pass.annotate(graph, mesh)
+    costs = Costs(graph, mesh, CLUSTER, True)
+    choice = solve(graph, strategies, costs, 60, 80e9).choice
+    tied = tied_plan(graph, strategies, choice)
+    assert tied is not None and sum(tied[0].values()) == len(graph.nodes) > len(tied[0])
+    def node_by_node(choice):
+        return sum((cost for _, _, cost in _priced(graph, strategies, choice, costs)), start=Cost()).step
+
+    assert choice_cost(graph, strategies, choice, costs) == pytest.approx(node_by_node(choice), rel=1e-12)
+    assert memory.rank_memory(graph, strategies, choice, mesh, True, False, tied) == \
+        memory.rank_memory(graph, strategies, choice, mesh, True, False)
+    # a plan whose twins differ is priced node by node
+    name, twin = next((a, b) for a, b in tie_repeated(graph, strategies).items() if a != b and len(strategies[a]) > 1)
+    apart = dict(choice, **{name: (choice[twin] + 1) % len(strategies[name])})
+    assert tied_plan(graph, strategies, apart) is None
+    assert choice_cost(graph, strategies, apart, costs) == pytest.approx(node_by_node(apart), rel=1e-12)
+
+
+def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
+    from autoshard.passes import recompute
+    from autoshard.passes.solve import _mode_bounds, _relaxation
+    from autoshard.cost import memory
+    graph = capture(*_gpt(4))
+    mesh = (2, 4)
+    strategies = annotate_pass.annotate(graph, mesh)
+    costs = Costs(graph, mesh, CLUSTER, True)
+    need = memory.rank_memory(graph, strategies, solve(graph, strategies, costs, 60, None).choice, mesh, True)["total"]
+    for share in (0.8, 0.5):   # budgets that bind: recomputation in play
+        budget = need * share
+        costs = Costs(graph, mesh, CLUSTER, True)
+        costs.recompute = recompute.AUTO
+        quick = lower_bound(graph, strategies, costs, budget, quick=True)
+        exact = lower_bound(graph, strategies, costs, budget)
+        plan = solve(graph, strategies, costs, 60, budget)
+        assert quick <= exact <= plan.objective * (1 + 1e-6)
+        # the cheap ops' relaxation is skipped only where it cannot move the least of the modes
+        modes = _mode_bounds(graph, strategies, costs, budget)
+        with recompute.mode(costs, recompute.SELECTIVE):
+            selective = _relaxation(graph, strategies, costs, budget)[0]
+        assert min(modes.values()) == pytest.approx(min(modes["none"], modes["blocks"], max(selective, modes["selective"])),
+                                                    rel=1e-12)
+
+
+def test_a_descent_step_whose_relaxation_is_whole_takes_its_plan_as_cp_sat_would():
+    from autoshard.passes import descend
+    from autoshard.passes import solve as solve_module
+    graph = capture(*_gpt(4, batch=64))
+    coarse = annotate_pass.annotate(graph, (4, 4))
+    start = solve(graph, coarse, Costs(graph, (4, 4), CLUSTER, True), 60, None)
+    real, whole = solve_module._whole, []
+
+    def spy(*args):
+        got = real(*args)
+        whole.append(got is not None)
+        return got
+
+    for fine, groups in [((2, 2, 4), (2, 1)), ((4, 2, 2), (1, 2))]:
+        strategies = annotate_pass.annotate(graph, fine)
+        lifted = descend.lift(graph, coarse, start.choice, groups, strategies)
+        found = {}
+        for name, step in (("whole", spy), ("cp-sat", lambda *args: None)):
+            solve_module._whole = step
+            try:
+                found[name] = descend.solve_mesh(graph, strategies, Costs(graph, fine, CLUSTER, True), 60, None,
+                                                 lambda: [lifted])
+            finally:
+                solve_module._whole = real
+        # the same plan cost, CP-SAT's in whole picoseconds
+        assert found["whole"].objective == pytest.approx(found["cp-sat"].objective, rel=1e-6)
+    assert whole and all(whole)   # every step's relaxation was whole: no CP-SAT at all

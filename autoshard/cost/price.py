@@ -7,6 +7,7 @@ the ones it was chosen by."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
-from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
+from autoshard.cost.overlap import conversion_price, edge_kind, edge_price, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
 from autoshard.outputs import kept_split
@@ -237,14 +238,46 @@ class Costs:
             price = self.price_key(value, consumer, slot)
         return _by_layouts(self._pairs_by_id, price, src, dst, self._pair, value, consumer, slot)
 
+    def pricer(self, value, consumer: Node, slot: int, price: int):
+        """``pair`` as a function of the two layouts alone, for an edge whose pairs are priced
+        by the hundred (``passes.solve._pairs``): what depends on the edge alone (the tensor,
+        whether backward runs the dual, whether the schedule can hide any of it, what the
+        consumer keeps) worked out once, the same caches read and filled as ``pair``'s."""
+        by_id, by_value, blocking = self._pairs_by_id, self._pair_prices, self._conv
+        meta, graph = self.graph.meta(value), self.graph
+        handed = consumer.kind == "output" and value in self.split_outputs
+        backward = (self.training and meta.floating and consumer.kind != "output"
+                    and graph.by_name[value[0]].requires_grad)
+        rerun = self.training and memory.in_region(graph, value, consumer)
+        tensor = self._tensor(value)
+        hides = edge_kind(self, value, consumer, slot) is not None   # else nothing of it is hidden
+        regathered = self.regathered(value) or memory.in_region(graph, value, consumer)
+
+        def priced(src, dst) -> tuple:
+            hit = by_id.get((price, id(src), id(dst)))
+            if hit is not None and hit[0] is src and hit[1] is dst:
+                return hit[2]
+            got = by_value.get((price, src, dst))
+            if got is None:
+                cost = blocking.get((tensor, src, src if handed else dst, backward, rerun))
+                if cost is None:
+                    cost = self.convert(value, src, dst, consumer)
+                if hides:
+                    cost = cost + edge_price(self, value, src, dst, consumer, slot)
+                got = by_value[price, src, dst] = (cost, _parts(cost), memory.conversion_bytes(
+                    consumer, meta, src, dst, self.mesh_shape, self.training, regathered))
+            by_id[price, id(src), id(dst)] = (src, dst, got)
+            return got
+
+        return priced
+
     def _pair(self, price: int, src, dst, value, consumer: Node, slot: int) -> tuple:
         """``pair`` by the layouts' values: equal layouts in other tuples price alike."""
         key = (price, src, dst)
         hit = self._pair_prices.get(key)
         if hit is None:
             cost = conversion_price(self, value, src, dst, consumer, slot)
-            hit = self._pair_prices[key] = (cost, tuple(getattr(cost, part) for part in PARTS),
-                                            self.kept(value, src, dst, consumer))
+            hit = self._pair_prices[key] = (cost, _parts(cost), self.kept(value, src, dst, consumer))
         return hit
 
     def forward_again(self, value, src, dst) -> float:
@@ -340,6 +373,9 @@ class Costs:
             else:
                 self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
         return self._conv[key]
+
+
+_parts = operator.attrgetter(*PARTS)   # a cost's parts as a tuple, in ``PARTS``' order
 
 
 def _by_layouts(cache: dict, price: int, src, dst, make, *args):

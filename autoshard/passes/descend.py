@@ -12,7 +12,8 @@ layouts an edge can join, and there are millions (a GPT block on (8, 8, 4) has 3
             program choose every node's placement on axis a, jointly, at the exact cost
 
 Each step solves an exact integer program of one-axis size (each node keeps only the strategies
-that agree with the current plan off axis a, so the current plan is one of its solutions), and
+that agree with the current plan off axis a, so the current plan is one of its solutions; where
+the program's LP relaxation is whole, its plan, without CP-SAT: ``passes.solve._whole``), and
 its objective is the whole mesh's cost: the plan never gets worse, and it moves whole layers of
 the mesh at once (turn axis 2 from data parallel to tensor parallel, across every layer). It is
 a local optimum, not a proven one; ``Solution.status`` says so.

@@ -3,11 +3,13 @@ core the planning process may use (passes.search).
 
 A mesh's work (its layouts, prices, relaxation) is independent of every other mesh's, so the
 search hands each mesh to one process, its *owner*, which keeps that work and does everything
-the search asks of that mesh. The copies are forked once the work common to every mesh is done
-(the capture, the one-axis plan); what they send back is small: a bound, a status, a solution's
-choices. Whichever process owns a mesh, it gives the same answer, and the search consumes the
-answers in its own order, so the plan, the candidates and their statuses are those of the search
-run in one process; only the wall time differs.
+the search asks of that mesh. The meshes of a round go out as jobs that each process takes in
+turn as it becomes free (``Fanout.share``), the one that takes a mesh its owner from then on: the
+processes end a round together, not one mesh's time apart. The copies are forked once the work
+common to every mesh is done (the capture, the one-axis plan); what they send back is small: a
+bound, a status, a solution's choices. Whichever process owns a mesh, it gives the same answer,
+and the search consumes the answers in its own order, so the plan, the candidates and their
+statuses are those of the search run in one process; only the wall time differs.
 
 No hang, no loss: a copy that dies, or that has used no CPU for ``STALL`` seconds while it owes
 an answer (a copy deadlocked on a lock some thread of the planning process held when it was
