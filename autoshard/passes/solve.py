@@ -357,7 +357,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
 def _whole(graph, strategies, costs, memory_budget) -> Optional[Solution]:
     """The plan of the LP relaxation where every layout weight is 0 or 1 and the plan costs
     what the relaxation does: then no plan of the program beats it, proven without CP-SAT (the
-    96-layer GPT's refinements at world 1024: 6 of their 8 descent steps whole, 0.04-0.07 s
+    96-layer GPT at world 1024: of four refinements' 8 descent steps, 6 whole, 0.04-0.07 s
     each with their pricing, against CP-SAT's 0.07-0.17 s after it). Only without
     recomputation and user checkpoint regions, whose programs choose nothing beside the
     layouts; None elsewhere, or where the relaxation is not whole."""
@@ -529,7 +529,7 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
     (recomputed blocks' forward again: passes.recompute) on top. A plan whose tied nodes
     (passes.repeat) take their twins' strategies, as every plan the solver makes does, is
     priced twin by twin, each counted as often as it occurs (the 96-layer GPT: 170 prices
-    instead of 7,500)."""
+    instead of 6,560)."""
     tied = tied_plan(graph, strategies, choice)
     if tied is not None:
         sums = [0.0] * len(PARTS)
