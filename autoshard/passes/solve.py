@@ -477,8 +477,9 @@ def _mode_bounds(graph, strategies, costs, memory_budget, quick: bool = False) -
     ``solve`` in that mode, when the floor lets it beat the best plan, has the relaxation as its
     first step anyway; and ``"selective"``'s floor, raised by its LP relaxation where the floor
     lies below ``"none"``'s bound (elsewhere no value of it moves the least; ``quick``: not
-    raised at all, a weaker bound for ``lower_bound(quick=True)``). Both are ``"none"``'s program with
-    its coefficients moved (``_switch``), not programs of their own. inf: nothing fits in that
+    raised but where nothing fits without recomputation, a weaker bound for
+    ``lower_bound(quick=True)``). Both are ``"none"``'s program with its coefficients moved
+    (``_switch``), not programs of their own. inf: nothing fits in that
     mode. A mesh search bounds each mesh with the
     least of them: the weak relaxation of the whole choice (a fractional block recomputed frees
     its memory at a fraction of its forward) would bound every mesh of the 96-layer GPT at its
@@ -499,7 +500,9 @@ def _mode_bounds(graph, strategies, costs, memory_budget, quick: bool = False) -
         # it moves the modes' least, and its floor is its bound (the 96-layer GPT at world 1024:
         # the floor 0.982 s on every two-axis mesh, "none"'s relaxation 0.939-0.963 s on seven
         # of the nine, a fifth of each mesh's bound saved)
-        out[recompute.SELECTIVE] = light if quick or light >= out["none"] else \
+        # quick: not where nothing fits without recomputation, whose relaxation says whether
+        # anything fits at all (a quick bound is finite where the exact one is)
+        out[recompute.SELECTIVE] = light if (quick and not math.isinf(out["none"])) or light >= out["none"] else \
             max(light, _relaxation(graph, strategies, costs, memory_budget)[0])
     return out
 
