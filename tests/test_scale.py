@@ -119,7 +119,7 @@ def test_verbose_is_a_bool():
 
 # ---- the large search's shortcuts price what the long way prices ----------------------------------
 
-def test_a_plan_of_tied_blocks_is_priced_and_weighed_twin_by_twin_as_node_by_node():
+def test_a_plan_priced_once_per_price_and_weighed_twin_by_twin_is_priced_and_weighed_node_by_node():
     from autoshard.cost import memory
     from autoshard.plan import _priced
     from autoshard.passes.solve import choice_cost, tied_plan
