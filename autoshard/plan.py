@@ -19,7 +19,7 @@ from autoshard.cost.overlap import added, edge_overlap
 from autoshard.cost.step import Cost
 from autoshard import explain, summary
 from autoshard.passes import recompute
-from autoshard.passes.solve import choice_cost
+from autoshard.passes.solve import choice_cost, plan_price
 from autoshard.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
 
 
@@ -219,15 +219,13 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     # (cost.overlap.unhidden gives back what their conversions' prices hide)
     extra, freed, peak, again = recompute.chosen(graph, strategies, solution.choice, costs, solution.recompute)
     rerun = _rerun(graph, again)
-    total = Cost()
     colls, overlaps = _collectives(graph, strategies, solution.choice, costs, rerun)
     for n, strat, cost in _priced(graph, strategies, solution.choice, costs):
-        total = total + cost
         nodes[n.name] = NodeChoice(
             name=n.name, kind=n.kind, op=n.op_name, shapes=[m.shape for m in n.outputs],
             inputs=[pl.to_strings(p) for p in strat.inputs], outputs=[pl.to_strings(p) for p in strat.outputs],
             compute=cost.compute, comm=cost.communication, fqn=n.fqn, module=_module(n))
-    total = total + extra
+    total = plan_price(graph, strategies, solution.choice, costs) + extra   # as plan_cost and a search sum it
     param_node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"}
     for alias, fqn in graph.param_aliases.items():
         if fqn in param_node:

@@ -103,8 +103,8 @@ def test_a_copy_that_dies_mid_search_loses_nothing(monkeypatch, alone, tmp_path)
 def test_shared_jobs_go_to_whichever_process_is_free():
     with fanout.Fanout(3, HANDLERS) as fan:
         # the first two jobs keep two processes a while; the others take the quick ones meanwhile
-        got = fan.share("nap", [(0.6,), (0.6,)] + [(0.0,)] * 10)
-        assert [fan.answer(t) for _, t in got] == [0.6, 0.6] + [0.0] * 10
+        got = fan.share("nap", [(1.0,), (1.0,)] + [(0.0,)] * 10)
+        assert [fan.answer(t) for _, t in got] == [1.0, 1.0] + [0.0] * 10
         owners = [o for o, _ in got]
         assert owners[0] != owners[1] and set(owners) == {0, 1, 2}
         assert owners[2:].count(owners[0]) + owners[2:].count(owners[1]) < owners[2:].count(3 - owners[0] - owners[1])
@@ -112,6 +112,21 @@ def test_shared_jobs_go_to_whichever_process_is_free():
         got = fan.share("dies_late_here", [(i,) for i in range(6)])
         assert [fan.answer(t) for _, t in got] == [-i for i in range(6)]
         assert None in fan.copies
+
+
+def test_a_copy_killed_holding_the_jobs_lock_stops_no_share(monkeypatch):
+    monkeypatch.setattr(fanout.Fanout, "STALL", 1.0)
+    with fanout.Fanout(2, HANDLERS) as fan:
+        pid = os.fork()
+        if pid == 0:   # a process that dies holding the lock, as a copy killed inside _take would
+            fan._batch.get_lock().acquire()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        start = time.perf_counter()
+        got = fan.share("square", [(i,) for i in range(5)])
+        assert [fan.answer(t) for _, t in got] == [i * i for i in range(5)]
+        assert all(owner == 0 for owner, _ in got) and fan.copies == [None]
+        assert time.perf_counter() - start < 30
 
 
 def _plan_in_a_rank(workers: int):

@@ -32,8 +32,8 @@ from autoshard.cost import memory
 from autoshard.passes import recompute
 from autoshard.passes.progress import phase, uncollected
 from autoshard.cost.price import Costs
-from autoshard.passes.solve import (GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, choice_cost, solve,
-                                    tied_plan)
+from autoshard.passes.solve import (GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost,
+                                    solve, tied_plan)
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
@@ -114,7 +114,7 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
     if auto and fixed != recompute.SELECTIVE:
         again = recompute.best_counts(graph, strategies, sol.choice, costs, budget)
         extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
-        sol.objective, sol.recompute = choice_cost(graph, strategies, sol.choice, costs, extra), again
+        sol.objective, sol.recompute = program_cost(graph, strategies, sol.choice, costs, extra), again
     return sol
 
 
@@ -134,7 +134,7 @@ def _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds, s
     naxes = len(costs.mesh_shape)
     again = recompute.best_counts(graph, strategies, choice, costs, budget)
     extra, freed, peak, _ = recompute.chosen(graph, strategies, choice, costs, again)
-    best = choice_cost(graph, strategies, choice, costs, extra)
+    best = program_cost(graph, strategies, choice, costs, extra)
     needs = _memory(graph, strategies, choice, costs) - freed + peak if budget is not None else 0
     if budget is not None and needs > budget:
         raise MemoryBudgetError(f"the starting plan needs {needs / 1e9:.2f} GB per rank, over the budget of "

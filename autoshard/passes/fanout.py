@@ -66,6 +66,10 @@ def _int(text) -> int:
         return 1
 
 
+class _Stuck(Exception):
+    """The lock ``Fanout.share``'s jobs are taken under is held past ``Fanout.STALL``."""
+
+
 class CopyFailed(RuntimeError):
     """A task raised in a forked copy an exception that could not be carried back."""
 
@@ -167,14 +171,21 @@ class Fanout:
 
     def _take(self, batch: int, count: int):
         """The index of the next job of ``batch`` nobody has taken, now this process's; None
-        when all are taken (or the batch is over: a copy late to its last look)."""
-        with self._batch.get_lock():
+        when all are taken (or the batch is over: a copy late to its last look). The planning
+        process waits ``STALL`` seconds at most for the lock: a copy killed holding it (by the
+        kernel, out of memory) would hold it for ever; it then raises ``_Stuck``."""
+        lock = self._batch.get_lock()
+        if not lock.acquire(timeout=self.STALL if self.me == 0 else None):
+            raise _Stuck
+        try:
             i = self._taken.value
             if self._batch.value != batch or i >= count:
                 return None
             self._taken.value = i + 1
             self._takers[i] = self.me
             return i
+        finally:
+            lock.release()
 
     def share(self, name: str, jobs: list) -> list:
         """Run ``name(*job)`` for every job of ``jobs``, each on whichever process is free to
@@ -187,10 +198,17 @@ class Fanout:
         live = [i + 1 for i, c in enumerate(self.copies) if c is not None]
         if not live or len(jobs) > SHARED_JOBS:
             return [(0, self.ask(0, name, *job)) for job in jobs]
-        with self._batch.get_lock():
+        lock = self._batch.get_lock()
+        if not lock.acquire(timeout=self.STALL):   # held for ever by a copy killed with it: see _take
+            for owner in live:
+                self._lose(owner)
+            return [(0, self.ask(0, name, *job)) for job in jobs]
+        try:
             self._batch.value += 1
             self._taken.value = 0
             batch = self._batch.value
+        finally:
+            lock.release()
         base, self.next = self.next, self.next + len(jobs)
         for owner in live:
             try:
@@ -198,10 +216,18 @@ class Fanout:
             except (OSError, ValueError):
                 self._lose(owner)
         mine = set()
-        while (i := self._take(batch, len(jobs))) is not None:
-            mine.add(i)
-            self.tasks[base + i] = (0, name, jobs[i])
-            self.done[base + i] = self._run(name, jobs[i])
+        try:
+            while (i := self._take(batch, len(jobs))) is not None:
+                mine.add(i)
+                self.tasks[base + i] = (0, name, jobs[i])
+                self.done[base + i] = self._run(name, jobs[i])
+        except _Stuck:   # the copies can take nothing more: they go, and what none took is done here
+            mine.update(range(self._taken.value, len(jobs)))
+            for i in range(self._taken.value, len(jobs)):
+                self.tasks[base + i] = (0, name, jobs[i])
+                self.done[base + i] = self._run(name, jobs[i])
+            for owner in live:
+                self._lose(owner)
         out = []
         for i, job in enumerate(jobs):
             owner = 0 if i in mine else self._takers[i]

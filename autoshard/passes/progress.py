@@ -58,18 +58,13 @@ def uncollected():
     keeps millions of small objects (layouts, prices, solver variables) alive in its caches and
     makes few reference cycles; the collector, which walks every live object whenever enough
     new ones have piled up, took 28% of the 96-layer GPT's mesh search (19.5 s of CPU without
-    it against 27.2 s with it). Cycles made meanwhile are collected once it is back on. What
-    planning keeps is moved to the oldest generation first (``gc.freeze``, then ``unfreeze``),
-    where the collector would have put it: else the first young collection after planning
-    walks every object planning made (0.05-0.13 s after the 96-layer GPT's search)."""
+    it against 27.2 s with it). Cycles made meanwhile are collected once it is back on."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
-            gc.freeze()
-            gc.unfreeze()
             gc.enable()
 
 _shown = [True]

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
 from autoshard import placement as pl
@@ -355,8 +355,10 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
 
 
 def _whole(graph, strategies, costs, memory_budget) -> Optional[Solution]:
-    """The plan of the LP relaxation where every layout weight is 0 or 1 and the plan costs
-    what the relaxation does: then no plan of the program beats it, proven without CP-SAT (the
+    """The plan of the LP relaxation where every layout weight is 0 or 1: every other variable
+    of the program follows from the layouts (a conversion's pair, the exposed communication's
+    least value), so the relaxation's optimum is a plan of the program, and no plan beats it,
+    proven without CP-SAT; its objective is the program's, as CP-SAT's would be (the
     96-layer GPT at world 1024: of four refinements' 8 descent steps, 6 whole, 0.04-0.07 s
     each with their pricing, against CP-SAT's 0.07-0.17 s after it). Only without
     recomputation and user checkpoint regions, whose programs choose nothing beside the
@@ -372,10 +374,7 @@ def _whole(graph, strategies, costs, memory_budget) -> Optional[Solution]:
         if ws[i] < 1 - 1e-6:
             return None
         choice[name] = i
-    cost = choice_cost(graph, strategies, choice, costs)
-    if cost > bound * (1 + 1e-9):   # a part the relaxation prices below the plan's: not proven
-        return None
-    return Solution(choice, cost, min(bound, cost), "OPTIMAL", 0.0, {})
+    return Solution(choice, bound, bound, "OPTIMAL", 0.0, {})
 
 
 def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support) -> Solution:
@@ -421,8 +420,10 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
                 found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=target, effort=cap,
                                    support=support))
                 proven[mode] = max(proven[mode], found[-1].bound or 0.0)
-            except NoBetterPlan:
+            except NoBetterPlan as e:
                 beaten = True
+                if e.proven and target is not None:   # no plan of this mode beats the target: its bound
+                    proven[mode] = max(proven[mode], target)
             except (RuntimeError, MemoryBudgetError):
                 pass
     if not found:
@@ -440,7 +441,7 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
         again = recompute.best_counts(graph, strategies, sol.choice, costs, memory_budget)
         if again != sol.recompute:
             extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
-            found.append(Solution(sol.choice, choice_cost(graph, strategies, sol.choice, costs, extra), None,
+            found.append(Solution(sol.choice, program_cost(graph, strategies, sol.choice, costs, extra), None,
                                   "FEASIBLE", 0.0, again))
     best = min(found, key=lambda sol: sol.objective)
     led = recompute.SELECTIVE if best.recompute.get(recompute.SELECTIVE) else \
@@ -529,10 +530,39 @@ class _Watch(cp_model.CpSolverSolutionCallback):
 
 def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extra: Cost = Cost()) -> float:
     """Estimated seconds per step of a whole plan (node name -> strategy index), with ``extra``
-    (recomputed blocks' forward again: passes.recompute) on top. Each price the plan pays is
-    read once from ``costs``' caches and counted as often as it is paid: the layers of a stack
-    pay the same ones (the 96-layer GPT's plan: 6,560 prices paid, 1,209 of them distinct), and
-    adding ``Cost`` objects one by one took most of a descent's bookkeeping."""
+    (recomputed blocks' forward again: passes.recompute) on top."""
+    return (plan_price(graph, strategies, choice, costs) + extra).step
+
+
+def program_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extra: Cost = Cost()) -> float:
+    """A plan's estimated step as the integer program counts it (``choice_cost`` elsewhere):
+    each repeated block's nodes and conversions at their twins' prices, times their count
+    (passes.repeat), as the solver's objective and its LP bound do; what a descent compares its
+    steps' objectives with. It differs from ``choice_cost`` where twins price apart (a
+    parameter's gathers priced by its bucket), and costs a fraction of it: a descent's mesh has
+    priced only its twins (0.05 s a refinement of the 96-layer GPT saved)."""
+    tied = tied_plan(graph, strategies, choice)
+    if tied is None:
+        return choice_cost(graph, strategies, choice, costs, extra)
+    count, edges = tied
+    sums = [0.0] * len(PARTS)
+    for n in graph.nodes:
+        if n.name in count:
+            for i, x in enumerate(_node_cost(costs, n, strategies[n.name][choice[n.name]])[0]):
+                sums[i] += count[n.name] * x
+    for u, value, v, slot, times in edges:
+        src = strategies[u.name][choice[u.name]].outputs[value[1]]
+        for i, x in enumerate(costs.pair(value, v, slot, src, strategies[v.name][choice[v.name]].inputs[slot])[1]):
+            sums[i] += times * x
+    return (Cost(*sums) + extra).step
+
+
+def plan_price(graph: Graph, strategies: dict, choice: dict, costs: Costs) -> Cost:
+    """What a plan's nodes and conversions cost, summed (``make_plan``'s total, ``choice_cost``'s
+    before recomputation). Each price the plan pays is read once from ``costs``' caches and
+    counted as often as it is paid: the layers of a stack pay the same ones (the 96-layer GPT's
+    plan: 6,560 prices paid, 1,209 of them distinct; 1.2 ms, where adding ``Cost`` objects one
+    by one took 16)."""
     paid: dict = {}   # id of a cached price -> [the price, how many times the plan pays it]
 
     def pay(cost):
@@ -548,11 +578,11 @@ def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extr
         for slot, value in enumerate(n.inputs):
             src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
             pay(costs.pair(value, n, slot, src, strat.inputs[slot])[0])   # its conversion_price
-    sums = list(_vec(extra))
+    sums = [0.0] * len(PARTS)
     for cost, times in paid.values():
         for i, x in enumerate(_vec(cost)):
             sums[i] += times * x
-    return Cost(*sums).step
+    return Cost(*sums)
 
 
 SUPPORT = 1e-6   # an LP weight above this puts the strategy in the relaxation's support
@@ -630,24 +660,24 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
             # (GPT-3 175B: two simplex runs per mesh, the dual's failing)
             status = pywraplp.Solver.INFEASIBLE
         else:
-            status = lp.solver.Solve()
+            status = lp.solve()
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE):
             # the dual simplex loses its way on some programs that nothing fits (GPT-3 175B
             # without recomputation: ABNORMAL on every mesh, so no bound pruned any); the
             # primal simplex proves them infeasible in a tenth of a second
-            lp.solver.SetSolverSpecificParametersAsString(PRIMAL)
-            status = lp.solver.Solve()
+            lp.params = PRIMAL
+            status = lp.solve()
     if status == pywraplp.Solver.INFEASIBLE:
         out = (math.inf, None)
     elif status != pywraplp.Solver.OPTIMAL:
         out = (0.0, None)
     else:
         values: dict = {}   # twins share their variables: read each list once
-        weights = {name: values[id(vs)] if id(vs) in values else values.setdefault(id(vs), [v.solution_value() for v in vs])
+        weights = {name: values[id(vs)] if id(vs) in values else values.setdefault(id(vs), [lp.values[v] for v in vs])
                    for name, vs in x.items() if vs is not None}
-        out = (lp.solver.Objective().Value() / 1e6, weights)
+        out = (lp.value / 1e6, weights)
         row = getattr(lp, "budget_row", None) if fresh else None   # a moved program's row has moved
-        if row is not None and sum(c * v.solution_value() for v, c in row[0].items()) < row[1] * (1 - 1e-6):
+        if row is not None and sum(c * lp.values[v] for v, c in row[0].items()) < row[1] * (1 - 1e-6):
             # the budget is slack at the optimum: the LP without it has the same optimum (convex),
             # so a later ask without a budget need not be solved again
             costs._relaxed[(id(strategies), None, recompute.mode_of(costs))] = (strategies, out)
@@ -677,7 +707,7 @@ def _switch(lp, table, costs, mode: str) -> None:
     x, placed = lp.layout
     forms = recompute._forms(table, x, placed, costs, 1e6, False, 1e-9, light=mode == recompute.SELECTIVE)
     if lp.peak is None:
-        lp.peak = lp.solver.NumVar(0.0, lp.solver.infinity(), "")
+        lp.peak = lp.num_var(0.0, math.inf)
     # peak >= D(x) for each class of blocks: rows of their own, dropped (lower bound -inf) on the way back
     rows = [lp.at_least(recompute._minus({lp.peak: 1}, d.terms), d.const) for _, (_, _, d) in forms.values()]
     lp.delta = (recompute.every_block(forms), rows)
@@ -687,27 +717,25 @@ def _switch(lp, table, costs, mode: str) -> None:
 def _move(lp, delta, sign: int) -> None:
     """Add (``sign`` 1) or take back (-1) ``_switch``'s change of coefficients."""
     (cost, (freed, less)), rows = delta
-    objective, budget, exposed = lp.solver.Objective(), lp.budget_ct, lp.exposed.get("bwd")
+    budget, exposed = lp.budget_ct, lp.exposed.get("bwd")
 
-    def shift(row, coef: dict, terms: dict) -> None:
-        for var, c in terms.items():   # the coefficients kept beside the program: no call to read one
+    def shift(coef: dict, terms: dict) -> None:
+        for var, c in terms.items():
             coef[var] = coef.get(var, 0.0) + sign * c
-            row.SetCoefficient(var, coef[var])
 
     for part, (terms, const) in cost.items():
-        shift(objective, lp.objective, terms)
-        objective.SetOffset(objective.offset() + sign * const)
+        shift(lp.objective, terms)
+        lp.offset += sign * const
     if exposed is not None:   # exposed - hidden + compute >= 0
         terms, const = cost["compute_bwd"]
-        shift(exposed, lp.coefficients[id(exposed)], terms)
-        exposed.SetLb(exposed.lb() - sign * const)
-    shift(budget, lp.coefficients[id(budget)], freed)
-    budget.SetUb(budget.ub() - sign * less)
-    budget.SetCoefficient(lp.peak, 1.0 if sign > 0 else 0.0)
-    lp.coefficients[id(budget)][lp.peak] = 1.0 if sign > 0 else 0.0
+        shift(exposed.terms, terms)
+        exposed.lo -= sign * const
+    shift(budget.terms, freed)
+    budget.hi -= sign * less
+    budget.terms[lp.peak] = 1.0 if sign > 0 else 0.0
     if sign < 0:
         for row in rows:
-            row.SetLb(-lp.solver.infinity())
+            row.lo = -math.inf
 
 
 class _CpSat:
@@ -750,61 +778,90 @@ def _weighted(terms: dict):
 DUAL, PRIMAL = "use_dual_simplex: true use_preprocessing: false", "use_dual_simplex: false use_preprocessing: false"
 
 
+class _Row:
+    """A constraint of an ``_LP`` that ``_move`` may change: its bounds and its terms."""
+    __slots__ = ("lo", "hi", "terms")
+
+    def __init__(self, lo: float, hi: float, terms: dict):
+        self.lo, self.hi, self.terms = lo, hi, terms
+
+
 class _LP:
-    """The same calls on a linear program (GLOP): every variable continuous. Constraints are
-    set coefficient by coefficient, several times faster than the natural API's expressions."""
+    """The same calls on a linear program (GLOP): every variable continuous, a variable its
+    index. The program is kept as lists and handed to GLOP whole, as one protocol buffer, when
+    solved (``solve``): a 2-axis mesh of the 96-layer GPT (28k columns) builds in 0.13 s so
+    against 0.30 s set coefficient by coefficient through the solver's API."""
 
     def __init__(self):
-        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        self.lb: list = []
+        self.ub: list = []
+        self.rows: list = []   # (lo, hi, variables, coefficients), or a _Row
+        self.objective: dict = {}   # variable -> coefficient, which _move changes
+        self.offset = 0.0
         # the dual simplex without presolve: on a tiny T5 at mesh (4, 2) (157k columns) 2.7 s
         # against 17.7 s with the defaults, the same objective
-        self.solver.SetSolverSpecificParametersAsString(DUAL)
-        # the coefficients of the objective and of each inequality, which _move changes
-        self.objective: dict = {}
-        self.coefficients: dict = {}   # id(row) -> {variable: coefficient}
-        self._rows: list = []
+        self.params = DUAL
+        self.values: list = []
+        self.value = 0.0
+
+    def num_var(self, lo: float, hi: float) -> int:
+        self.lb.append(lo)
+        self.ub.append(hi)
+        return len(self.lb) - 1
 
     def bool_var(self):
-        return self.solver.NumVar(0.0, 1.0, "")
+        return self.num_var(0.0, 1.0)
 
     def int_var(self, lo, hi):
-        return self.solver.NumVar(float(lo), float(hi), "")
-
-    def _row(self, lo, hi, terms):
-        row = self.solver.Constraint(lo, hi)
-        for v, c in terms:
-            row.SetCoefficient(v, c)
-        return row
-
-    def _kept_row(self, lo, hi, terms: dict):
-        """A row ``_move`` may change, its coefficients kept beside it."""
-        row = self._row(lo, hi, terms.items())
-        self.coefficients[id(row)] = {v: float(c) for v, c in terms.items()}
-        self._rows.append(row)   # its id stays its own
-        return row
+        return self.num_var(float(lo), float(hi))
 
     def exactly_one(self, vs):
-        self._row(1.0, 1.0, ((v, 1.0) for v in vs))
+        vs = list(vs)
+        self.rows.append((1.0, 1.0, vs, [1.0] * len(vs)))
 
     def equal(self, lhs, rhs):
-        self._row(0.0, 0.0, [(v, 1.0) for v in lhs] + [(v, -1.0) for v in rhs])
+        self.rows.append((0.0, 0.0, list(lhs) + list(rhs), [1.0] * len(lhs) + [-1.0] * len(rhs)))
+
+    def _kept_row(self, lo, hi, terms: dict) -> _Row:
+        row = _Row(lo, hi, {v: float(c) for v, c in terms.items()})
+        self.rows.append(row)
+        return row
 
     def at_least(self, terms: dict, bound):
-        return self._kept_row(float(bound), self.solver.infinity(), terms)
+        return self._kept_row(float(bound), math.inf, terms)
 
     def at_most(self, terms: dict, bound):
-        return self._kept_row(-self.solver.infinity(), float(bound), terms)
+        return self._kept_row(-math.inf, float(bound), terms)
 
     def hint(self, var, value):
         pass   # a starting point means nothing to the simplex
 
     def minimize(self, terms: dict, const):
-        objective = self.solver.Objective()
-        for v, c in terms.items():
-            objective.SetCoefficient(v, float(c))
-            self.objective[v] = float(c)
-        objective.SetOffset(float(const))
-        objective.SetMinimization()
+        self.objective = {v: float(c) for v, c in terms.items()}
+        self.offset = float(const)
+
+    def solve(self) -> int:
+        """GLOP's status on the program as it stands; ``values`` and ``value`` its optimum."""
+        model = linear_solver_pb2.MPModelProto(objective_offset=self.offset)
+        costs = [0.0] * len(self.lb)
+        for v, c in self.objective.items():
+            costs[v] = c
+        for lo, hi, c in zip(self.lb, self.ub, costs):
+            model.variable.add(lower_bound=lo, upper_bound=hi, objective_coefficient=c)
+        for row in self.rows:
+            lo, hi, vs, cs = (row.lo, row.hi, list(row.terms), list(row.terms.values())) if isinstance(row, _Row) else row
+            ct = model.constraint.add(lower_bound=lo, upper_bound=hi)
+            ct.var_index.extend(vs)
+            ct.coefficient.extend(cs)
+        solver = pywraplp.Solver.CreateSolver("GLOP")
+        solver.SetSolverSpecificParametersAsString(self.params)
+        solver.LoadModelFromProto(model)
+        status = solver.Solve()
+        if status == pywraplp.Solver.OPTIMAL:
+            response = linear_solver_pb2.MPSolutionResponse()
+            solver.FillSolutionResponseProto(response)
+            self.values, self.value = list(response.variable_value), solver.Objective().Value()
+        return status
 
 
 def _run(model, time_limit, progress=None, unit=PICO, relaxed=None, effort=None):
@@ -934,8 +991,8 @@ def tied_plan(graph, strategies, choice) -> Optional[tuple]:
     """({node: how many nodes take its layout}, [(producer, value, consumer, slot, how many such
     edges)]) of a plan whose repeated blocks' nodes (passes.repeat) take their twins' strategies,
     as every plan the solver makes does: what it keeps is theirs times their count (bytes
-    depend on the tensors and ops alone, alike in tied blocks; prices may not, a parameter's
-    gathers being priced by its bucket). None for a plan that does not, or a graph with user
+    depend on the tensors and ops alone, alike in tied blocks), and what it costs as the
+    solver counts it (``program_cost``). None for a plan that does not, or a graph with user
     checkpoint regions (whose blocks may checkpoint apart)."""
     if any(n.region is not None for n in graph.nodes):
         return None
