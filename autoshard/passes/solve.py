@@ -789,8 +789,9 @@ class _Row:
 class _LP:
     """The same calls on a linear program (GLOP): every variable continuous, a variable its
     index. The program is kept as lists and handed to GLOP whole, as one protocol buffer, when
-    solved (``solve``): a 2-axis mesh of the 96-layer GPT (28k columns) builds in 0.13 s so
-    against 0.30 s set coefficient by coefficient through the solver's API."""
+    solved (``solve``): a 2-axis mesh of the 96-layer GPT (28k columns) is built in 0.035 s and
+    handed over in 0.03 s, against 0.13 s set coefficient by coefficient through the solver's
+    API."""
 
     def __init__(self):
         self.lb: list = []
