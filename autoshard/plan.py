@@ -271,7 +271,7 @@ def plan_cost(graph, strategies, solution, costs) -> float:
     rerun = _rerun(graph, again)
     saved = interleave.choose(graph, strategies, solution.choice, costs, rerun,
                               lambda: _collectives(graph, strategies, solution.choice, costs, rerun))[1]
-    return choice_cost(graph, strategies, solution.choice, costs, extra) - saved   # the priced nodes', tied
+    return choice_cost(graph, strategies, solution.choice, costs, extra) - saved   # make_plan's total, summed alike
 
 
 def _rerun(graph, again) -> set:

@@ -92,7 +92,7 @@ def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: 
         for k, v in node_bytes(n, strat, mesh_shape, training).items():
             total[k] += times * v
     if edges is None:
-        edges = [(graph.by_name[value[0]], value, n, slot, 1) for n in graph.nodes for slot, value in enumerate(n.inputs)]
+        edges = ((None, value, n, slot, 1) for n in graph.nodes for slot, value in enumerate(n.inputs))
     for _, value, n, slot, times in edges:
         src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
         regathered = reshard and graph.by_name[value[0]].kind == "param" or in_region(graph, value, n)

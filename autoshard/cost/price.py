@@ -15,7 +15,7 @@ import torch
 from autoshard import placement as pl
 from autoshard.cluster import Cluster
 from autoshard.cost import comm, compute, memory
-from autoshard.cost.overlap import conversion_price, edge_kind, edge_price, unhidden
+from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
 from autoshard.outputs import kept_split
@@ -47,6 +47,7 @@ class Costs:
         self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
         self._twins: dict = {}        # node name -> ``_twin``
         self._conversions: dict = {}  # (tensor, src, dst) -> ``conversion``
+        self._edges: dict = {}        # (value, consumer) -> ``_edge``
         self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
@@ -189,7 +190,25 @@ class Costs:
     def kept(self, value, src, dst, consumer: Node) -> int:
         """Bytes per rank the conversion's result keeps while ``consumer`` waits for backward."""
         return memory.conversion_bytes(consumer, self.graph.meta(value), src, dst, self.mesh_shape, self.training,
-                                       self.regathered(value) or memory.in_region(self.graph, value, consumer))
+                                       self._edge(value, consumer)[4])
+
+    def _edge(self, value, consumer: Node) -> tuple:
+        """What converting ``value`` for ``consumer`` depends on besides the two layouts, once
+        per edge (a mesh's pricing asks for it per pair of layouts, by the ten thousand):
+        whether the consumer takes it as it is (``handed_over``), whether backward runs the
+        dual, whether it is made again in backward (a checkpoint region), the tensor
+        (``_tensor``), and whether its result is kept for backward or made again."""
+        key = (value, consumer.name)
+        hit = self._edges.get(key)
+        if hit is None:
+            graph = self.graph
+            region = memory.in_region(graph, value, consumer)
+            hit = self._edges[key] = (
+                consumer.kind == "output" and value in self.split_outputs,
+                self.training and graph.meta(value).floating and consumer.kind != "output"
+                and graph.by_name[value[0]].requires_grad,
+                self.training and region, self._tensor(value), self.regathered(value) or region)
+        return hit
 
     def overlapped(self, value, src) -> bool:
         """Whether the first gather of this value is prefetched in a gather bucket: a parameter's,
@@ -218,12 +237,9 @@ class Costs:
         hit = self._price_keys.get((value, consumer.name, slot))
         if hit is not None:
             return hit
-        graph = self.graph
-        backward = (self.training and graph.meta(value).floating and consumer.kind != "output"
-                    and graph.by_name[value[0]].requires_grad)
-        handed = consumer.kind == "output" and value in self.split_outputs
-        key = (self._tensor(value), backward, consumer.kind, consumer.requires_grad, self.regathered(value),
-               memory.in_region(graph, value, consumer), handed, edge_kind(self, value, consumer, slot))
+        handed, backward, _, tensor, _ = self._edge(value, consumer)
+        key = (tensor, backward, consumer.kind, consumer.requires_grad, self.regathered(value),
+               memory.in_region(self.graph, value, consumer), handed, edge_kind(self, value, consumer, slot))
         # a small number stands for it: pairs are looked up by the thousand, and the key is deep
         number = self._price_keys[value, consumer.name, slot] = self._price_ids.setdefault(key, len(self._price_ids))
         return number
@@ -237,39 +253,6 @@ class Costs:
         if price is None:
             price = self.price_key(value, consumer, slot)
         return _by_layouts(self._pairs_by_id, price, src, dst, self._pair, value, consumer, slot)
-
-    def pricer(self, value, consumer: Node, slot: int, price: int):
-        """``pair`` as a function of the two layouts alone, for an edge whose pairs are priced
-        by the hundred (``passes.solve._pairs``): what depends on the edge alone (the tensor,
-        whether backward runs the dual, whether the schedule can hide any of it, what the
-        consumer keeps) worked out once, the same caches read and filled as ``pair``'s."""
-        by_id, by_value, blocking = self._pairs_by_id, self._pair_prices, self._conv
-        meta, graph = self.graph.meta(value), self.graph
-        handed = consumer.kind == "output" and value in self.split_outputs
-        backward = (self.training and meta.floating and consumer.kind != "output"
-                    and graph.by_name[value[0]].requires_grad)
-        rerun = self.training and memory.in_region(graph, value, consumer)
-        tensor = self._tensor(value)
-        hides = edge_kind(self, value, consumer, slot) is not None   # else nothing of it is hidden
-        regathered = self.regathered(value) or memory.in_region(graph, value, consumer)
-
-        def priced(src, dst) -> tuple:
-            hit = by_id.get((price, id(src), id(dst)))
-            if hit is not None and hit[0] is src and hit[1] is dst:
-                return hit[2]
-            got = by_value.get((price, src, dst))
-            if got is None:
-                cost = blocking.get((tensor, src, src if handed else dst, backward, rerun))
-                if cost is None:
-                    cost = self.convert(value, src, dst, consumer)
-                if hides:
-                    cost = cost + edge_price(self, value, src, dst, consumer, slot)
-                got = by_value[price, src, dst] = (cost, _parts(cost), memory.conversion_bytes(
-                    consumer, meta, src, dst, self.mesh_shape, self.training, regathered))
-            by_id[price, id(src), id(dst)] = (src, dst, got)
-            return got
-
-        return priced
 
     def _pair(self, price: int, src, dst, value, consumer: Node, slot: int) -> tuple:
         """``pair`` by the layouts' values: equal layouts in other tuples price alike."""
@@ -354,13 +337,10 @@ class Costs:
         return grad_itemsize(self.graph, meta) if prefetched or copy_gathered else meta.itemsize
 
     def convert(self, value, src, dst, consumer: Node) -> Cost:
-        dst = self.handed_over(value, src, dst, consumer)
-        meta = self.graph.meta(value)
-        backward = (self.training and meta.floating and consumer.kind != "output"
-                    and self.graph.by_name[value[0]].requires_grad)
-        rerun = self.training and memory.in_region(self.graph, value, consumer)   # made again in backward
+        handed, backward, rerun, tensor, _ = self._edge(value, consumer)   # rerun: made again in backward
+        dst = src if handed else dst   # ``handed_over``
         # a parameter's (or its copy's) priced alone: its bucket share is its own
-        key = (self._tensor(value), src, dst, backward, rerun)
+        key = (tensor, src, dst, backward, rerun)
         if key not in self._conv:
             _, _, fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
             # converted again when backward needs it, where it waits

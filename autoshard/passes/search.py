@@ -10,7 +10,8 @@ fastest links). The search runs in two phases:
    best plan found is pruned without solving. The bound is first a quick one (the cheap ops'
    recomputation bounded by its floor, ``lower_bound(quick=True)``), raised to the exact one only
    for a mesh it does not prune. The two-axis meshes are shared out among the processes
-   (``passes.fanout``), the lopsided ones first: theirs are the largest programs. The one-axis mesh is bounded and solved first, so
+   (``passes.fanout``), the lopsided ones first: theirs are the largest programs. The one-axis
+   mesh is bounded and solved first, so
    that each two-axis mesh can be bounded by a coarse program first (passes.coarse, its layouts
    only whole or not whole, a fraction of its own), and pruned there when even that shows it
    cannot beat the one-axis plan: the tiny models whose best plan keeps activations whole on

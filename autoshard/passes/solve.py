@@ -206,10 +206,10 @@ def _pairs(costs: Costs, strategies, u, value, v, slot) -> tuple:
     src = _groups(us, lambda st: st.outputs[value[1]])
     dst = _groups(vs, lambda st: st.inputs[slot])
     pairs = {}
-    pair = costs.pricer(value, v, slot, price)
     for a in src:   # in this order, which _edge_vars reads its variables back by
         for b in dst:
-            pairs[a, b] = pair(a, b)[1:]
+            _, vec, kept = costs.pair(value, v, slot, a, b, price)
+            pairs[a, b] = (vec, kept)
     costs._pairs[key] = (us, vs, (src, dst, pairs))
     return src, dst, pairs
 
