@@ -45,8 +45,10 @@ class Costs:
         self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
         self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
         self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
-        self._twins: dict = {}        # node name -> ``_twin``
+        self._twins: dict = {}        # node name -> the number of its ``_twin``
+        self._twin_ids: dict = {}     # ``_twin`` -> its number
         self._conversions: dict = {}  # (tensor, src, dst) -> ``conversion``
+        self._tensors: dict = {}      # value -> ``_tensor``
         self._edges: dict = {}        # (value, consumer) -> ``_edge``
         self._step_times: dict = {}   # (tensor, src, dst, backward) -> ``step_times``
         self._price_keys: dict = {}   # (value, consumer, slot) -> ``price_key``
@@ -128,8 +130,8 @@ class Costs:
         """The node's cost in this strategy, once per node and strategy: a plan's cost, its
         descent's steps and the overlap model ask for the same ones again and again."""
         twin = self._twins.get(node.name)
-        if twin is None:
-            twin = self._twins[node.name] = self._twin(node)
+        if twin is None:   # a number stands for it: the key is deep, and hashed at every look-up
+            twin = self._twins[node.name] = self._twin_ids.setdefault(self._twin(node), len(self._twin_ids))
         key = (twin, id(strat))
         hit = self._node_costs.get(key)
         if hit is None or hit[0] is not strat:
@@ -297,11 +299,20 @@ class Costs:
         return hit
 
     def _tensor(self, value):
-        """What a conversion's steps and their seconds depend on of the tensor: a parameter's
-        (or its copy's) by name, whose bucket prices its gathers; any other by shape and dtype."""
-        graph = self.graph
-        own = graph.by_name[value[0]].kind == "param" or value[0] in self._copies
-        return value if own else graph.meta(value)
+        """What a conversion's steps and their seconds depend on of the tensor: its shape and
+        dtype, and a parameter's (or its copy's) gather bucket, which prices its gathers and
+        their duals (its part of the bucket's launch, the bucket's bytes over its own, the part
+        of the dual's time backward compute covers). The equal parameters of a stack's layers
+        in equal buckets price alike (a refinement's plan of the 96-layer GPT: 1,128
+        parameter conversions priced by name, none left to price by this)."""
+        hit = self._tensors.get(value)
+        if hit is None:
+            graph, name = self.graph, value[0]
+            meta = graph.meta(value)
+            hit = self._tensors[value] = meta if not (graph.by_name[name].kind == "param" or name in self._copies) \
+                else ("param", meta, name in self._copies, self._gather_shares.get(name, 1.0),
+                      self._gather_scales.get(name, 1.0), self._dual_cover.get(name, 1.0))
+        return hit
 
     def step_times(self, value, src, dst, backward: bool) -> tuple:
         """The conversion's steps and their duals (when ``backward``), the seconds of each, and

@@ -106,10 +106,16 @@ class Graph:
         """What an op node is, apart from its name: its target, its arguments (each fx node by
         the order it first appears in, so ``mul(a, a)`` and ``mul(a, b)`` differ, constants as
         they are) and its tensors. The layers of a stack hold nodes of equal keys: annotation
-        asks their rule once, and the cost model prices them once."""
-        order: dict = {}
-        return (node.target, _arg_key(node.fx_node.args, order), _arg_key(node.fx_node.kwargs, order),
-                tuple(self.meta(v) for v in node.inputs), tuple(node.outputs))
+        asks their rule once, and the cost model prices them once. Worked out once per node
+        (``cache["op keys"]``): every mesh's annotation and pricing asks again."""
+        keys = self.cache.setdefault("op keys", {})
+        hit = keys.get(node.name)
+        if hit is None:
+            order: dict = {}
+            hit = keys[node.name] = (node.target, _arg_key(node.fx_node.args, order),
+                                     _arg_key(node.fx_node.kwargs, order),
+                                     tuple(self.meta(v) for v in node.inputs), tuple(node.outputs))
+        return hit
 
     def meta(self, value: Value) -> TensorMeta:
         return self.by_name[value[0]].outputs[value[1]]

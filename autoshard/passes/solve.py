@@ -282,7 +282,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     relaxation's plan where it is whole (``_whole``), before CP-SAT (a descent's steps)."""
     start = time.perf_counter()
     if relaxed_first:
-        whole = _whole(graph, strategies, costs, memory_budget)
+        whole = _whole(graph, strategies, costs, memory_budget, hint)
         if whole is not None:
             return replace(whole, seconds=time.perf_counter() - start)
     if hint is None and recompute.chooses(graph, strategies, costs, memory_budget):
@@ -354,27 +354,62 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
     return Solution(choice, obj, min(bound, obj), name, time.perf_counter() - start, again)
 
 
-def _whole(graph, strategies, costs, memory_budget) -> Optional[Solution]:
+def _whole(graph, strategies, costs, memory_budget, hint: Optional[dict] = None) -> Optional[Solution]:
     """The plan of the LP relaxation where every layout weight is 0 or 1: every other variable
     of the program follows from the layouts (a conversion's pair, the exposed communication's
     least value), so the relaxation's optimum is a plan of the program, and no plan beats it,
     proven without CP-SAT; its objective is the program's, as CP-SAT's would be (the
     96-layer GPT at world 1024: of four refinements' 8 descent steps, 6 whole, 0.04-0.07 s
-    each with their pricing, against CP-SAT's 0.07-0.17 s after it). Only without
-    recomputation and user checkpoint regions, whose programs choose nothing beside the
-    layouts; None elsewhere, or where the relaxation is not whole."""
+    each with their pricing, against CP-SAT's 0.07-0.17 s after it). Where it is not whole, the
+    better of its rounding (each node's heaviest strategy) and ``hint`` that fits the budget,
+    when that comes within ``GAP_LIMIT`` of the relaxation's bound: the plan CP-SAT, which stops
+    at that gap too, would stop at or near (the 96-layer GPT's (64, 8, 2) refinement: both
+    steps' roundings 0.0009-0.0014% above their bounds, CP-SAT's plans found in 0.10-0.15 s at
+    0.0000-0.0014%). Only without recomputation and user checkpoint regions, whose programs
+    choose nothing beside the layouts; None elsewhere, or where neither plan is that close."""
     if recompute.mode_of(costs) != "none" or any(n.region is not None for n in graph.nodes):
         return None
     bound, weights = _relaxation(graph, strategies, costs, memory_budget)
     if weights is None or math.isinf(bound):
         return None
-    choice = dict.fromkeys(strategies, 0)
+    choice, whole = dict.fromkeys(strategies, 0), True
     for name, ws in weights.items():
         i = max(range(len(ws)), key=ws.__getitem__)
-        if ws[i] < 1 - 1e-6:
-            return None
+        whole = whole and ws[i] >= 1 - 1e-6
         choice[name] = i
-    return Solution(choice, bound, bound, "OPTIMAL", 0.0, {})
+    if whole:
+        return Solution(choice, bound, bound, "OPTIMAL", 0.0, {})
+    lp = costs._relaxed[(id(strategies), memory_budget, "none")][2] if memory_budget is not None else None
+    best = None
+    for plan in (choice, hint):
+        if plan is not None and (lp is None or _within_budget(lp, graph, strategies, plan)):
+            cost = program_cost(graph, strategies, plan, costs)
+            if best is None or cost < best[1]:
+                best = (plan, cost)
+    if best is None or best[1] - bound > GAP_LIMIT * best[1]:
+        return None
+    return Solution(dict(best[0]), best[1], bound, "OPTIMAL", 0.0, {})
+
+
+def _within_budget(lp, graph, strategies, choice: dict) -> bool:
+    """Whether the plan ``choice`` keeps the budget row of ``lp`` (a relaxation built with a
+    budget), its variables set as the plan sets them: a layout's 1 where chosen, a conversion's pair 1
+    where both its layouts are; False where twins, which share variables, choose apart."""
+    x, placed = lp.layout
+    value: dict = {}
+    for name, vs in x.items():
+        if vs is None:
+            continue
+        for i, var in enumerate(vs):
+            if value.setdefault(var, i == choice[name]) != (i == choice[name]):
+                return False
+    for (u, v_, v, slot, *_), spots in placed:
+        chosen = (strategies[u.name][choice[u.name]].outputs[v_[1]], strategies[v.name][choice[v.name]].inputs[slot])
+        for var, pair in spots:
+            if var is not None and var not in value:
+                value[var] = pair == chosen
+    terms, limit = lp.budget_row
+    return sum(c for var, c in terms.items() if value.get(var)) <= limit * (1 + 1e-9)
 
 
 def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, effort, support) -> Solution:
