@@ -94,6 +94,7 @@ def plan_gpt(name, model, inputs, world, before=None, alone=False):
     start = time.perf_counter()
     plan = autoshard.plan(model, inputs, world=world, cluster=CLUSTER)
     total = time.perf_counter() - start
+    fanout.reap(wait=True)   # the copies, which the search told to end and did not wait for
     cpu = [b - a for a, b in zip(cpu, cpu_seconds())]
     planning = total - CLOCK.seconds["capture"]
     print(f"in up to {processes} processes (passes.fanout): phases (s, summed over the processes): {phases()}")

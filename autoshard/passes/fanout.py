@@ -19,6 +19,7 @@ unsafe on macOS and missing on Windows); where one core is all there is, or
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import pickle
@@ -87,6 +88,7 @@ class Fanout:
     STALL = 60.0   # seconds a copy that owes an answer may go without CPU before it is taken for hung
 
     def __init__(self, count: int, handlers: dict):
+        reap()   # the copies of an earlier search that have ended since
         self.handlers = handlers
         self.copies = []   # [connection, pid, tickets pending] per copy; None once lost
         self.done = {}     # ticket -> ("ok", value) or ("err", payload)
@@ -298,14 +300,20 @@ class Fanout:
                 self.done[ticket] = self._run(name, args)
 
     def close(self) -> None:
+        """Tell each copy to end, and go on: a copy ends in a few tens of milliseconds (its
+        memory handed back), which the planning process need not wait for. The copies still
+        ending are reaped later (``reap``): by the next ``Fanout``, or when this process exits,
+        each killed if it has not ended within ``ENDING`` seconds of being told."""
         for i, copy in enumerate(self.copies):
             if copy is not None:
                 try:
                     copy[0].send(None)
                 except (OSError, ValueError):
                     pass
-                _stop(copy, wait=5.0)
+                copy[0].close()
+                _ending.append((copy[1], time.monotonic() + ENDING))
                 self.copies[i] = None
+        reap()
 
     def __enter__(self):
         return self
@@ -350,6 +358,41 @@ def _carried(outcome: tuple) -> tuple:
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         pickled = pickle.dumps(CopyFailed(f"a forked copy of the mesh search failed:\n{text}"))
     return ("err", pickled)
+
+
+ENDING = 5.0   # seconds a copy told to end may take before it is killed
+_ending: list = []   # (pid, deadline) of the copies told to end and not yet reaped
+
+
+def reap(wait: bool = False) -> None:
+    """Reap the copies told to end that have ended (``wait``: wait for each, up to its deadline),
+    and kill those past their deadline."""
+    for entry in list(_ending):
+        if _ended(*entry, wait):
+            _ending.remove(entry)
+
+
+def _ended(pid: int, deadline: float, wait: bool) -> bool:
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:   # reaped already
+            return True
+        if done:
+            return True
+        if time.monotonic() >= deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            return True
+        if not wait:
+            return False
+        time.sleep(0.01)
+
+
+atexit.register(reap, True)
 
 
 def _stop(copy, wait: float = 0.0) -> None:
