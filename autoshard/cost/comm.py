@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from autoshard.placement import B, P, Broadcast, Partial, Split, chunk_sizes, is_even, rank_shape
 
@@ -41,8 +41,9 @@ DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_red
         "all_to_all": "all_to_all", "slice": "pad", "pad": "slice", "keep": "keep"}
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
+    """One step of a conversion. A named tuple, not a dataclass: a mesh's pricing makes tens of
+    thousands, and a frozen dataclass sets each field through a Python call."""
     kind: str
     axis: Union[int, tuple]       # one mesh axis, or a tuple of axes run as one group
     dim: Optional[int] = None     # the tensor dim gathered, scattered or sliced
@@ -111,12 +112,31 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
     return steps
 
 
-def _uneven_dims(whole, src: tuple, dst: tuple, mesh_shape) -> set:
+def _uneven_dims(whole, src: tuple, dst: tuple, mesh_shape) -> frozenset:
     if whole is None:
-        return set()
-    # a dim no axis splits is even; only the split ones are checked
-    return {d for pl_ in (src, dst) for d in {p.dim for p in pl_ if isinstance(p, Split)} if 0 <= d < len(whole)
-            and not is_even(whole, tuple(p if isinstance(p, Split) and p.dim == d else B for p in pl_), mesh_shape)}
+        return frozenset()
+    return _uneven_of(tuple(whole), tuple(src), tuple(mesh_shape)) | _uneven_of(tuple(whole), tuple(dst),
+                                                                                tuple(mesh_shape))
+
+
+def _uneven_of(whole: tuple, layout: tuple, mesh_shape: tuple) -> frozenset:
+    """The dims of ``whole`` that ``layout`` splits unevenly, each checked alone (the splits of
+    that dim, in mesh order); remembered (``_UNEVEN``): a mesh's pricing asks once per pair of
+    layouts, of a few hundred layouts."""
+    key = (whole, layout, mesh_shape)
+    hit = _UNEVEN.get(key)
+    if hit is None:
+        if len(_UNEVEN) >= UNEVEN_KEPT:
+            _UNEVEN.clear()
+        # a dim no axis splits is even; only the split ones are checked
+        hit = _UNEVEN[key] = frozenset(
+            d for d in {p.dim for p in layout if isinstance(p, Split)} if 0 <= d < len(whole)
+            and not is_even(whole, tuple(p if isinstance(p, Split) and p.dim == d else B for p in layout), mesh_shape))
+    return hit
+
+
+_UNEVEN: dict = {}
+UNEVEN_KEPT = 1 << 16   # layouts kept before the memo starts again
 
 
 def _after(step: Step, p):

@@ -81,9 +81,12 @@ class Overlap:
 
 
 def _memo(costs, name: str) -> dict:
-    """This module's cache ``name`` on ``costs`` (an attribute: a dict keyed by the object
-    would hash it on every look-up)."""
-    return vars(costs).setdefault("_overlap_" + name, {})
+    """This module's cache ``name`` (``"_overlap_..."``) on ``costs`` (an attribute: a dict keyed
+    by the object would hash it on every look-up)."""
+    cache = costs.__dict__.get(name)
+    if cache is None:
+        cache = costs.__dict__[name] = {}
+    return cache
 
 
 def edge_price(costs, value, src, dst, consumer, slot: int) -> Cost:
@@ -100,7 +103,9 @@ def edge_price(costs, value, src, dst, consumer, slot: int) -> Cost:
 def conversion_price(costs, value, src, dst, consumer, slot: int) -> Cost:
     """A conversion's price in every plan: blocking (``Costs.convert``), less what the schedule
     hides of it (``edge_price``)."""
-    return costs.convert(value, src, dst, consumer) + edge_price(costs, value, src, dst, consumer, slot)
+    o = _cached(costs, value, src, dst, consumer, slot)
+    blocking = costs.convert(value, src, dst, consumer)
+    return blocking if o is None else blocking + o.delta
 
 
 def unhidden(costs, value, src, dst, consumer, slot: int) -> float:
@@ -145,7 +150,7 @@ def edge_kind(costs, value, consumer, slot: int):
     readers, whether the linears' weight gradients are made later; None where it is never
     started early (``overlaps``); a number stands for it, the same for equal kinds of one
     ``Costs``. Edges of a model's blocks share it, and so their prices."""
-    cache = _memo(costs, "kinds")
+    cache = _memo(costs, "_overlap_kinds")
     key = (value, consumer.name, slot)
     if key not in cache:
         graph = costs.graph
@@ -158,7 +163,7 @@ def edge_kind(costs, value, consumer, slot: int):
                 slot, value[0] in costs._copies) if overlaps(costs, value, consumer, slot) else None
         # a small number stands for it: ``_cached`` looks it up by the hundred thousand, and
         # the key is deep
-        ids = _memo(costs, "kind_ids")
+        ids = _memo(costs, "_overlap_kind_ids")
         cache[key] = None if kind is None else ids.setdefault(kind, len(ids))
     return cache[key]
 
@@ -169,7 +174,7 @@ def _cached(costs, value, src, dst, consumer, slot: int):
     kind = edge_kind(costs, value, consumer, slot)
     if kind is None:
         return None
-    cache = _memo(costs, "overlaps")
+    cache = _memo(costs, "_overlap_overlaps")
     key = (kind, costs.graph.meta(value), src, dst)
     if key not in cache:
         # no collective, nothing to hide: its blocking price (cached) says so at once
@@ -198,7 +203,7 @@ def _least(costs, node, side: tuple, layout):
     """The strategy of ``node`` that computes least of those that take (``side`` ("in", slot))
     or make (("out", index)) a tensor in ``layout``, of every strategy the graph offers it on
     this mesh (``passes.annotate``, no pins)."""
-    cache = _memo(costs, "least")
+    cache = _memo(costs, "_overlap_least")
     key = (node.name, side)
     if key not in cache:
         least: dict = {}
@@ -213,7 +218,7 @@ def _least(costs, node, side: tuple, layout):
 
 def _full(costs) -> dict:
     """Every strategy the graph offers each node on the mesh, pins aside (``passes.annotate``)."""
-    cache = _memo(costs, "least")
+    cache = _memo(costs, "_overlap_least")
     if "strategies" not in cache:
         from autoshard.passes.annotate import annotate
         with warnings.catch_warnings():   # the planner has warned of ops without a rule already
@@ -283,7 +288,7 @@ def _weight_grad_later(graph, linear) -> bool:
 def _step_times(costs, value, src, dst, backward: bool) -> tuple:
     """``Costs.step_times``, once per tensor shape and layouts: the edges of a model's blocks
     convert the same shapes between the same layouts over and over."""
-    cache = _memo(costs, "steps")
+    cache = _memo(costs, "_overlap_steps")
     key = (costs.graph.meta(value), value[0] in costs._copies, src, dst, backward)
     if key not in cache:
         cache[key] = costs.step_times(value, src, dst, backward)
@@ -334,7 +339,7 @@ def _chunkings(costs, e, strat):
         ops = 2 + 2 * k
         drag_f = k * c_f - whole.compute_fwd + ops * cluster.op_overhead
         drag_b = (k * c_b - whole.compute_bwd + ops * cluster.backward_overhead) if e["duals"] else 0.0
-        chunk = dataclasses.replace(steps[0], in_shape=cout)
+        chunk = steps[0]._replace(in_shape=cout)
         s_f = comm.step_time(chunk, meta.itemsize, mesh, costs.links)
         s_b = sum(comm.step_time(st, meta.itemsize, mesh, costs.links) for st in comm.dual_steps([chunk], mesh)) \
             if e["duals"] else 0.0

@@ -350,20 +350,22 @@ class Costs:
     def convert(self, value, src, dst, consumer: Node) -> Cost:
         handed, backward, rerun, tensor, _ = self._edge(value, consumer)   # rerun: made again in backward
         dst = src if handed else dst   # ``handed_over``
-        # a parameter's (or its copy's) priced alone: its bucket share is its own
+        # a parameter's (or its copy's) with its bucket's parts (``_tensor``)
         key = (tensor, src, dst, backward, rerun)
-        if key not in self._conv:
+        hit = self._conv.get(key)
+        if hit is None:
             _, _, fwd, bwd, prefetched = self.step_times(value, src, dst, backward)
             # converted again when backward needs it, where it waits
             again = sum(fwd) if backward and self.regathered(value) or rerun else 0.0
             if prefetched:
                 # the first gather is prefetched; its dual, the last backward step, waits late
                 hb = bwd[-1] if bwd else 0.0
-                self._conv[key] = (Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again)
-                                   + self.scheduled(fwd[0], hb, self._dual_cover.get(value[0], 1.0)))
+                hit = (Cost(comm=sum(fwd[1:]) + sum(bwd) - hb + again)
+                       + self.scheduled(fwd[0], hb, self._dual_cover.get(value[0], 1.0)))
             else:
-                self._conv[key] = Cost(comm=sum(fwd) + sum(bwd) + again)
-        return self._conv[key]
+                hit = Cost(comm=sum(fwd) + sum(bwd) + again)
+            self._conv[key] = hit
+        return hit
 
 
 _parts = operator.attrgetter(*PARTS)   # a cost's parts as a tuple, in ``PARTS``' order
