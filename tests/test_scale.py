@@ -198,3 +198,57 @@ def test_a_descent_step_whose_relaxation_is_whole_takes_its_plan_as_cp_sat_would
         # the same plan cost, CP-SAT's in whole picoseconds
         assert found["whole"].objective == pytest.approx(found["cp-sat"].objective, rel=1e-6)
     assert whole and all(whole)   # every step's relaxation was whole: no CP-SAT at all
+
+
+def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_within_the_gap_and_the_budget():
+    """The 96-layer GPT's (64, 16) plan refined onto (64, 8, 2) under an 80 GB budget: the first
+    step's relaxation is fractional (the budget binds). Its rounding is taken without CP-SAT, and
+    the descent ends within the solver's gap of the one that asks CP-SAT for every such step,
+    in a plan that fits the budget."""
+    from autoshard.passes import descend
+    from autoshard.passes import solve as solve_module
+    from autoshard.plan import make_plan
+    with torch.device("meta"):
+        model = GPT(vocab=50304, d=2048, heads=16, layers=96, seq=2048)
+    idx = torch.zeros(1024, 2048, dtype=torch.long, device="meta")
+    graph = capture(model, (idx, idx))
+    budget = 80e9
+
+    def costs(mesh):
+        c = Costs(graph, mesh, CLUSTER, True)
+        c.recompute = "auto"
+        return c
+
+    coarse = annotate_pass.annotate(graph, (64, 16))
+    start = solve(graph, coarse, costs((64, 16)), 60, budget, effort=0)
+    fine, groups = (64, 8, 2), (1, 2)
+    strategies = annotate_pass.annotate(graph, fine)
+    lifted = descend.lift(graph, coarse, start.choice, groups, strategies)
+    real, steps = solve_module._whole, []
+
+    def fractional(graph, strategies, c, budget):
+        weights = solve_module._relaxation(graph, strategies, c, budget)[1]
+        return weights is not None and any(max(w) < 1 - 1e-6 for w in weights.values())
+
+    def spy(graph, strategies, c, budget, hint=None):
+        got = real(graph, strategies, c, budget, hint)
+        steps.append((fractional(graph, strategies, c, budget), got is not None))
+        return got
+
+    def whole_only(graph, strategies, c, budget, hint=None):
+        return None if fractional(graph, strategies, c, budget) else real(graph, strategies, c, budget, hint)
+
+    found = {}
+    for name, step in (("rounded", spy), ("cp-sat", whole_only)):
+        solve_module._whole = step
+        try:
+            c = costs(fine)
+            found[name] = (descend.solve_mesh(graph, strategies, c, 60, budget, lambda: [lifted],
+                                              descend.unsplit(groups)), c)
+        finally:
+            solve_module._whole = real
+    assert (True, True) in steps   # a fractional relaxation's step taken without CP-SAT
+    rounded, cp_sat = found["rounded"][0], found["cp-sat"][0]
+    assert rounded.objective < start.objective   # the step improved on the lifted plan
+    assert rounded.objective == pytest.approx(cp_sat.objective, rel=solve_module.GAP_LIMIT)
+    assert make_plan(graph, strategies, rounded, found["rounded"][1]).memory["total"] <= budget

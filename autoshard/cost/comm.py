@@ -37,6 +37,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 from autoshard.placement import B, P, Broadcast, Partial, Split, chunk_sizes, is_even, rank_shape
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+_COLLECTIVE = frozenset(COLLECTIVES)
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce",
         "all_to_all": "all_to_all", "slice": "pad", "pad": "slice", "keep": "keep"}
 
@@ -53,7 +54,7 @@ class Step(NamedTuple):
 
     @property
     def is_collective(self) -> bool:
-        return self.kind in COLLECTIVES
+        return self.kind in _COLLECTIVE
 
     @property
     def axes(self) -> tuple:
@@ -61,7 +62,8 @@ class Step(NamedTuple):
 
     def size(self, mesh_shape) -> int:
         """Ranks in the step's group."""
-        return math.prod(mesh_shape[a] for a in self.axes)
+        axis = self.axis
+        return math.prod(mesh_shape[a] for a in axis) if isinstance(axis, tuple) else mesh_shape[axis]
 
     def __repr__(self) -> str:
         extra = f", dim={self.dim}" if self.dim is not None else ""
@@ -177,6 +179,37 @@ def rank_sizes(whole: Sequence[int], src: tuple, steps: list, mesh_shape: Sequen
 
 
 def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape, uneven=frozenset()) -> list:
+    """The conversion's steps one axis at a time (``transition``'s rules), each with this rank's
+    shape before it. Which steps, on which axes and dims, depends on the two layouts, the
+    number of axes and the uneven dims alone, but for a partial sum over several axes (which
+    dim its inner axes reduce-scatter): that plan is remembered (``_PLANS``) and each call only
+    walks the shape through it, a mesh's pricing asking for the same pairs of layouts for
+    every tensor, and every mesh of as many axes for the same ones again."""
+    src, dst, uneven = tuple(src), tuple(dst), frozenset(uneven)
+    key = (src, dst, len(mesh_shape), uneven)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan, shaped = _plan(local_shape, src, dst, mesh_shape, uneven)
+        if not shaped:
+            if len(_PLANS) >= PLANS_KEPT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    steps: list = []
+    shape = tuple(local_shape)
+    for kind, a, dim, dim2, groups in plan:
+        st = Step(kind, a, dim, dim2, shape, groups)
+        steps.append(st)
+        shape = _apply_shape(shape, st, mesh_shape[a])
+    return steps
+
+
+_PLANS: dict = {}
+PLANS_KEPT = 1 << 16   # plans kept before the memo starts again
+
+
+def _plan(local_shape, src: tuple, dst: tuple, mesh_shape, uneven) -> tuple:
+    """(the steps of ``_axis_by_axis`` as (kind, axis, dim, dim2, groups), whether they depend
+    on the shape and the axes' sizes: a partial sum over several axes)."""
     n = len(mesh_shape)
     unshard, reshard = set(), set()
     for a in range(n):
@@ -203,10 +236,7 @@ def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape, uneven=frozen
     shape = tuple(local_shape)
 
     def emit(kind, a, dim=None, dim2=None, groups=1):
-        nonlocal shape
-        st = Step(kind, a, dim, dim2, shape, groups)
-        steps.append(st)
-        shape = _apply_shape(shape, st, mesh_shape[a])
+        steps.append((kind, a, dim, dim2, groups))
 
     # partial sums that end broadcast: reduce while the tensor is smallest. Over several axes,
     # the inner ones reduce-scatter, the outermost all-reduces what is left, and the inner ones
@@ -252,7 +282,7 @@ def _axis_by_axis(local_shape, src: tuple, dst: tuple, mesh_shape, uneven=frozen
             cur[a] = P
     if tuple(cur) != tuple(dst):
         raise AssertionError(f"conversion {src} -> {dst} ended at {tuple(cur)}")
-    return steps
+    return tuple(steps), bool(inner)
 
 
 def _joint_step(src: tuple, dst: tuple, n: int):
@@ -334,7 +364,8 @@ def step_time(step: Step, itemsize: int, mesh_shape, links, share: float = 1.0, 
 
 def _fit(link, kind: str):
     """(alpha, beta[, points]) of ``kind`` measured on the link's groups, or None."""
-    return getattr(link, "fits", {}).get(kind)
+    fits = getattr(link, "fits", None)
+    return fits.get(kind) if fits else None
 
 
 def fitted_time(fit, sent: float, overhead: float, share: float = 1.0, scale: float = 1.0) -> float:
