@@ -189,22 +189,25 @@ class Fanout:
         finally:
             lock.release()
 
-    def share(self, name: str, jobs: list) -> list:
+    def share(self, name: str, jobs: list, first=None) -> list:
         """Run ``name(*job)`` for every job of ``jobs``, each on whichever process is free to
         take it first: the copies take jobs as they finish the ones before, and this process
         runs what it takes at once. Returns (owner, ticket) per job, in order, once every job
         is taken; ``answer(ticket)`` gives its result as for ``ask``. Where every job costs
         about as much, the processes end at once, where tasks given out in turn leave the
         last to end one job behind (the 96-layer GPT's nine two-axis bounds, 0.43-0.79 s each:
-        0.85 s apart)."""
+        0.85 s apart). ``first()``: run here once the copies have the jobs, before this process
+        takes any (work of its own the copies need not wait for)."""
         live = [i + 1 for i, c in enumerate(self.copies) if c is not None]
         if not live or len(jobs) > SHARED_JOBS:
+            if first is not None:
+                first()
             return [(0, self.ask(0, name, *job)) for job in jobs]
         lock = self._batch.get_lock()
         if not lock.acquire(timeout=self.STALL):   # held for ever by a copy killed with it: see _take
             for owner in live:
                 self._lose(owner)
-            return [(0, self.ask(0, name, *job)) for job in jobs]
+            return self.share(name, jobs, first)
         try:
             self._batch.value += 1
             self._taken.value = 0
@@ -217,6 +220,8 @@ class Fanout:
                 self.copies[owner - 1][0].send((None, name, (batch, base, jobs)))
             except (OSError, ValueError):
                 self._lose(owner)
+        if first is not None:
+            first()
         mine = set()
         try:
             while (i := self._take(batch, len(jobs))) is not None:

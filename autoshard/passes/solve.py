@@ -25,7 +25,9 @@ activation's beside compute (cost.overlap.edge_price); both are priced by
 pass overlaps are "hidden" parts: they cost only what their phase's compute does not cover. An
 edge whose producer or consumer has a single layout adds its cost straight onto the other side's
 x. Costs are integers in picoseconds (nanoseconds where picoseconds overflow int64). CP-SAT runs
-with one worker and a fixed seed, so the same graph gives the same plan on every machine.
+with one worker and a fixed seed, so the same graph gives the same plan on every machine. The LP
+relaxation (every variable continuous), which bounds a mesh and points CP-SAT at its plan, is
+solved by the dual simplex of COIN-OR's CLP, which OR-Tools carries (``_LP``).
 
 The program's data (every tied node's strategy costs and bytes, every tied edge's layout groups
 and conversion costs) is priced once per strategies dict into a table (``_table``) that the LP
@@ -306,7 +308,7 @@ def solve(graph: Graph, strategies: dict, costs: Costs, time_limit: float = 60.0
                                 time.perf_counter() - start, quick.recompute)
             hint = quick.choice if quick is not None else None
         if effort == 0 and hint is None:
-            # no plan to return as it is (GLOP gave no optimum: GPT-3 175B's (16, 64) with every
+            # no plan to return as it is (the LP gave no optimum: GPT-3 175B's (16, 64) with every
             # block recomputed), and CP-SAT given no time finds none: building it is wasted
             if below is not None:
                 raise NoBetterPlan(False)
@@ -656,7 +658,7 @@ def _solve_support(graph, strategies, costs, time_limit, memory_budget, weights)
 def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Optional[float] = None,
                 quick: bool = False) -> float:
     """Seconds no plan of this graph on this mesh can beat: the LP relaxation of the integer
-    program (GLOP). inf when even the relaxation breaks the memory budget. Under
+    program (``_LP``). inf when even the relaxation breaks the memory budget. Under
     ``recompute="auto"`` and a budget, the least of its linear modes' (``_mode_bounds``);
     ``quick``: with the cheap ops recomputed bounded by their floor alone, never by their own
     relaxation, a bound as good wherever that floor prunes (a mesh search asks again, not
@@ -669,7 +671,7 @@ def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Opt
 
 def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     """(bound, weights) of the LP relaxation, once per strategies dict and budget: the bound in
-    seconds, and each node's LP weight per strategy (None when GLOP gave no optimum)."""
+    seconds, and each node's LP weight per strategy (None when the LP solver gave no optimum)."""
     key = (id(strategies), memory_budget, recompute.mode_of(costs))   # passes.recompute asks for several
     hit = costs._relaxed.get(key)
     if hit is not None and hit[0] is strategies:
@@ -697,10 +699,10 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
         else:
             status = lp.solve()
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE):
-            # the dual simplex loses its way on some programs that nothing fits (GPT-3 175B
-            # without recomputation: ABNORMAL on every mesh, so no bound pruned any); the
-            # primal simplex proves them infeasible in a tenth of a second
-            lp.params = PRIMAL
+            # a dual simplex may lose its way on programs that nothing fits (GLOP's on GPT-3
+            # 175B without recomputation: ABNORMAL on every mesh, so no bound pruned any);
+            # GLOP's primal simplex proves them infeasible in a tenth of a second
+            lp.engine, lp.params = "GLOP", PRIMAL
             status = lp.solve()
     if status == pywraplp.Solver.INFEASIBLE:
         out = (math.inf, None)
@@ -810,7 +812,7 @@ def _weighted(terms: dict):
     return cp_model.LinearExpr.weighted_sum(list(terms), list(terms.values()))
 
 
-DUAL, PRIMAL = "use_dual_simplex: true use_preprocessing: false", "use_dual_simplex: false use_preprocessing: false"
+PRIMAL = "use_dual_simplex: false use_preprocessing: false"   # GLOP's primal simplex
 
 
 class _Row:
@@ -822,8 +824,9 @@ class _Row:
 
 
 class _LP:
-    """The same calls on a linear program (GLOP): every variable continuous, a variable its
-    index. The program is kept as lists and handed to GLOP whole, as one protocol buffer, when
+    """The same calls on a linear program (CLP; GLOP's primal simplex where CLP gives no answer):
+    every variable continuous, a variable its index. The program is kept as lists and handed to
+    the solver whole, as one protocol buffer, when
     solved (``solve``): a 2-axis mesh of the 96-layer GPT (28k columns) is built in 0.035 s and
     handed over in 0.03 s, against 0.13 s set coefficient by coefficient through the solver's
     API."""
@@ -834,9 +837,11 @@ class _LP:
         self.rows: list = []   # (lo, hi, variables, coefficients), or a _Row
         self.objective: dict = {}   # variable -> coefficient, which _move changes
         self.offset = 0.0
-        # the dual simplex without presolve: on a tiny T5 at mesh (4, 2) (157k columns) 2.7 s
-        # against 17.7 s with the defaults, the same objective
-        self.params = DUAL
+        # COIN-OR's CLP (in OR-Tools' wheels): GLOP's dual simplex without presolve took 1.7 s
+        # on a tiny T5 at mesh (4, 2) (157k columns; 17.7 s with its defaults), CLP 0.4 s, and
+        # on the 96-layer GPT's two-axis meshes 0.04-0.22 s against CLP's 0.05-0.10, the same
+        # objectives
+        self.engine, self.params = "CLP", ""
         self.values: list = []
         self.value = 0.0
 
@@ -877,7 +882,7 @@ class _LP:
         self.offset = float(const)
 
     def solve(self) -> int:
-        """GLOP's status on the program as it stands; ``values`` and ``value`` its optimum."""
+        """The solver's status on the program as it stands; ``values`` and ``value`` its optimum."""
         model = linear_solver_pb2.MPModelProto(objective_offset=self.offset)
         costs = [0.0] * len(self.lb)
         for v, c in self.objective.items():
@@ -889,8 +894,9 @@ class _LP:
             ct = model.constraint.add(lower_bound=lo, upper_bound=hi)
             ct.var_index.extend(vs)
             ct.coefficient.extend(cs)
-        solver = pywraplp.Solver.CreateSolver("GLOP")
-        solver.SetSolverSpecificParametersAsString(self.params)
+        solver = pywraplp.Solver.CreateSolver(self.engine)
+        if self.params:
+            solver.SetSolverSpecificParametersAsString(self.params)
         solver.LoadModelFromProto(model)
         status = solver.Solve()
         if status == pywraplp.Solver.OPTIMAL:
