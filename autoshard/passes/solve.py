@@ -27,7 +27,7 @@ edge whose producer or consumer has a single layout adds its cost straight onto 
 x. Costs are integers in picoseconds (nanoseconds where picoseconds overflow int64). CP-SAT runs
 with one worker and a fixed seed, so the same graph gives the same plan on every machine. The LP
 relaxation (every variable continuous), which bounds a mesh and points CP-SAT at its plan, is
-solved by the dual simplex of COIN-OR's CLP, which OR-Tools carries (``_LP``).
+solved by the dual simplex of COIN-OR's CLP without presolve, which OR-Tools carries (``_LP``).
 
 The program's data (every tied node's strategy costs and bytes, every tied edge's layout groups
 and conversion costs) is priced once per strategies dict into a table (``_table``) that the LP
@@ -813,6 +813,9 @@ def _weighted(terms: dict):
 
 
 PRIMAL = "use_dual_simplex: false use_preprocessing: false"   # GLOP's primal simplex
+_CLP_DUAL = pywraplp.MPSolverParameters()   # CLP's dual simplex without presolve (``_LP``)
+_CLP_DUAL.SetIntegerParam(pywraplp.MPSolverParameters.LP_ALGORITHM, pywraplp.MPSolverParameters.DUAL)
+_CLP_DUAL.SetIntegerParam(pywraplp.MPSolverParameters.PRESOLVE, pywraplp.MPSolverParameters.PRESOLVE_OFF)
 
 
 class _Row:
@@ -837,10 +840,11 @@ class _LP:
         self.rows: list = []   # (lo, hi, variables, coefficients), or a _Row
         self.objective: dict = {}   # variable -> coefficient, which _move changes
         self.offset = 0.0
-        # COIN-OR's CLP (in OR-Tools' wheels): GLOP's dual simplex without presolve took 1.7 s
-        # on a tiny T5 at mesh (4, 2) (157k columns; 17.7 s with its defaults), CLP 0.4 s, and
-        # on the 96-layer GPT's two-axis meshes 0.04-0.22 s against CLP's 0.05-0.10, the same
-        # objectives
+        # COIN-OR's CLP (in OR-Tools' wheels), its dual simplex without presolve, against
+        # GLOP's dual simplex without presolve (with its defaults, 10x slower on a tiny T5):
+        # the 96-layer GPT's 28 relaxations of a mesh search 0.27 s against 1.02, a tiny T5's
+        # at mesh (4, 2) (157k columns) 0.17 against 1.61, a Llama-3-style model's at (8, 8)
+        # (92k columns) 0.83 against 0.47; the same objectives
         self.engine, self.params = "CLP", ""
         self.values: list = []
         self.value = 0.0
@@ -898,7 +902,7 @@ class _LP:
         if self.params:
             solver.SetSolverSpecificParametersAsString(self.params)
         solver.LoadModelFromProto(model)
-        status = solver.Solve()
+        status = solver.Solve(_CLP_DUAL if self.engine == "CLP" else pywraplp.MPSolverParameters())
         if status == pywraplp.Solver.OPTIMAL:
             response = linear_solver_pb2.MPSolutionResponse()
             solver.FillSolutionResponseProto(response)
