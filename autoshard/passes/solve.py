@@ -27,7 +27,8 @@ edge whose producer or consumer has a single layout adds its cost straight onto 
 x. Costs are integers in picoseconds (nanoseconds where picoseconds overflow int64). CP-SAT runs
 with one worker and a fixed seed, so the same graph gives the same plan on every machine. The LP
 relaxation (every variable continuous), which bounds a mesh and points CP-SAT at its plan, is
-solved by the dual simplex of COIN-OR's CLP without presolve, which OR-Tools carries (``_LP``).
+solved by a dual simplex without presolve: COIN-OR's CLP, which OR-Tools carries, where nothing is
+recomputed, GLOP's where blocks are (``_LP``).
 
 The program's data (every tied node's strategy costs and bytes, every tied edge's layout groups
 and conversion costs) is priced once per strategies dict into a table (``_table``) that the LP
@@ -689,6 +690,8 @@ def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     else:
         lp = base[1]
         _switch(lp, _table(graph, strategies, costs), costs, mode)
+    if lp.params != PRIMAL:   # GLOP's primal simplex, once a dual one has lost its way, for good
+        lp.engine, lp.params = ("CLP", "") if mode == "none" else ("GLOP", GLOP_DUAL)
     x = lp.layout[0]
     with phase("solve"):
         if mode == "none" and memory_budget is not None and \
@@ -813,6 +816,7 @@ def _weighted(terms: dict):
 
 
 PRIMAL = "use_dual_simplex: false use_preprocessing: false"   # GLOP's primal simplex
+GLOP_DUAL = "use_dual_simplex: true use_preprocessing: false"
 _CLP_DUAL = pywraplp.MPSolverParameters()   # CLP's dual simplex without presolve (``_LP``)
 _CLP_DUAL.SetIntegerParam(pywraplp.MPSolverParameters.LP_ALGORITHM, pywraplp.MPSolverParameters.DUAL)
 _CLP_DUAL.SetIntegerParam(pywraplp.MPSolverParameters.PRESOLVE, pywraplp.MPSolverParameters.PRESOLVE_OFF)
@@ -827,12 +831,11 @@ class _Row:
 
 
 class _LP:
-    """The same calls on a linear program (CLP; GLOP's primal simplex where CLP gives no answer):
-    every variable continuous, a variable its index. The program is kept as lists and handed to
-    the solver whole, as one protocol buffer, when
-    solved (``solve``): a 2-axis mesh of the 96-layer GPT (28k columns) is built in 0.035 s and
-    handed over in 0.03 s, against 0.13 s set coefficient by coefficient through the solver's
-    API."""
+    """The same calls on a linear program (CLP or GLOP; GLOP's primal simplex where a dual one
+    gives no answer): every variable continuous, a variable its index. The program is kept as
+    lists and handed to the solver whole, as one protocol buffer, when solved (``solve``): a
+    2-axis mesh of the 96-layer GPT (28k columns) is built in 0.035 s and handed over in 0.03 s,
+    against 0.13 s set coefficient by coefficient through the solver's API."""
 
     def __init__(self):
         self.lb: list = []
@@ -840,11 +843,14 @@ class _LP:
         self.rows: list = []   # (lo, hi, variables, coefficients), or a _Row
         self.objective: dict = {}   # variable -> coefficient, which _move changes
         self.offset = 0.0
-        # COIN-OR's CLP (in OR-Tools' wheels), its dual simplex without presolve, against
-        # GLOP's dual simplex without presolve (with its defaults, 10x slower on a tiny T5):
+        # the solver: COIN-OR's CLP (in OR-Tools' wheels), its dual simplex without presolve,
+        # for a program without recomputation; GLOP's dual simplex without presolve (its
+        # defaults: 10x slower on a tiny T5) for one that recomputes, on which CLP's lost its
+        # way (GPT-3 175B's two-axis meshes in "blocks" and "selective" modes: 5-7 s each,
+        # without an optimum, where GLOP took 0.2 s). Without recomputation, CLP against GLOP:
         # the 96-layer GPT's 28 relaxations of a mesh search 0.27 s against 1.02, a tiny T5's
         # at mesh (4, 2) (157k columns) 0.17 against 1.61, a Llama-3-style model's at (8, 8)
-        # (92k columns) 0.83 against 0.47; the same objectives
+        # (92k columns) 0.83 against 0.47; the same objectives. ``_relaxation`` sets it
         self.engine, self.params = "CLP", ""
         self.values: list = []
         self.value = 0.0
