@@ -34,8 +34,8 @@ class _Counted(fanout.Fanout):
         _Counted.asked.append((owner, name, args))
         return super().ask(owner, name, *args)
 
-    def share(self, name, jobs):
-        got = super().share(name, jobs)
+    def share(self, name, jobs, first=None):
+        got = super().share(name, jobs, first)
         _Counted.asked.extend((owner, name, job) for (owner, _), job in zip(got, jobs))
         return got
 
@@ -112,6 +112,22 @@ def test_shared_jobs_go_to_whichever_process_is_free():
         got = fan.share("dies_late_here", [(i,) for i in range(6)])
         assert [fan.answer(t) for _, t in got] == [-i for i in range(6)]
         assert None in fan.copies
+
+
+def test_a_share_runs_this_processs_first_work_once_the_copies_have_their_jobs_and_its_copies_are_reaped():
+    ran = []
+    with fanout.Fanout(2, HANDLERS) as fan:
+        pids = [c[1] for c in fan.copies]
+        # the copy takes the long job while this process does its own first
+        got = fan.share("nap", [(0.5,)] + [(0.0,)] * 4, first=lambda: ran.append((os.getpid(), time.sleep(0.3))))
+        assert [fan.answer(t) for _, t in got] == [0.5] + [0.0] * 4
+        assert got[0][0] == 1 and ran == [(PARENT, None)]
+    # told to end, not waited for: reaped by the next Fanout or here, none left a zombie
+    fanout.reap(wait=True)
+    assert not [pid for pid, _ in fanout._ending if pid in pids]
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def test_a_copy_killed_holding_the_jobs_lock_stops_no_share(monkeypatch):
