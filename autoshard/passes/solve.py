@@ -383,6 +383,8 @@ def _whole(graph, strategies, costs, memory_budget, hint: Optional[dict] = None)
     if whole:
         return Solution(choice, bound, bound, "OPTIMAL", 0.0, {})
     lp = costs._relaxed[(id(strategies), memory_budget, "none")][2] if memory_budget is not None else None
+    if lp is not None and getattr(lp, "mode", "none") != "none":
+        return None   # its program moved to another recompute mode since (``_switch``): no row to read
     best = None
     for plan in (choice, hint):
         if plan is not None and (lp is None or _within_budget(lp, graph, strategies, plan)):
