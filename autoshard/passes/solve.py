@@ -910,7 +910,7 @@ class _LP:
         if self.params:
             solver.SetSolverSpecificParametersAsString(self.params)
         solver.LoadModelFromProto(model)
-        status = solver.Solve(_CLP_DUAL if self.engine == "CLP" else pywraplp.MPSolverParameters())
+        status = solver.Solve(_CLP_DUAL) if self.engine == "CLP" else solver.Solve()
         if status == pywraplp.Solver.OPTIMAL:
             response = linear_solver_pb2.MPSolutionResponse()
             solver.FillSolutionResponseProto(response)
