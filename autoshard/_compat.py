@@ -79,6 +79,18 @@ def dtensor_like(p, local):
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
+def local_tensor(p):
+    """The tensor a DTensor holds on this rank, the same object from call to call until the
+    DTensor's data is replaced. ``to_local()`` under no_grad hands a Parameter's back as a fresh
+    view (torch 2.13), a view op at every step; where torch keeps no ``_local_tensor``, that."""
+    local = getattr(p, "_local_tensor", None)
+    if local is None:
+        import torch
+        with torch.no_grad():
+            local = p.to_local()
+    return local
+
+
 def set_collective_timeout(groups, seconds: float) -> None:
     """Bound every collective on ``groups`` to ``seconds``. A group's timeout is fixed when it is
     made (``new_group(timeout=)``; DeviceMesh's subgroups take torch's default, 30 minutes on

@@ -17,9 +17,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard import placement as pl
-from autoshard._compat import copy_all, dtensor_like, tree_map_only
+from autoshard._compat import copy_all, dtensor_like, local_tensor, tree_map_only
 
 _state = threading.local()
 
@@ -775,14 +776,32 @@ def grad_sync(x, axes: tuple, key: str = None):
 
 def param_share(p: torch.Tensor) -> torch.Tensor:
     """This rank's share of the DTensor parameter ``p``, as a leaf tensor aliasing its storage,
-    whose gradient goes to ``p.grad`` (a DTensor of ``p``'s placements) when backward completes it."""
-    with torch.no_grad():
-        local = p.to_local().detach()
+    whose gradient goes to ``p.grad`` (a DTensor of ``p``'s placements) when backward completes it.
+    The same leaf from step to step while ``p`` holds the same local tensor (``_SHARES``; the
+    optimizer and a checkpoint's load write into it in place, and the leaf sees what they
+    write): a view, a detach and a hook per parameter at every step were half of the ops a small
+    model's program added to the plain model's forward."""
+    local = local_tensor(p)
     if not p.requires_grad:
-        return local
-    local.requires_grad_()
-    local.register_post_accumulate_grad_hook(lambda leaf: _hand_back(leaf, p))
-    return local
+        return local.detach()
+    hit = _SHARES.get(p)
+    if hit is not None and hit[0] is local:
+        return hit[1]
+    leaf = local.detach().requires_grad_()
+    owner = weakref.ref(p)   # the leaf's hook keeps no parameter alive
+
+    def hand_back(leaf):
+        p = owner()
+        if p is not None:
+            _hand_back(leaf, p)
+
+    leaf.register_post_accumulate_grad_hook(hand_back)
+    _SHARES[p] = (local, leaf)
+    return leaf
+
+
+# parameter -> (its local tensor, its leaf); keyed by identity, as tensors compare elementwise
+_SHARES = WeakIdKeyDictionary()
 
 
 def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
