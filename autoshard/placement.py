@@ -185,6 +185,26 @@ _LOCAL: dict = {}
 LOCAL_KEPT = 1 << 18   # shapes kept before the memo starts again
 
 
+def uneven_dims(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]) -> frozenset:
+    """The dims of ``shape`` that ``pl`` splits unevenly, each checked alone (the splits of that
+    dim, in mesh order). Remembered (``_UNEVEN``): a mesh's pricing and annotation ask for the
+    same few hundred layouts by the hundred thousand."""
+    key = (tuple(shape), tuple(pl), tuple(mesh_shape))
+    hit = _UNEVEN.get(key)
+    if hit is None:
+        if len(_UNEVEN) >= LOCAL_KEPT:
+            _UNEVEN.clear()
+        shape, pl, mesh_shape = key
+        # a dim no axis splits is even; only the split ones are checked
+        hit = _UNEVEN[key] = frozenset(
+            d for d in {p.dim for p in pl if isinstance(p, Split)} if 0 <= d < len(shape)
+            and not is_even(shape, tuple(p if isinstance(p, Split) and p.dim == d else B for p in pl), mesh_shape))
+    return hit
+
+
+_UNEVEN: dict = {}
+
+
 def rank_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int]):
     """The shape the rank at mesh coordinate ``coords`` holds."""
     return _cut(shape, pl, mesh_shape, lambda sizes, a: sizes[coords[a]])

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
-from autoshard.placement import B, P, Broadcast, Partial, Split, chunk_sizes, is_even, rank_shape
+from autoshard.placement import B, P, Broadcast, Partial, Split, chunk_sizes, rank_shape, uneven_dims
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 _COLLECTIVE = frozenset(COLLECTIVES)
@@ -117,28 +117,7 @@ def transition(local_shape: Sequence[int], src: tuple, dst: tuple, mesh_shape: S
 def _uneven_dims(whole, src: tuple, dst: tuple, mesh_shape) -> frozenset:
     if whole is None:
         return frozenset()
-    return _uneven_of(tuple(whole), tuple(src), tuple(mesh_shape)) | _uneven_of(tuple(whole), tuple(dst),
-                                                                                tuple(mesh_shape))
-
-
-def _uneven_of(whole: tuple, layout: tuple, mesh_shape: tuple) -> frozenset:
-    """The dims of ``whole`` that ``layout`` splits unevenly, each checked alone (the splits of
-    that dim, in mesh order); remembered (``_UNEVEN``): a mesh's pricing asks once per pair of
-    layouts, of a few hundred layouts."""
-    key = (whole, layout, mesh_shape)
-    hit = _UNEVEN.get(key)
-    if hit is None:
-        if len(_UNEVEN) >= UNEVEN_KEPT:
-            _UNEVEN.clear()
-        # a dim no axis splits is even; only the split ones are checked
-        hit = _UNEVEN[key] = frozenset(
-            d for d in {p.dim for p in layout if isinstance(p, Split)} if 0 <= d < len(whole)
-            and not is_even(whole, tuple(p if isinstance(p, Split) and p.dim == d else B for p in layout), mesh_shape))
-    return hit
-
-
-_UNEVEN: dict = {}
-UNEVEN_KEPT = 1 << 16   # layouts kept before the memo starts again
+    return uneven_dims(whole, src, mesh_shape) | uneven_dims(whole, dst, mesh_shape)
 
 
 def _after(step: Step, p):

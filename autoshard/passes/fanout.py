@@ -378,6 +378,8 @@ def reap(wait: bool = False) -> None:
 
 
 def _ended(pid: int, deadline: float, wait: bool) -> bool:
+    """Whether the copy ``pid`` has been reaped: it had ended, or was past ``deadline`` and is
+    killed; ``wait``: until one or the other."""
     while True:
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
@@ -404,16 +406,4 @@ def _stop(copy, wait: float = 0.0) -> None:
     """Reap a copy: wait up to ``wait`` seconds for it to end, then kill it."""
     conn, pid, _ = copy
     conn.close()
-    end = time.monotonic() + wait
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:   # reaped already
-            return
-        if done:
-            return
-        if time.monotonic() >= end:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return
-        time.sleep(0.01)
+    _ended(pid, time.monotonic() + wait, True)

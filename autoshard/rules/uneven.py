@@ -46,13 +46,13 @@ def _cuts(shape, placement, mesh_shape) -> tuple:
     hit = _CUTS.get(key)
     if hit is None:
         out = []
+        uneven = pl.uneven_dims(shape, placement, mesh_shape)
         for q in placement:
             if not isinstance(q, pl.Split):
                 out.append(None)
                 continue
             axes = tuple(b for b, r in enumerate(placement) if isinstance(r, pl.Split) and r.dim == q.dim)
-            one = tuple(placement[b] if b in axes else pl.B for b in range(len(mesh_shape)))
-            out.append(((shape[q.dim], axes), not pl.is_even(shape, one, mesh_shape)))
+            out.append(((shape[q.dim], axes), q.dim in uneven))
         if len(_CUTS) > 1 << 16:
             _CUTS.clear()
         hit = _CUTS[key] = tuple(out)
