@@ -207,14 +207,26 @@ def _tiny_gpt():
     return model, (idx, idx)
 
 
+def _bounds_asked(monkeypatch) -> list:
+    """The meshes the search asks a lower bound of, in order. Recorded in this process only, so
+    the search is kept in it (``AUTOSHARD_PLAN_WORKERS=1``): on a slower machine the one-axis plan
+    passes ``search.FANOUT_AFTER`` and a forked copy would bound the two-axis meshes unseen
+    (test_fanout shows the copies give the same plan, candidates and statuses)."""
+    from autoshard.passes import fanout
+    from autoshard.passes import search as search_mod
+    monkeypatch.setenv(fanout.ENV, "1")
+    monkeypatch.setattr(search_mod, "FANOUT_AFTER", 0.0)   # as a slow machine would: the one process takes it all
+    calls = []
+    real = search_mod.lower_bound
+    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None, **kw: calls.append(c.mesh_shape) or real(g, s, c, b, **kw))
+    return calls
+
+
 def test_a_tiny_model_keeps_the_simplest_mesh_and_refines_nothing(monkeypatch):
     # every mesh ties at the cost of replicated compute: the one-axis mesh is chosen, no axis
     # is split further, and no two-axis mesh's program is even priced: its coarse bound
     # (passes.coarse) already says that it cannot beat the one-axis plan
-    from autoshard.passes import search as search_mod
-    calls = []
-    real = search_mod.lower_bound
-    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None, **kw: calls.append(c.mesh_shape) or real(g, s, c, b, **kw))
+    calls = _bounds_asked(monkeypatch)
     plan = autoshard.plan(*_tiny_gpt(), world=8)
     by_mesh = {tuple(c["mesh"]): c for c in plan.mesh_candidates}
     assert plan.mesh_shape == (8,) and by_mesh[(8,)]["status"].startswith("chosen")
@@ -321,14 +333,11 @@ def test_a_plan_whose_picoseconds_leave_int64_is_still_solved():
 
 
 def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(monkeypatch):
-    from autoshard.passes import search as search_mod
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
     from autoshard.passes.solve import lower_bound
-    calls = []
-    real = search_mod.lower_bound
-    monkeypatch.setattr(search_mod, "lower_bound", lambda g, s, c, b=None, **kw: calls.append(c.mesh_shape) or real(g, s, c, b, **kw))
+    calls = _bounds_asked(monkeypatch)
     model, inputs = _gpt()
     plan = autoshard.plan(model, inputs, world=8, cluster="a100-80gb-nvlink-ib")   # 8 GPUs per node
     assert (4, 2) not in calls and (2, 4) in calls
