@@ -5,6 +5,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from autoshard import launch  # noqa: E402
+
+# the ranks of the suite's groups import these to run its cases: imported once, in the server
+# they are forked from (launch.PRELOAD), rather than by every rank of every module's group
+launch.PRELOAD += ["transformers", "models", "cases"]
+
 
 def _local_world(n):
     from autoshard.launch import LocalWorld

@@ -4,6 +4,7 @@ collective timeout, with the other ranks stopped and no process left behind; the
 starts a fresh group. ``parallelize(timeout=...)`` bounds every collective of its groups."""
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -87,6 +88,21 @@ def test_run_local_reports_a_dead_rank_and_leaves_no_process():
     with pytest.raises(RuntimeError, match="failed on rank 1 .*\n.*killed by signal SIGTERM"):
         run_local(fail_in_collective, 2, 1, "SIGTERM")
     assert set(multiprocessing.active_children()) <= before
+
+
+def environment():
+    return [os.environ.get(k) for k in ("AUTOSHARD_TEST_SEEN", "AUTOSHARD_TEST_GONE", "MASTER_ADDR")] + [sys.path[0]]
+
+
+def test_a_group_started_later_sees_the_callers_environment_and_path_as_they_are_then(monkeypatch):
+    # its ranks are forked from a server that started with an earlier environment (launch.PRELOAD)
+    monkeypatch.setenv("AUTOSHARD_TEST_GONE", "1")
+    assert run_local(environment, 1)[0][1] == "1"
+    monkeypatch.delenv("AUTOSHARD_TEST_GONE")
+    monkeypatch.setenv("AUTOSHARD_TEST_SEEN", "yes")
+    later = os.path.join(os.path.dirname(__file__), "later")
+    monkeypatch.syspath_prepend(later)
+    assert run_local(environment, 2) == [["yes", None, "127.0.0.1", later]] * 2
 
 
 def timeout_case(seconds):
