@@ -212,7 +212,7 @@ PRESETS = {
         peak_flops=312e12, peak_flops_fp32=156e12, memory_bandwidth=2.0e12, memory=80e9),
     # 8 H100-80GB per node, NVLink 4, 8x NDR 400 Gb/s per node. Measured by Cluster.measure on an
     # H200 (the H100's compute die, more and faster memory; torch 2.11, CUDA 13, 2026-11-27,
-    # benchmarks/gpu.py, README "On a GPU"): matmuls at the cost model's timed layer shapes 334
+    # benchmarks/gpu.py, docs/benchmarks.md "On a GPU"): matmuls at the cost model's timed layer shapes 334
     # TFLOP/s fp32 (TF32) and 707 bf16, 0.68 and 0.72 of the peaks below (square products of
     # 4096-8192: 0.70-0.84 and 0.66-0.74; of 2048: 0.43-0.52 and 0.34-0.43), so ``efficiency``
     # 0.6 is a layer's matmuls of width 1024-2048; streams 4.1-4.2 TB/s (1.25 of the H100's 3.35,
