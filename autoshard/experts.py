@@ -67,23 +67,28 @@ def _multiply(x, w, ends, first_row, experts) -> torch.Tensor:
         if end > start:
             pieces.append(x[start - lo:end - lo] @ w[e - experts[0]])
     if not pieces:
-        return x.new_zeros((x.shape[0], w.shape[-1]))
+        # none of these rows is of these experts: zeros, still computed from x and w, so that
+        # backward reaches this rank's exchanges and its weights' gradient as on every other
+        # rank (a rank whose experts got no rows would otherwise skip the collectives of
+        # backward that the others wait in)
+        return x.new_zeros((x.shape[0], w.shape[-1])) + (x[:0] @ w[0]).sum()
     return torch.cat(pieces)
 
 
 def _placed(pieces, n_rows, first_row, like) -> torch.Tensor:
     """Rows [first_row, first_row + n_rows) with each (global lo, tensor) piece in its place,
-    zeros elsewhere."""
+    zeros elsewhere. Empty pieces are kept (at the end, adding no row): the result is computed
+    from every piece, so backward runs through each on every rank."""
     parts, at = [], first_row
-    for lo, t in sorted(pieces, key=lambda p: p[0]):
-        if t.shape[0] == 0:
-            continue
+    empty = [t for _, t in pieces if t.shape[0] == 0]
+    for lo, t in sorted(((lo, t) for lo, t in pieces if t.shape[0]), key=lambda p: p[0]):
         if lo > at:
             parts.append(like.new_zeros((lo - at, like.shape[1])))
         parts.append(t)
         at = lo + t.shape[0]
     if at < first_row + n_rows:
         parts.append(like.new_zeros((first_row + n_rows - at, like.shape[1])))
+    parts += empty
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -135,9 +140,12 @@ def grouped_mm(x, w, offs, row_axes: tuple, expert_axes: tuple, axis: tuple = ()
 
 
 def gather_rows(x, index, axis: tuple):
-    """``x[index]`` for x split on dim 0 over ``axis`` and index (1-d) whole: this rank's chunk of
-    the index's positions, each row sent by the rank that holds it (all-to-all with per-rank
-    split sizes, which every rank reads off the whole index)."""
+    """``x[index]`` for x split on dim 0 over ``axis`` and index (1-d) whole over those axes:
+    this rank's chunk of the index's positions, each row sent by the rank that holds it
+    (all-to-all with per-rank split sizes, which every rank reads off the index). The index may
+    be split by axes before ``axis`` (never after: ``rules.indexing.index``), which the members
+    of this rank's group share: the chunk it takes of its own chunk is then its chunk of the
+    output."""
     m = runtime._mesh()
     group, p, me = m.group(axis), m.size(axis), m.coord(axis)
     n = x.shape[0]

@@ -2,10 +2,11 @@
 
 Rules speak of one mesh axis; a node's nd strategies are every combination of one-axis signatures
 (the all-broadcast one included), one per axis, that leaves every tensor evenly divided (or, for
-the ops ``rules.uneven`` names, unevenly where the chunks line up) and puts no partial sum on a
-non-float tensor. Graph inputs may be split or broadcast on each axis; parameters
-likewise (their placement is how they are stored). Pins narrow a node to the strategies whose
-output matches.
+the ops ``rules.uneven`` names, unevenly where the chunks line up), puts no partial sum on a
+non-float tensor and splits no input a signature needs whole on the axes after its own
+(``Sig.whole_after``: the index of a split tensor's rows taken by all-to-all). Graph inputs may
+be split or broadcast on each axis; parameters likewise (their placement is how they are
+stored). Pins narrow a node to the strategies whose output matches.
 """
 from __future__ import annotations
 
@@ -129,17 +130,30 @@ def blocked_sigs(node: Node, sigs: list, dim: int, groups: int) -> list:
 
 def expand(sigs: list, metas_in: list, metas_out: list, mesh_shape, uneven: bool = False) -> list:
     """All valid nd combinations of one-axis signatures. ``uneven``: the op may hold splits
-    that do not divide, where its tensors' chunks line up (``rules.uneven``)."""
+    that do not divide, where its tensors' chunks line up (``rules.uneven``). A signature's
+    ``whole_after`` inputs are split by no later axis than its own (``Sig``)."""
     out = []
     metas = list(metas_in) + list(metas_out)
+    ordered = any(s.whole_after for s in sigs)
     for picks in itertools.product(range(len(sigs)), repeat=len(mesh_shape)):
         combo = [sigs[k] for k in picks]
         ins = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(metas_in)))
         outs = tuple(tuple(c.outputs[i] for c in combo) for i in range(len(metas_out)))
         if all(pl.is_valid(m.shape, p, mesh_shape, m.floating, uneven) for m, p in zip(metas, ins + outs)) and \
-           (not uneven or aligned([m.shape for m in metas], ins + outs, mesh_shape)):
+           (not uneven or aligned([m.shape for m in metas], ins + outs, mesh_shape)) and \
+           (not ordered or _in_order(combo, mesh_shape)):
             out.append(Strategy(ins, outs, picks))
     return out
+
+
+def _in_order(combo, mesh_shape) -> bool:
+    """No input a signature holds whole after its axis (``Sig.whole_after``) is split on a later axis."""
+    for a, sig in enumerate(combo):
+        if sig.whole_after and mesh_shape[a] > 1:
+            for b in range(a + 1, len(combo)):
+                if mesh_shape[b] > 1 and any(isinstance(combo[b].inputs[i], Split) for i in sig.whole_after):
+                    return False
+    return True
 
 
 def storage_options(meta, mesh_shape, blocked=()) -> list:

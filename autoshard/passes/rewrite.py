@@ -224,6 +224,15 @@ def lower_index(low: Lowering):
                  if isinstance(q, pl.Split) and q.dim == 0 and low.mesh_shape[a] > 1)
     if not axes or low.args[1][0] is None:   # dim 0 not indexed: the op on local tensors
         return low.call()
+    # this rank's chunk of the positions it holds is its chunk of the output only where the axes
+    # that split the index come before those that split x (rules.indexing.index): a plan made
+    # otherwise (one saved by an older version) would put rows in the wrong places
+    positions = [a for a, q in enumerate(low.in_pl[1])
+                 if isinstance(q, pl.Split) and low.mesh_shape[a] > 1]
+    if positions and max(positions) > min(axes):
+        raise ValueError(f"node {low.node.name!r} takes rows of x split over mesh axes {list(axes)} at an index "
+                         f"split over axes {positions}; the index may be split only by axes before x's "
+                         "(its rows would come out in the wrong order): plan again")
     return low.g.call_function(experts.gather_rows, (low.args[0], low.args[1][0]), {"axis": axes})
 
 

@@ -92,7 +92,11 @@ def index(ctx: OpCtx):
 
     One whole 1-d index on dim 0 of a split x (a mixture of experts' tokens taken in the order
     of their experts, and put back): each rank takes its chunk of the index's positions, the
-    rows fetched from the ranks that hold them by all-to-all (``experts.gather_rows``)."""
+    rows fetched from the ranks that hold them by all-to-all (``experts.gather_rows``). On
+    several axes the index may be split too, but only by axes before those that split x: the
+    rank takes its chunk of the positions it holds, which is its chunk of the output when the
+    index's axes are the major ones. Split by a later axis, rank (i, j) of (2, 2) would hold
+    positions 2j + i for the output's 2i + j (``Sig.whole_after``; the planner never offers it)."""
     x = ctx.in_shapes[0]
     indices = list(ctx.arg(1, "indices"))
     at = [i for i, t in enumerate(indices) if t is not None]
@@ -120,6 +124,6 @@ def index(ctx: OpCtx):
             places.append(Split(di) if di >= 0 and s[di] == bshape[j] else B)
         sigs.append(Sig((B,) + tuple(places), (Split(first + j),)))
     if at == [0] and len(idx_shapes[0]) == 1 and x[0] > 1 and idx_shapes[0][0] > 1:
-        sigs.append(Sig((Split(0), B), (Split(0),)))
+        sigs.append(Sig((Split(0), B), (Split(0),), whole_after=(1,)))
     sigs.append(Sig((P,) + (B,) * n_idx, (P,)))
     return sigs

@@ -10,9 +10,17 @@ import torch
 
 @dataclass(frozen=True)
 class Sig:
-    """One mesh axis: a placement per tensor input (in argument order) and per tensor output."""
+    """One mesh axis: a placement per tensor input (in argument order) and per tensor output.
+
+    ``whole_after``: inputs (by position) that no later mesh axis may split where an axis takes
+    this signature (``passes.annotate.expand`` offers no such combination). For a lowering that
+    takes "this rank's chunk over this axis" of what it holds of such an input
+    (``experts.gather_rows``: its chunk of the index's positions): a dim split over axes a < b
+    holds at rank (i, j) chunk i * (size of b) + j, the lower-numbered axis the major one, so the
+    chunk it takes is its chunk of the whole only where the axes that split the input come first."""
     inputs: tuple
     outputs: tuple
+    whole_after: tuple = ()
 
     def __repr__(self) -> str:
         ins = ", ".join(map(repr, self.inputs))
