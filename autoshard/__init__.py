@@ -3,8 +3,8 @@
 model -> fx graph (torch.export) -> SBP strategies -> ILP -> plan -> per-rank program
 """
 from autoshard.api import ParallelModule, parallelize, plan
-from autoshard.cluster import Cluster, PRESETS
-from autoshard.coverage import Coverage, coverage
+from autoshard.machine.cluster import Cluster, PRESETS
+from autoshard.report.coverage import Coverage, coverage
 from autoshard.passes.capture import CaptureError
 from autoshard.plan import Collective, Plan
 from autoshard.rules.moe import expert_loads

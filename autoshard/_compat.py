@@ -8,7 +8,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # n
 
 def thread_local_c10d():
     """(install, uninstall, isolate) for running every rank of a group as a thread of this process
-    (autoshard.simulate). c10d keeps its groups in one process-wide registry and the functional
+    (autoshard.testing.simulate). c10d keeps its groups in one process-wide registry and the functional
     collectives resolve a group by name in a C++ registry: install swaps the former for one per
     thread (torch's own, which its threaded test backend uses, so it follows c10d's changes),
     isolate(True) makes the latter per thread. Imported on use, so that a torch without them fails
@@ -20,9 +20,9 @@ def thread_local_c10d():
     except ImportError as e:
         import torch
         raise RuntimeError(
-            f"autoshard.simulate needs torch's thread-local process-group world (torch.testing._internal."
+            f"autoshard.testing.simulate needs torch's thread-local process-group world (torch.testing._internal."
             f"distributed.multi_threaded_pg) and c10d's thread isolation mode, which torch {torch.__version__} "
-            f"lacks ({e}). Run the ranks as processes instead: autoshard.launch.LocalWorld.") from e
+            f"lacks ({e}). Run the ranks as processes instead: autoshard.testing.launch.LocalWorld.") from e
     return _install_threaded_pg, _uninstall_threaded_pg, _set_thread_isolation_mode
 
 

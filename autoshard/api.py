@@ -17,22 +17,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard import placement as pl
-from autoshard import agree, optim, runtime
+from autoshard.runtime import agree, optim
+from autoshard import runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_unflatten
 from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
                                  check_plan_options)
-from autoshard.cluster import DEFAULT_CLUSTER, Cluster
-from autoshard.outputs import WHOLE, check_outputs
+from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
+from autoshard.runtime.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import Graph, capture, normalize_inputs
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, batch_casts, fuse_cast_gathers, schedule
-from autoshard.passes.axonn_start import axonn_start
-from autoshard.passes.search import search
-from autoshard.passes.descend import lifted_starts, solve_mesh
-from autoshard.passes.progress import shown
-from autoshard.passes.recompute import AUTO
+from autoshard.planner.axonn_start import axonn_start
+from autoshard.planner.search import search
+from autoshard.planner.descend import lifted_starts, solve_mesh
+from autoshard.planner.progress import shown
+from autoshard.planner.recompute import AUTO
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan, make_plan
 from autoshard.precision import ambient_autocast, check_policy, policy_from_record, reduce_dtype
@@ -114,7 +115,7 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
     costs.recompute = recompute
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
     with shown(verbose):   # a long solve's progress on stderr
-        solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: passes.descend
+        solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: planner.descend
     plan = make_plan(graph, strategies, solution, costs)
     plan.memory["budget"] = budget
     plan.schedule["precision"] = graph.precision
@@ -175,7 +176,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
 
 def _axonn_start(graph: Graph, world: int, cluster: Cluster, budget: float):
     """(mesh, pins by node) of AxoNN's best-ranked grid, for the mesh search to descend from
-    (``passes.axonn_start``); None where it has none."""
+    (``planner.axonn_start``); None where it has none."""
     got = axonn_start(graph, world, cluster, budget)
     return None if got is None else (got[0], resolve_pins(graph, got[1], len(got[0])))
 
@@ -187,7 +188,7 @@ PLAN_OPTIONS = [n for n, p in inspect.signature(plan).parameters.items() if p.ki
 def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
                 bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True,
                 recompute=AUTO) -> Plan:
-    """The best plan over the mesh shapes ``world`` factors into (passes.search)."""
+    """The best plan over the mesh shapes ``world`` factors into (planner.search)."""
     cluster = resolve_cluster(cluster)
     budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
     arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}

@@ -84,7 +84,7 @@ def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0
                        memory_budget=None, reshard_after_forward=False, recompute="auto", **others) -> None:
     """The planning options of ``plan`` and ``parallelize``, each of the right kind and range
     (the pins' names and placements are checked against the graph when it is planned)."""
-    from autoshard.cluster import Cluster
+    from autoshard.machine.cluster import Cluster
     if cluster is not None and not isinstance(cluster, (str, Cluster)):
         raise TypeError(f"cluster is an autoshard.Cluster, a preset name (autoshard.PRESETS) or 'measure', "
                         f"got {type(cluster).__name__}")
@@ -99,7 +99,7 @@ def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0
         check_budget(memory_budget)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
-    from autoshard.passes.recompute import MODES
+    from autoshard.planner.recompute import MODES
     if not isinstance(recompute, str):
         raise TypeError(f"recompute is one of {', '.join(map(repr, MODES))}, got {type(recompute).__name__}")
     if recompute not in MODES:

@@ -26,7 +26,7 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    from autoshard.cluster import PRESETS
+    from autoshard.machine.cluster import PRESETS
     ap = argparse.ArgumentParser(prog="autoshard", description="Plan how a PyTorch model is laid out across "
                                  "devices, and read the plan.", epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,7 +120,7 @@ def build(spec: str, device: str):
 
 def _cluster(text):
     if text and text.endswith(".json"):
-        from autoshard.cluster import Cluster
+        from autoshard.machine.cluster import Cluster
         return Cluster.load(text)
     return text
 

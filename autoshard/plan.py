@@ -12,15 +12,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from autoshard import placement as pl
-from autoshard.cluster import Cluster
+from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm, interleave
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.overlap import added, edge_overlap
 from autoshard.cost.step import Cost
-from autoshard import explain, summary
-from autoshard.passes import recompute
-from autoshard.passes.solve import choice_cost, plan_price
-from autoshard.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
+from autoshard.report import explain, summary
+from autoshard.planner import recompute
+from autoshard.planner.solve import choice_cost, plan_price
+from autoshard.report.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s  # noqa: F401 (coverage uses them)
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,13 @@ class Plan:
     schedule: dict = field(default_factory=dict)   # bucket_bytes, reshard_after_forward
     mesh_candidates: list = field(default_factory=list)  # the mesh search's ranking: mesh, bound, cost, status
     aliases: dict = field(default_factory=dict)   # a tied parameter's other names -> the name the graph uses
-    recompute: dict = field(default_factory=dict)   # blocks that run their forward again in backward (passes.recompute)
+    recompute: dict = field(default_factory=dict)   # blocks that run their forward again in backward (planner.recompute)
     _alternatives: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
     def alternatives(self) -> dict:
         """node name -> the layouts the solver could have given it, priced with every other node
-        as planned: the chosen one first, then the cheapest few (``autoshard.explain``)."""
+        as planned: the chosen one first, then the cheapest few (``autoshard.report.explain``)."""
         if self._alternatives is None:
             priced = getattr(self, "_priced", None)
             self._alternatives = explain.alternatives(self, *priced) if priced else {}
@@ -96,14 +96,14 @@ class Plan:
         ``communication``, ``exposed``) as a sympy expression in named sizes (``dims``, e.g.
         ``{"b": 512, "s": 1024}``: which sizes stay symbols), mesh axes, links and peak FLOP/s,
         and each symbol's value in this plan; ``expr.subs(values)`` is ``plan.cost``
-        (``autoshard.formula``)."""
-        from autoshard.formula import formula
+        (``autoshard.report.formula``)."""
+        from autoshard.report.formula import formula
         return formula(self, dims, part, nodes)
 
     def to_html(self, path=None) -> str:
         """One self-contained page: mesh, a timeline of one step, memory, the folded table, and
-        explain for any tensor on click (``autoshard.html``); written to ``path`` when given."""
-        from autoshard.html import to_html
+        explain for any tensor on click (``autoshard.report.html``); written to ``path`` when given."""
+        from autoshard.report.html import to_html
         return to_html(self, path)
 
     @property
@@ -122,7 +122,7 @@ class Plan:
     # ---- reading ----------------------------------------------------------------------------
     def __str__(self) -> str:
         """The plan at a glance: mesh, step, memory, solver, the model with repeated blocks
-        folded, the largest collectives (``autoshard.summary``)."""
+        folded, the largest collectives (``autoshard.report.summary``)."""
         return summary.summary(self)
 
     def table(self) -> str:

@@ -38,15 +38,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autoshard  # noqa: E402
-from autoshard import measure, schemes  # noqa: E402
-from autoshard.launch import LocalWorld  # noqa: E402
+from autoshard.machine import measure
+from autoshard import schemes  # noqa: E402
+from autoshard.testing.launch import LocalWorld  # noqa: E402
 from autoshard import placement as pl  # noqa: E402
 from autoshard.api import resolve_pins  # noqa: E402
 from autoshard.cost.compute import FLOP_FAMILIES  # noqa: E402
 from autoshard.passes.annotate import annotate  # noqa: E402
 from autoshard.passes.capture import capture  # noqa: E402
 from autoshard.cost.price import Costs  # noqa: E402
-from autoshard.passes.solve import Solution  # noqa: E402
+from autoshard.planner.solve import Solution  # noqa: E402
 from autoshard.plan import make_plan  # noqa: E402
 from plan_gpt import GPT  # noqa: E402
 from vs_torch import ResMLP  # noqa: E402

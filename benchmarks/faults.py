@@ -11,7 +11,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from autoshard.launch import LocalWorld  # noqa: E402
+from autoshard.testing.launch import LocalWorld  # noqa: E402
 from test_faults import fail_in_collective, gone, pids  # noqa: E402 - the very failures the tests make
 
 WAYS = ("raise", "SIGKILL", "SIGSEGV", "SIGTERM", "exit")

@@ -265,7 +265,7 @@ def _two_ranks(sizes):
 
 def two_processes(sizes) -> str:
     """Part 3: an NCCL group of two processes on this machine's GPUs."""
-    from autoshard.launch import LocalWorld
+    from autoshard.testing.launch import LocalWorld
     print(f"\n== 3. two processes in an NCCL group on {torch.cuda.device_count()} GPU(s) ==")
     world = LocalWorld(2, backend="nccl", timeout_s=60)
     try:

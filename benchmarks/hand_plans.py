@@ -36,7 +36,7 @@ import autoshard
 from autoshard import schemes
 from autoshard.cost import axonn
 from autoshard.passes.capture import capture
-from autoshard.passes.solve import MemoryBudgetError
+from autoshard.planner.solve import MemoryBudgetError
 from plan_gpt import GPT, broadcast
 
 HAND = schemes.USUAL_256 + [("megatron", (64, 4), {"tp": 1})]

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import runtime, schemes
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from vs_torch import GPT
 
 

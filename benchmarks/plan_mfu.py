@@ -16,7 +16,7 @@ import time
 import torch
 
 import autoshard
-from autoshard.passes.solve import MemoryBudgetError
+from autoshard.planner.solve import MemoryBudgetError
 from plan_gpt import GPT
 
 # name: (layers, d, heads, seq, global batch, vocab, world)

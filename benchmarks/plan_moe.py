@@ -60,7 +60,7 @@ def at_scale(worlds, layers, time_limit):
     model, _ = mixtral(layers)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     print(f"Mixtral-8x7B shape, {layers} layers, one sequence of 2048 tokens per device, bf16 over fp32 masters, A100 preset, "
-          f"memory budget {autoshard.Cluster.preset(autoshard.cluster.DEFAULT_CLUSTER).memory / 1e9:.1f} GB per rank")
+          f"memory budget {autoshard.Cluster.preset(autoshard.machine.cluster.DEFAULT_CLUSTER).memory / 1e9:.1f} GB per rank")
     print(f"{'world':>5s} {'plan':34s} {'mesh':16s} {'experts':>7s} {'step':>10s} "
           f"{'memory/rank':>12s} {'':12s} {'planned in':>10s}")
     for world in worlds:

@@ -6,9 +6,9 @@
     python benchmarks/plan_scale.py --llama      # Llama-3-style, dim 2048, 16 layers, fixed mesh (8, 8)
 
 Everything runs on the meta device, with no process group. The phases are those of
-``autoshard.passes.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
+``autoshard.planner.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
 exclusive of the phases inside it, summed over the processes the search shares its meshes
-out to (``passes.fanout``: one per core, at most 8; ``--alone`` plans in one process first, for
+out to (``planner.fanout``: one per core, at most 8; ``--alone`` plans in one process first, for
 comparison). torch.export runs once in the same process, before planning,
 on the same model and inputs: the ratio is planning's time (without its own capture, which is
 that export again) over export's. The estimated step is printed beside the one autoshard chose
@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.passes import fanout
-from autoshard.passes.progress import CLOCK, PHASES
+from autoshard.planner import fanout
+from autoshard.planner.progress import CLOCK, PHASES
 from plan_gpt import GPT
 
 CLUSTER = "a100-80gb-nvlink-ib"
@@ -97,7 +97,7 @@ def plan_gpt(name, model, inputs, world, before=None, alone=False):
     fanout.reap(wait=True)   # the copies, which the search told to end and did not wait for
     cpu = [b - a for a, b in zip(cpu, cpu_seconds())]
     planning = total - CLOCK.seconds["capture"]
-    print(f"in up to {processes} processes (passes.fanout): phases (s, summed over the processes): {phases()}")
+    print(f"in up to {processes} processes (planner.fanout): phases (s, summed over the processes): {phases()}")
     print(f"plan {total:.1f} s (without capture {planning:.1f} s; CPU {cpu[0]:.1f} s here, {cpu[1]:.1f} s in the "
           f"search's copies); torch.export {export:.1f} s; ratio {planning / export:.2f} (with capture {total / export:.2f})")
     used = plan.memory["total"]
@@ -228,7 +228,7 @@ def tiny_models():
     }
 
 
-# each tiny model's plan with mesh search at a4a720d, before the coarse bound (passes.coarse): its
+# each tiny model's plan with mesh search at a4a720d, before the coarse bound (planner.coarse): its
 # estimated step (us) and the search's CPU seconds on the same 2-core machine, loaded by others
 BEFORE_TINY = {"T5 (encoder-decoder)": (10.059416209895807, 6.71), "Qwen2 (decoder)": (10.66961178723957, 4.86),
                "OPT (decoder)": (3.595866651822915, 1.71), "ViT (vision)": (5.82892111903483, 1.54),
@@ -276,7 +276,7 @@ def first_call(name):
 
 
 def first_calls(world=8):
-    from autoshard.launch import LocalWorld
+    from autoshard.testing.launch import LocalWorld
     print(f"\n== the first call of parallelize at world {world} (gloo, {world} processes on this machine): "
           "rank 0's seconds ==")
     with LocalWorld(world, timeout_s=600.0) as group:

@@ -35,7 +35,7 @@ import vs_torch  # noqa: E402 - the GPT, the contender and the batch share of be
 
 import autoshard  # noqa: E402
 from autoshard import schemes  # noqa: E402
-from autoshard.launch import LocalWorld  # noqa: E402
+from autoshard.testing.launch import LocalWorld  # noqa: E402
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CONTENDERS = ["fsdp2 fp32", "fsdp2 bf16", "autoshard fp32", "autoshard bf16", "autoshard default bf16"]

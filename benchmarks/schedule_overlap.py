@@ -21,7 +21,7 @@ import time
 import torch
 
 import autoshard
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 
 
 class MLP(torch.nn.Module):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import schemes
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from models import GPT, MLP  # noqa: E402

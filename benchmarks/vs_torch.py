@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import schemes
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 
 # ---- the models ----------------------------------------------------------------------------------
 
@@ -198,7 +198,7 @@ def share(batch):
 
 
 def default_cluster() -> str:
-    return "measure" if hasattr(autoshard.Cluster, "measure") else autoshard.cluster.DEFAULT_CLUSTER
+    return "measure" if hasattr(autoshard.Cluster, "measure") else autoshard.machine.cluster.DEFAULT_CLUSTER
 
 
 def plan_cluster(a):

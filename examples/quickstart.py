@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.launch import run_local
+from autoshard.testing.launch import run_local
 
 
 # ---- a small GPT --------------------------------------------------------------------------------

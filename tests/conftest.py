@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from autoshard import launch  # noqa: E402
+from autoshard.testing import launch  # noqa: E402
 
 # the ranks of the suite's groups import these to run its cases: imported once, in the server
 # they are forked from (launch.PRELOAD), rather than by every rank of every module's group
@@ -13,7 +13,7 @@ launch.PRELOAD += ["transformers", "models", "cases"]
 
 
 def _local_world(n):
-    from autoshard.launch import LocalWorld
+    from autoshard.testing.launch import LocalWorld
     world = LocalWorld(n)
     yield world
     world.close()

@@ -1,7 +1,7 @@
 """Ranks that call parallelize differently are told so, on every rank, before they could deadlock
 or compute a wrong answer: another batch shape or another batch, a plan on some ranks only,
 different plans, options, models or modes; different initial weights warn (rank 0's are taken). A rank
-that never comes is named when parallelize has a timeout (autoshard.agree)."""
+that never comes is named when parallelize has a timeout (autoshard.runtime.agree)."""
 import warnings
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from models import MLP
 
 

@@ -8,7 +8,7 @@ import torch
 
 import autoshard
 from autoshard import Cluster, schemes
-from autoshard.launch import LocalWorld, run_local
+from autoshard.testing.launch import LocalWorld, run_local
 from models import MLP
 
 MODEL, X = MLP(), torch.randn(8, 32)

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import autoshard
 from autoshard import schemes
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from autoshard.plan import Plan
 from models import GPT
 

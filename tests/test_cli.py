@@ -135,7 +135,7 @@ def test_the_quickstart_trains_as_one_device():
     parameter by up to lr, so later losses agree to a looser bound."""
     sys.path.insert(0, str(ROOT / "examples"))
     import quickstart
-    from autoshard.launch import run_local
+    from autoshard.testing.launch import run_local
     for losses, shares in run_local(quickstart.train, 4, 3):
         (first, ref_first), *later = losses
         assert abs(first - ref_first) <= 1e-5 * abs(ref_first), losses

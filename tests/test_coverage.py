@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.cost import compute
-from autoshard.coverage import COMPUTE_OPS, NO_RULE, NO_SPLIT, UNEVEN, coverage_of, is_compute_op
+from autoshard.report.coverage import COMPUTE_OPS, NO_RULE, NO_SPLIT, UNEVEN, coverage_of, is_compute_op
 from autoshard.passes.capture import capture
 from autoshard.rules import rule_for
 from models import GPT

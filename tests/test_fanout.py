@@ -1,4 +1,4 @@
-"""A mesh search shared out among forked copies of the planning process (passes.fanout) plans
+"""A mesh search shared out among forked copies of the planning process (planner.fanout) plans
 exactly what it plans in one process, and loses nothing when a copy dies, hangs or raises."""
 import os
 import time
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.passes import fanout, search
-from autoshard.passes.solve import MemoryBudgetError, NoBetterPlan
+from autoshard.planner import fanout, search
+from autoshard.planner.solve import MemoryBudgetError, NoBetterPlan
 from models import GPT
 
 PARENT = os.getpid()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.launch import LocalWorld, run_local
+from autoshard.testing.launch import LocalWorld, run_local
 from models import MLP
 
 # long enough that a run waiting on it could not pass the tests below: what ends them is the

@@ -30,13 +30,13 @@ from autoshard.cost import axonn
 from autoshard.cost import comm
 from autoshard.cost.comm import all_reduce_time
 from autoshard.passes.capture import capture
-from autoshard.passes.solve import MemoryBudgetError
+from autoshard.planner.solve import MemoryBudgetError
 from models import GPT
 
 CLUSTER = "a100-80gb-nvlink-ib"     # 8 A100-80GB per node: world 256 is 32 nodes
 WORLD = 256
 BUDGET = 80e9
-TOL = 1e-3                          # the solver stops within 0.1% of the optimum (passes.solve.GAP_LIMIT)
+TOL = 1e-3                          # the solver stops within 0.1% of the optimum (planner.solve.GAP_LIMIT)
 
 # one block each: planning time grows with the graph, and one block has every op a GPT repeats
 REGIMES = {

@@ -16,7 +16,7 @@ import torch
 
 import autoshard
 from autoshard.api import plan_graph
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.passes.capture import TensorMeta, capture
 from autoshard.check.validate import signatures

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard import schemes
-from autoshard.coverage import coverage_of
+from autoshard.report.coverage import coverage_of
 from autoshard.passes.capture import capture
 from cases import rel_err
 

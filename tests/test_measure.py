@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard import measure
+from autoshard.machine import measure
 from autoshard import placement as pl
-from autoshard.cluster import COLLECTIVE_KINDS, Cluster
+from autoshard.machine.cluster import COLLECTIVE_KINDS, Cluster
 from autoshard.cost import comm
 from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.passes.annotate import annotate

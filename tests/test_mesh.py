@@ -26,7 +26,7 @@ from autoshard import placement as pl
 from autoshard import schemes
 from autoshard.api import resolve_pins
 from autoshard.cost import comm
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
 from cases import emits, rel_err, run_each, step_on_the_same_gradients
@@ -302,7 +302,7 @@ def test_scheme_pins_are_legal_at_world_256(scheme, mesh, roles):
         assert sum(n.name in pins for n in linears) == len(linears) - 1
 
 
-# three- and four-axis meshes are solved one axis at a time (passes.descend), from the pins' layout
+# three- and four-axis meshes are solved one axis at a time (planner.descend), from the pins' layout
 @pytest.mark.parametrize("scheme,mesh,roles", WORLD_256, ids=[_id(*c) for c in WORLD_256])
 def test_scheme_is_costed_at_world_256(scheme, mesh, roles):
     model, inputs = _meta_gpt()

@@ -191,7 +191,7 @@ def test_experts_split(results, case):
     assert "error" not in res, res["error"]
     assert all(res["placements"][w][0] == "S(0)" for w in EXPERTS[name]), res["placements"]
     if kind == "ep":
-        calls = [line for line in res["program"].splitlines() if "autoshard_experts_grouped_mm(" in line]
+        calls = [line for line in res["program"].splitlines() if "autoshard_runtime_experts_grouped_mm(" in line]
         assert len(calls) == 2 and all(", (0,), (0,), " in line for line in calls), calls
     if kind == "ep" and len(mesh) == 2:   # over experts on axis 0, within each expert on axis 1
         up, down = EXPERTS[name]
@@ -208,7 +208,7 @@ def test_solver_splits_the_experts(results):
         assert all(res["placements"][w] == ("S(0)",) for w in EXPERTS[name]), (name, res["placements"])
     for mesh in MESHES:
         res = results[("mixtral", mesh, "default")][0]
-        assert res["program"].count("autoshard_experts_gather_rows(") == 2, mesh
+        assert res["program"].count("autoshard_runtime_experts_gather_rows(") == 2, mesh
         assert ("all_to_all", "forward", (0,)) in res["collectives"]
         assert ("all_to_all", "backward", (0,)) in res["collectives"]
 

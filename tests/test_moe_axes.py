@@ -25,7 +25,7 @@ In a real gloo group of 4 (one for the module):
   the torchtitan layer that the solver splits over both axes.
 
 Without a process group, random mixtures planned for 8 devices on (2, 2, 2) and (2, 4), then run
-by 8 ranks on threads (``autoshard.simulate.SimWorld``).
+by 8 ranks on threads (``autoshard.testing.simulate.SimWorld``).
 
 Errors are relative to the reference's magnitude (``cases.rel_err``), 1e-5 at most: a reordered
 sum costs a few units in the last place; a wrong chunk costs the magnitude itself.
@@ -497,7 +497,7 @@ def test_hf_pins_split_the_experts(results):
             got = results[0]["hf"][(name, (2, 2), f"ep{axis}")]
             split = tuple("S(0)" if a == axis else "B" for a in range(2))
             assert got["experts"] == (split, split), got["experts"]
-            calls = [ln for ln in got["program"].splitlines() if "autoshard_experts_grouped_mm(" in ln]
+            calls = [ln for ln in got["program"].splitlines() if "autoshard_runtime_experts_grouped_mm(" in ln]
             assert calls and all(f", ({axis},), ({axis},), " in ln for ln in calls), calls
         got = results[0]["hf"][(name, (2, 2), "default")]
         assert "S(0)" in got["experts"][0], got["experts"]
@@ -528,10 +528,10 @@ def test_torchtitan_layer_split_on_both_axes(results):
 @pytest.mark.parametrize("case", PROPERTY_CASES_8, ids=repr)
 def test_random_mixtures_on_8_devices(case):
     """Random mixtures planned for 8 devices on meshes of two and three axes without a process
-    group, then run by 8 ranks in this process (``autoshard.simulate.SimWorld``: the real
+    group, then run by 8 ranks in this process (``autoshard.testing.simulate.SimWorld``: the real
     program, runtime and torch.distributed on threads): exact. Every index that takes rows by
     all-to-all holds its positions split only on axes before those that split the rows."""
-    from autoshard.simulate import SimWorld
+    from autoshard.testing.simulate import SimWorld
     config, mesh, axis, rows, cluster = case
     torch.manual_seed(zlib.crc32(repr(config).encode()))
     model, inputs = mixture(*config)

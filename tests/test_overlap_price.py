@@ -11,8 +11,8 @@ import torch
 import autoshard
 from autoshard.cost import overlap, price
 from autoshard.cost.price import Costs
-from autoshard.passes import recompute
-from autoshard.passes.solve import choice_cost
+from autoshard.planner import recompute
+from autoshard.planner.solve import choice_cost
 from models import GPT
 
 MESH = (8,)

@@ -370,7 +370,7 @@ def optimizer_case(names, foreach):
     """Three steps of each optimizer in ``names`` (left to its default, or ``foreach`` as given) on
     a Megatron-split MLP, the reference stepping on the same gradients each time: the largest
     parameter difference, and the path each optimizer took."""
-    from autoshard.optim import FOREACH_SAFE
+    from autoshard.runtime.optim import FOREACH_SAFE
     out = {}
     for name in names:
         cls = next(c for c in FOREACH_SAFE if c.__name__ == name)
@@ -395,10 +395,10 @@ def optimizer_case(names, foreach):
 
 def test_optimizers_left_to_their_default_step_dtensors_by_fused_or_foreach(world2):
     """The fused and foreach paths dispatch DTensor's ops once for all parameters, not once per
-    parameter (autoshard.optim); each optimizer steps the shares as the same path steps the whole
+    parameter (autoshard.runtime.optim); each optimizer steps the shares as the same path steps the whole
     tensors (the reference takes the parallel optimizer's path: cases.step_on_the_same_gradients;
     the fused kernel rounds apart from the for-loop path by processor)."""
-    from autoshard.optim import FOREACH_SAFE, FUSED_SAFE
+    from autoshard.runtime.optim import FOREACH_SAFE, FUSED_SAFE
     names = [c.__name__ for c in FOREACH_SAFE]
     for default, chosen in zip(world2.run(optimizer_case, names, None), world2.run(optimizer_case, ["Adam"], False)):
         for name, (err, path) in default.items():

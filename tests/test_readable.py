@@ -2,7 +2,7 @@
 import torch
 
 import autoshard
-from autoshard import summary
+from autoshard.report import summary
 from models import GPT
 
 

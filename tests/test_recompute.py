@@ -12,7 +12,7 @@ import torch.distributed as dist
 import autoshard
 from autoshard import schemes
 from autoshard._compat import cpu_memory_peak
-from autoshard.passes.solve import MemoryBudgetError
+from autoshard.planner.solve import MemoryBudgetError
 from models import GPT
 
 

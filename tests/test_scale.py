@@ -8,14 +8,14 @@ import torch
 
 import autoshard
 from autoshard import placement as pl
-from autoshard.cluster import PRESETS
+from autoshard.machine.cluster import PRESETS
 from autoshard.passes import annotate as annotate_pass
-from autoshard.passes import progress
+from autoshard.planner import progress
 from autoshard.passes.capture import capture
-from autoshard.passes.repeat import tie_repeated
+from autoshard.planner.repeat import tie_repeated
 from autoshard.cost.price import Costs
 from autoshard.cost.step import Cost
-from autoshard.passes.solve import NoBetterPlan, lower_bound, solve
+from autoshard.planner.solve import NoBetterPlan, lower_bound, solve
 from models import GPT
 
 CLUSTER = PRESETS["a100-80gb-nvlink-ib"]
@@ -123,7 +123,7 @@ def test_verbose_is_a_bool():
 def test_a_plan_priced_once_per_price_and_weighed_twin_by_twin_is_priced_and_weighed_node_by_node():
     from autoshard.cost import memory
     from autoshard.plan import _priced
-    from autoshard.passes.solve import choice_cost, tied_plan
+    from autoshard.planner.solve import choice_cost, tied_plan
     graph = capture(*_gpt(6))
     mesh = (2, 4)
     strategies = annotate_pass.annotate(graph, mesh)
@@ -145,8 +145,8 @@ def test_a_plan_priced_once_per_price_and_weighed_twin_by_twin_is_priced_and_wei
 
 
 def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
-    from autoshard.passes import recompute
-    from autoshard.passes.solve import _mode_bounds, _relaxation
+    from autoshard.planner import recompute
+    from autoshard.planner.solve import _mode_bounds, _relaxation
     from autoshard.cost import memory
     graph = capture(*_gpt(4))
     mesh = (2, 4)
@@ -174,8 +174,8 @@ def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
 
 
 def test_a_descent_step_whose_relaxation_is_whole_takes_its_plan_as_cp_sat_would():
-    from autoshard.passes import descend
-    from autoshard.passes import solve as solve_module
+    from autoshard.planner import descend
+    from autoshard.planner import solve as solve_module
     graph = capture(*_gpt(4, batch=64))
     coarse = annotate_pass.annotate(graph, (4, 4))
     start = solve(graph, coarse, Costs(graph, (4, 4), CLUSTER, True), 60, None)
@@ -207,8 +207,8 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
     step's relaxation is fractional (the budget binds). Its rounding is taken without CP-SAT, and
     the descent ends within the solver's gap of the one that asks CP-SAT for every such step,
     in a plan that fits the budget."""
-    from autoshard.passes import descend
-    from autoshard.passes import solve as solve_module
+    from autoshard.planner import descend
+    from autoshard.planner import solve as solve_module
     from autoshard.plan import make_plan
     with torch.device("meta"):
         model = GPT(vocab=50304, d=2048, heads=16, layers=96, seq=2048)

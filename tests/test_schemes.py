@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import schemes
 from autoshard.api import plan_graph
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from autoshard.passes.capture import capture
 from cases import run_each
 from models import GPT, MLP, TwoLayer

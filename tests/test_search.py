@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.passes.search import TIE, _simplest, factorizations, simpler
-from autoshard.passes.solve import MemoryBudgetError
+from autoshard.planner.search import TIE, _simplest, factorizations, simpler
+from autoshard.planner.solve import MemoryBudgetError
 from models import GPT, TwoLayer
 
 
@@ -112,10 +112,10 @@ def test_a_pin_naming_an_axis_the_mesh_lacks():
         autoshard.plan(model, inputs, mesh=(2, 4), pin={"blocks.0.fc.weight": ("S(0)", "B", "B")})
 
 
-# ---- three and four axes: lifting and descent (passes.descend) -------------------------------------
+# ---- three and four axes: lifting and descent (planner.descend) -------------------------------------
 
 def test_coarsenings_merge_neighbouring_axes():
-    from autoshard.passes.descend import coarsenings
+    from autoshard.planner.descend import coarsenings
     assert sorted(coarsenings((2, 4, 8))) == sorted([((8, 8), (2, 1)), ((2, 32), (1, 2)), ((64,), (3,))])
     assert len(coarsenings((2, 2, 2, 2))) == 7
 
@@ -125,10 +125,10 @@ def _lifted():
     its solution, fine strategies, the lifted choice, fine costs)."""
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
-    from autoshard.passes.descend import lift
+    from autoshard.planner.descend import lift
     from autoshard.cost.price import Costs
-    from autoshard.passes.solve import solve
-    from autoshard.cluster import PRESETS
+    from autoshard.planner.solve import solve
+    from autoshard.machine.cluster import PRESETS
     model, inputs = _gpt(world_batch=64)
     graph = capture(model, inputs)
     cluster = PRESETS["a100-80gb-nvlink-ib"]
@@ -140,8 +140,8 @@ def _lifted():
 
 
 def test_a_plan_lifts_exactly_and_descent_only_improves_it():
-    from autoshard.passes.descend import descend
-    from autoshard.passes.solve import choice_cost
+    from autoshard.planner.descend import descend
+    from autoshard.planner.solve import choice_cost
     from autoshard import placement as pl
     graph, cs, sol, fs, choice, costs = _lifted()
     coarse, fine = (8, 4), (2, 4, 4)
@@ -164,8 +164,8 @@ def test_a_proven_plan_lifted_gains_nothing_on_the_axes_not_split():
     split axes may cost a little more than one over the coarse axis), and finds no plan better by
     more than the solver's gap.
     Each step's effort is bounded (``STEP_EFFORT``): it starts from a plan and needs no proof."""
-    from autoshard.passes import descend as descent
-    from autoshard.passes.solve import GAP_LIMIT, choice_cost
+    from autoshard.planner import descend as descent
+    from autoshard.planner.solve import GAP_LIMIT, choice_cost
     assert descent.unsplit((2, 1)) == {2} and descent.unsplit((1, 2)) == {0}
     assert descent.unsplit((1, 2, 1)) == {0, 3} and descent.unsplit((2, 2)) == set()
     graph, _, sol, fs, choice, costs = _lifted()
@@ -212,8 +212,8 @@ def _bounds_asked(monkeypatch) -> list:
     the search is kept in it (``AUTOSHARD_PLAN_WORKERS=1``): on a slower machine the one-axis plan
     passes ``search.FANOUT_AFTER`` and a forked copy would bound the two-axis meshes unseen
     (test_fanout shows the copies give the same plan, candidates and statuses)."""
-    from autoshard.passes import fanout
-    from autoshard.passes import search as search_mod
+    from autoshard.planner import fanout
+    from autoshard.planner import search as search_mod
     monkeypatch.setenv(fanout.ENV, "1")
     monkeypatch.setattr(search_mod, "FANOUT_AFTER", 0.0)   # as a slow machine would: the one process takes it all
     calls = []
@@ -225,7 +225,7 @@ def _bounds_asked(monkeypatch) -> list:
 def test_a_tiny_model_keeps_the_simplest_mesh_and_refines_nothing(monkeypatch):
     # every mesh ties at the cost of replicated compute: the one-axis mesh is chosen, no axis
     # is split further, and no two-axis mesh's program is even priced: its coarse bound
-    # (passes.coarse) already says that it cannot beat the one-axis plan
+    # (planner.coarse) already says that it cannot beat the one-axis plan
     calls = _bounds_asked(monkeypatch)
     plan = autoshard.plan(*_tiny_gpt(), world=8)
     by_mesh = {tuple(c["mesh"]): c for c in plan.mesh_candidates}
@@ -241,9 +241,9 @@ def test_a_tiny_model_keeps_the_simplest_mesh_and_refines_nothing(monkeypatch):
 def test_the_coarse_bound_is_below_the_relaxation_and_tight_where_activations_stay_whole():
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
-    from autoshard.passes.coarse import coarse_bound
+    from autoshard.planner.coarse import coarse_bound
     from autoshard.cost.price import Costs
-    from autoshard.passes.solve import lower_bound
+    from autoshard.planner.solve import lower_bound
     cluster = autoshard.Cluster.preset("a100-80gb-nvlink-ib")
     # the tiny GPT replicates everything: the bound is its relaxation's; a GPT of d=256 splits
     # its activations, whose layouts the coarse program does not tell apart: 5% below on (2, 4)
@@ -261,13 +261,13 @@ def test_the_coarse_bound_is_below_the_relaxation_and_tight_where_activations_st
 
 def test_the_coarse_program_prices_no_class_above_its_members_in_the_solvers_table():
     # the coarse bound holds only while each class costs no more than every node strategy and
-    # every conversion it stands for, as the solver prices them (passes.solve._table)
-    from autoshard.passes import coarse
+    # every conversion it stands for, as the solver prices them (planner.solve._table)
+    from autoshard.planner import coarse
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
     from autoshard.cost.step import DRAG, PARTS
-    from autoshard.passes.solve import _table
+    from autoshard.planner.solve import _table
     weight = {"hidden_fwd": DRAG, "hidden_bwd": DRAG}
     model, inputs = _gpt()
     graph = capture(model, inputs)
@@ -336,7 +336,7 @@ def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(m
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
-    from autoshard.passes.solve import lower_bound
+    from autoshard.planner.solve import lower_bound
     calls = _bounds_asked(monkeypatch)
     model, inputs = _gpt()
     plan = autoshard.plan(model, inputs, world=8, cluster="a100-80gb-nvlink-ib")   # 8 GPUs per node
@@ -356,12 +356,12 @@ def test_a_mesh_whose_axes_reorder_a_bounded_one_inside_a_node_takes_its_bound(m
 def test_a_descent_out_of_time_keeps_its_best_plan(monkeypatch):
     """A one-axis solve that the time limit stops with no plan ends the descent with the best plan
     found so far, not with an error: the start is always a plan."""
-    from autoshard.passes import descend as descent
+    from autoshard.planner import descend as descent
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
-    from autoshard.passes.solve import NoPlanInTime, choice_cost
-    from autoshard.cluster import PRESETS
+    from autoshard.planner.solve import NoPlanInTime, choice_cost
+    from autoshard.machine.cluster import PRESETS
     model, inputs = _gpt(world_batch=64)
     graph = capture(model, inputs)
     fine = (2, 4, 4)
@@ -382,9 +382,9 @@ def test_a_descent_out_of_time_keeps_its_best_plan(monkeypatch):
 
 
 def test_planning_turns_the_collector_off_and_back_as_it_was(monkeypatch):
-    # the cyclic collector walked the planner's caches again and again (passes.progress.uncollected)
+    # the cyclic collector walked the planner's caches again and again (planner.progress.uncollected)
     import gc
-    from autoshard.passes import search as search_pass
+    from autoshard.planner import search as search_pass
     seen = []
     solve = search_pass.solve
 
@@ -434,7 +434,7 @@ def test_a_searchs_plan_costs_what_its_entry_says_and_a_pair_is_priced_once():
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
-    from autoshard.passes.solve import _table
+    from autoshard.planner.solve import _table
     model, inputs = _gpt()
     plan = autoshard.plan(model, inputs, world=8)
     chosen = next(c for c in plan.mesh_candidates if c["status"].startswith("chosen"))

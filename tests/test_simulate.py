@@ -1,4 +1,4 @@
-"""Every rank in one process (``autoshard.simulate.SimWorld``): the unchanged parallel module,
+"""Every rank in one process (``autoshard.testing.simulate.SimWorld``): the unchanged parallel module,
 emitted program, runtime and torch.distributed, on threads, so numerics can be checked at worlds
 too large for real processes on this machine.
 
@@ -25,9 +25,9 @@ import torch.distributed as dist
 import autoshard
 from autoshard import schemes
 from autoshard.api import plan_graph
-from autoshard.launch import LocalWorld
+from autoshard.testing.launch import LocalWorld
 from autoshard.passes.capture import capture
-from autoshard.simulate import SimWorld
+from autoshard.testing.simulate import SimWorld
 from cases import rel_err
 from models import GPT
 

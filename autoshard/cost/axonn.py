@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from autoshard import placement as pl
-from autoshard.cluster import Cluster
+from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.compute import BACKWARD_FACTOR
 from autoshard.cost.memory import ADAM_STATE_BYTES

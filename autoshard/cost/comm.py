@@ -85,7 +85,7 @@ def _apply_shape(shape, step: Step, p: int):
 
 
 def _largest_chunk(n, p):
-    """An uneven split is priced by its largest chunk; a size named by a symbol (``autoshard.formula``)
+    """An uneven split is priced by its largest chunk; a size named by a symbol (``autoshard.report.formula``)
     is taken to divide."""
     return -(-n // p) if isinstance(n, int) else n // p
 

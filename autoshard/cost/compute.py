@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from autoshard.cluster import Cluster
+from autoshard.machine.cluster import Cluster
 from autoshard.rules.registry import qualified_name
 
 aten = torch.ops.aten

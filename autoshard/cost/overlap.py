@@ -32,7 +32,7 @@ the compute takes), and what is hidden pays ``cost.step.DRAG`` like every overla
 
 Every price of a plan adds ``edge_price``, a conversion's ``Overlap.delta`` (its change against
 the conversion priced blocking, ``cost.price.Costs.convert``), to the conversion's own: the
-solver's program (``passes.solve._pairs``), ``choice_cost``, ``plan.cost``, ``explain`` and
+solver's program (``planner.solve._pairs``), ``choice_cost``, ``plan.cost``, ``explain`` and
 ``formula``; a conversion into a block that recomputes gives it back (``unhidden``). It is a
 function of the conversion's layouts alone (the covering compute is that of the producer's and
 the consumer's least-computing strategies with them, of every strategy the graph offers on the
@@ -93,7 +93,7 @@ def edge_price(costs, value, src, dst, consumer, slot: int) -> Cost:
     """What the schedule changes of converting ``value`` from ``src`` to ``dst`` for
     ``consumer``'s input ``slot`` against its blocking price (``Costs.convert``): its
     ``Overlap.delta``, nothing where the schedule does not start it early. Every price of a
-    plan adds it to the conversion's (the solver's program, ``passes.solve._pairs``;
+    plan adds it to the conversion's (the solver's program, ``planner.solve._pairs``;
     ``choice_cost``, ``plan.cost``, ``explain``, ``formula``), so a plan is chosen by what it
     hides and reports the step it was chosen by."""
     o = _cached(costs, value, src, dst, consumer, slot)
@@ -114,7 +114,7 @@ def unhidden(costs, value, src, dst, consumer, slot: int) -> float:
     deducted (``-added`` of its ``Overlap``; nothing where it hides nothing). A recomputed block
     runs in a checkpointed submodule, which the schedule pass leaves as it is
     (``passes.checkpoint``), so there its collectives and their duals block where the rewriter
-    put them and nothing is chunked. ``passes.recompute`` adds it, as communication, beside the
+    put them and nothing is chunked. ``planner.recompute`` adds it, as communication, beside the
     forward the block runs again: in the solver's program and in ``plan.cost`` alike."""
     o = _cached(costs, value, src, dst, consumer, slot)
     return -added(o) if o is not None else 0.0

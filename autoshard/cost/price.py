@@ -1,7 +1,7 @@
 """The price of every choice the solver makes: ``Costs`` turns a node's strategy and an edge's
 pair of layouts into a ``cost.step.Cost`` (compute by phase, blocking communication, and the
 collectives the schedule overlaps) and into bytes per rank, from the compute, communication and
-memory models beside it. ``passes.solve`` reads them into its integer program; ``plan``,
+memory models beside it. ``planner.solve`` reads them into its integer program; ``plan``,
 ``explain``, ``formula`` and ``coverage`` read the same prices, so a plan's reported figures are
 the ones it was chosen by."""
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from autoshard import placement as pl
-from autoshard.cluster import Cluster
+from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm, compute, memory
 from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
-from autoshard.outputs import kept_split
+from autoshard.runtime.outputs import kept_split
 from autoshard.rules.moe import computed_shapes, is_grouped_mm
 from autoshard.precision import CAST, grad_itemsize
 
@@ -41,7 +41,7 @@ class Costs:
         self.links = cluster.axis_links(self.mesh_shape)
         self.split_outputs = kept_split(graph, graph.outputs)   # user outputs handed back as planned
         self._conv: dict = {}
-        self._tables: dict = {}   # passes.solve._table: the program's data per strategies dict
+        self._tables: dict = {}   # planner.solve._table: the program's data per strategies dict
         self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
         self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
         self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
@@ -55,8 +55,8 @@ class Costs:
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
         self._rerun_prices: dict = {}  # ``_by_layouts``' cache of ``rerun``
         self._pairs_by_id: dict = {}  # ``_by_layouts``' cache of ``pair``
-        self._pair_prices: dict = {}  # passes.solve._pairs: (edge price key, src, dst) -> ``pair``
-        self._relaxed: dict = {}  # passes.solve._relaxation: the LP's bound and rounded plan per strategies dict
+        self._pair_prices: dict = {}  # planner.solve._pairs: (edge price key, src, dst) -> ``pair``
+        self._relaxed: dict = {}  # planner.solve._relaxation: the LP's bound and rounded plan per strategies dict
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
         self._copies = param_copies(graph)   # a parameter's low-precision copy, which its bucket gathers
@@ -276,7 +276,7 @@ class Costs:
         return hit
 
     def rerun(self, value, consumer: Node, slot: int, src, dst, price: Optional[int] = None) -> float:
-        """Seconds a conversion into an op of a recomputed block costs again (passes.recompute):
+        """Seconds a conversion into an op of a recomputed block costs again (planner.recompute):
         its forward steps once more, and what the schedule hid of it, which a recomputed block
         does not hide (``cost.overlap.unhidden``); once per ``price_key`` and pair of layouts,
         looked up by the layouts' identities first, as ``pair``."""

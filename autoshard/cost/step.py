@@ -16,7 +16,7 @@ Overlapped communication is not quite free: its kernels take memory bandwidth an
 compute beside it (a few percent in NCCL measurements), which ``DRAG`` charges. It also makes the
 plan that moves fewer bytes win between two whose communication hides completely (data parallel
 over FSDP when memory allows). The solver keeps the two max terms linear with one variable each
-(``passes.solve``).
+(``planner.solve``).
 """
 from __future__ import annotations
 

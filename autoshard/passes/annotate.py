@@ -19,7 +19,7 @@ from autoshard import placement as pl
 from autoshard.placement import B, Split
 from autoshard.passes.capture import Graph, Node
 from autoshard.passes.functionalize import SHARED_STORAGE
-from autoshard.passes.progress import phase
+from autoshard.planner.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for
 from autoshard.rules.registry import norm_dim
 from autoshard.rules.uneven import aligned, allows_uneven
@@ -35,7 +35,7 @@ class Strategy:
     inputs: tuple    # nd placement per tensor input
     outputs: tuple   # nd placement per tensor output
     # per mesh axis, which one-axis choice (signature or storage placement) it takes there; lets
-    # passes.descend compare strategies off one axis without comparing placements
+    # planner.descend compare strategies off one axis without comparing placements
     axes: tuple = field(default=(), compare=False, repr=False)
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind
 
 from autoshard._compat import tag_checkpoint_regions
 from autoshard.passes.functionalize import functionalize
-from autoshard.passes.progress import phase
+from autoshard.planner.progress import phase
 from autoshard.precision import AUTOCAST, make_explicit, policy_record
 
 
@@ -96,7 +96,7 @@ class Graph:
     # signatures, repeat's blocks), by the pass's own keys
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     # how the caller takes the user outputs: "whole" on every rank, or "dtensor" in their planned
-    # layouts (autoshard.outputs), which the cost of converting them to the output depends on
+    # layouts (autoshard.runtime.outputs), which the cost of converting them to the output depends on
     outputs: str = "whole"
 
     def __post_init__(self):

@@ -1,5 +1,5 @@
 """Checkpoint: the per-rank program with each block the plan recomputes (``plan.recompute``,
-passes.recompute) run under ``torch.utils.checkpoint``: the block's program nodes move into a
+planner.recompute) run under ``torch.utils.checkpoint``: the block's program nodes move into a
 submodule that keeps only its inputs for backward and runs its forward again there, its
 collectives included.
 
@@ -27,11 +27,11 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoshard import runtime
-from autoshard.passes.recompute import _stack_blocks
+from autoshard.planner.recompute import _stack_blocks
 
 
 aten = torch.ops.aten
-# the kernels whose outputs a selectively recomputed block keeps (passes.recompute.heavy: the
+# the kernels whose outputs a selectively recomputed block keeps (planner.recompute.heavy: the
 # ops that do a block's arithmetic, as the dispatcher sees them)
 ARITHMETIC = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._grouped_mm,
               aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,

@@ -29,7 +29,7 @@ moved, so that communication overlaps compute.
 
 The cost model prices this schedule: bucketed all-reduces share one launch and latency per
 bucket, and parameter collectives hide behind the compute of their phase (``cost.price``,
-``passes.solve``), and what the activation steps hide too (``cost.overlap``).
+``planner.solve``), and what the activation steps hide too (``cost.overlap``).
 A policy copy no bucket took (one whose master's gradient all-reduce or placeholder feeds more
 than this gather) is gathered by an activation step that casts (``step_start``'s ``dtype``), and
 without the schedule by ``runtime.cast_all_gather`` (``fuse_cast_gathers``, run on every

@@ -14,11 +14,11 @@ count of rows per expert. Its signatures on one axis:
     (S(0), B, B) -> S(0)     each rank its rows, whatever their experts
     (S(0), S(0), B) -> S(0)  expert parallel: each rank sends the rows it holds to the ranks
                              of their experts and gets their products back (all-to-all with
-                             per-rank split sizes, both ways; ``autoshard.experts``)
+                             per-rank split sizes, both ways; ``autoshard.runtime.experts``)
     (P, B, B) -> P, (B, P, B) -> P   linear in each of x and w
 
 offs is always whole: every rank knows where each expert's rows are, so the sizes each rank
-sends and receives need no exchange. The last three run through ``autoshard.experts.grouped_mm``
+sends and receives need no exchange. The last three run through ``autoshard.runtime.experts.grouped_mm``
 (their local form is not the op on local tensors).
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ communication, recomputation) and so is the memory budget, which can only raise 
 The bound is tight where the best plan keeps activations whole (tiny models, whose every
 collective costs more than the compute it would save): there it proves in a blink, without the
 mesh's hundred thousand layout pairs, that a second axis cannot beat one. Elsewhere it is weak,
-and the search goes on to the mesh's own relaxation (``passes.solve.lower_bound``).
+and the search goes on to the mesh's own relaxation (``planner.solve.lower_bound``).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from ortools.linear_solver import pywraplp
 
 from autoshard import placement as pl
 from autoshard.cost.step import DRAG
-from autoshard.passes.progress import phase
-from autoshard.passes.repeat import tie_repeated
+from autoshard.planner.progress import phase
+from autoshard.planner.repeat import tie_repeated
 
 UNIT = 1e6   # GLOP counts microseconds: it loses precision at picoseconds
 
@@ -61,7 +61,7 @@ def _classes(node, strats, costs) -> dict:
 
 def coarse_bound(graph, strategies: dict, costs) -> float:
     """Seconds no plan on ``costs``' mesh beats, from the coarse program of the module
-    docstring. Tied blocks (passes.repeat) are priced once and counted."""
+    docstring. Tied blocks (planner.repeat) are priced once and counted."""
     with phase("cost"):
         nodes, edges = _coarse(graph, strategies, costs)
     with phase("build"):

@@ -3,7 +3,7 @@
 The integer program (built by ``_build``, solved by ``solve``):
 
     x[n, s] in {0, 1}              node n runs strategy s; the nodes of repeated blocks share
-                                   their twin's x and y (passes.repeat)   (_node_vars)
+                                   their twin's x and y (planner.repeat)   (_node_vars)
     sum_s x[n, s] = 1              exactly one strategy per node           (_node_vars)
     y[e, a, b] in {0, 1}           edge e carries layout a, consumed as b  (_edge_vars)
     sum_b y[e, a, b] = sum_{s: out_e(s) = a} x[u, s]                       (_edge_vars)
@@ -12,7 +12,7 @@ The integer program (built by ``_build``, solved by ``solve``):
     e_ph >= hidden_ph - compute_ph,  e_ph >= 0       for ph in fwd, bwd                     (_build)
     sum x[n, s] * bytes(n, s) + sum y[e, a, b] * kept(a -> b) <= memory budget   (_memory_terms)
         less what recomputed blocks free, plus one block's while it runs again, and their
-        forward again added to the cost                                (passes.recompute.add_terms)
+        forward again added to the cost                                (planner.recompute.add_terms)
     minimise  compute_fwd + compute_bwd + comm + e_fwd + e_bwd
               + DRAG * (hidden_fwd + hidden_bwd) + optimizer                                (cost.step)
 
@@ -51,9 +51,9 @@ from autoshard.cost import memory
 from autoshard.cost.price import Costs
 from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.passes.capture import Graph
-from autoshard.passes.progress import Progress, phase
-from autoshard.passes import recompute
-from autoshard.passes.repeat import tie_repeated
+from autoshard.planner.progress import Progress, phase
+from autoshard.planner import recompute
+from autoshard.planner.repeat import tie_repeated
 
 PICO = 1e12
 # CP-SAT counts in picoseconds, or in nanoseconds where picoseconds would let a sum of the
@@ -66,10 +66,10 @@ GAP_LIMIT = 1e-3   # stop once the plan is proven within 0.1% of the best: closi
 class Solution:
     choice: dict        # node name -> index into its strategies
     objective: float    # seconds
-    bound: Optional[float]   # seconds, proven lower bound; None when nothing is proven (passes.descend)
+    bound: Optional[float]   # seconds, proven lower bound; None when nothing is proven (planner.descend)
     status: str
     seconds: float      # wall time of the solve
-    recompute: dict = field(default_factory=dict)   # block group -> how many of its blocks recompute (passes.recompute)
+    recompute: dict = field(default_factory=dict)   # block group -> how many of its blocks recompute (planner.recompute)
 
     @property
     def gap(self) -> Optional[float]:
@@ -267,7 +267,7 @@ class NoBetterPlan(Exception):
         super().__init__("proven" if proven else "none found in time")
         self.proven = proven
 
-    def __reduce__(self):   # carried back from a forked copy of a mesh search (passes.fanout)
+    def __reduce__(self):   # carried back from a forked copy of a mesh search (planner.fanout)
         return NoBetterPlan, (self.proven,)
 
 
@@ -421,7 +421,7 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
     """``recompute="auto"`` under a budget: the plan of each linear mode (no block, every block's
     cheap ops, every block recomputed) that its bound (``_mode_bounds``) lets beat the best so far, best bound first
     (each solved and proven as any); each layout with the fewest blocks recomputed that fit it;
-    then, where recomputation is in play, the whole choice (passes.recompute's products of
+    then, where recomputation is in play, the whole choice (planner.recompute's products of
     layouts and counts, whose relaxation is weak) from the best of them, for at most
     ``recompute.EFFORT`` deterministic seconds. The bound is the modes' least: a plan
     recomputing some blocks only is sought from their layouts, where one of their plans
@@ -570,14 +570,14 @@ class _Watch(cp_model.CpSolverSolutionCallback):
 
 def choice_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extra: Cost = Cost()) -> float:
     """Estimated seconds per step of a whole plan (node name -> strategy index), with ``extra``
-    (recomputed blocks' forward again: passes.recompute) on top."""
+    (recomputed blocks' forward again: planner.recompute) on top."""
     return (plan_price(graph, strategies, choice, costs) + extra).step
 
 
 def program_cost(graph: Graph, strategies: dict, choice: dict, costs: Costs, extra: Cost = Cost()) -> float:
     """A plan's estimated step as the integer program counts it (``choice_cost`` elsewhere):
     each repeated block's nodes and conversions at their twins' prices, times their count
-    (passes.repeat), as the solver's objective and its LP bound do; what a descent compares its
+    (planner.repeat), as the solver's objective and its LP bound do; what a descent compares its
     steps' objectives with. It differs from ``choice_cost`` where twins price apart (a
     parameter's gathers priced by its bucket), and costs a fraction of it: a descent's mesh has
     priced only its twins (0.05 s a refinement of the 96-layer GPT saved)."""
@@ -675,7 +675,7 @@ def lower_bound(graph: Graph, strategies: dict, costs: Costs, memory_budget: Opt
 def _relaxation(graph, strategies, costs: Costs, memory_budget) -> tuple:
     """(bound, weights) of the LP relaxation, once per strategies dict and budget: the bound in
     seconds, and each node's LP weight per strategy (None when the LP solver gave no optimum)."""
-    key = (id(strategies), memory_budget, recompute.mode_of(costs))   # passes.recompute asks for several
+    key = (id(strategies), memory_budget, recompute.mode_of(costs))   # planner.recompute asks for several
     hit = costs._relaxed.get(key)
     if hit is not None and hit[0] is strategies:
         return hit[1]
@@ -1043,7 +1043,7 @@ def _count(keys) -> dict:
 
 def tied_plan(graph, strategies, choice) -> Optional[tuple]:
     """({node: how many nodes take its layout}, [(producer, value, consumer, slot, how many such
-    edges)]) of a plan whose repeated blocks' nodes (passes.repeat) take their twins' strategies,
+    edges)]) of a plan whose repeated blocks' nodes (planner.repeat) take their twins' strategies,
     as every plan the solver makes does: what it keeps is theirs times their count (bytes
     depend on the tensors and ops alone, alike in tied blocks), and what it costs as the
     solver counts it (``program_cost``). None for a plan that does not, or a graph with user
@@ -1070,7 +1070,7 @@ def _tied_edges(graph, rep: dict) -> list:
 
 def _edges(graph, rep: dict) -> list:
     """(producer, value, consumer, slot, times) once per set of twin edges: the edges of repeated
-    blocks that join twin nodes share their variables and their costs (passes.repeat)."""
+    blocks that join twin nodes share their variables and their costs (planner.repeat)."""
     first, count = {}, {}
     for v in graph.nodes:
         for slot, value in enumerate(v.inputs):
@@ -1092,7 +1092,7 @@ def _edge_vars(model, table: _Table, x, sums: _Sums, kept: Optional[dict] = None
                placed: Optional[list] = None) -> None:
     """The conversions' costs onto ``sums``, and the bytes their results keep onto ``kept``
     (variable, or None for the constant -> bytes); onto ``placed``, each edge with the variables
-    each of its layout pairs landed on, [(var, (a, b))] (passes.recompute reads them)."""
+    each of its layout pairs landed on, [(var, (a, b))] (planner.recompute reads them)."""
     kept = {} if kept is None else kept
 
     def keep(var, b):

@@ -1,6 +1,6 @@
 """Large meshes: solve one mesh axis at a time (DESIGN.md section 5).
 
-On three or four axes the integer program of ``passes.solve`` has a variable for every pair of
+On three or four axes the integer program of ``planner.solve`` has a variable for every pair of
 layouts an edge can join, and there are millions (a GPT block on (8, 8, 4) has 326k, on
 (4, 4, 4, 4) 9M). Such a mesh is solved by block coordinate descent instead:
 
@@ -13,7 +13,7 @@ layouts an edge can join, and there are millions (a GPT block on (8, 8, 4) has 3
 
 Each step solves an exact integer program of one-axis size (each node keeps only the strategies
 that agree with the current plan off axis a, so the current plan is one of its solutions; where
-the program's LP relaxation is whole, its plan, without CP-SAT: ``passes.solve._whole``), and
+the program's LP relaxation is whole, its plan, without CP-SAT: ``planner.solve._whole``), and
 its objective is the whole mesh's cost: the plan never gets worse, and it moves whole layers of
 the mesh at once (turn axis 2 from data parallel to tensor parallel, across every layer). It is
 a local optimum, not a proven one; ``Solution.status`` says so.
@@ -29,10 +29,10 @@ import time
 from typing import Optional
 
 from autoshard.cost import memory
-from autoshard.passes import recompute
-from autoshard.passes.progress import phase, uncollected
+from autoshard.planner import recompute
+from autoshard.planner.progress import phase, uncollected
 from autoshard.cost.price import Costs
-from autoshard.passes.solve import (GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost,
+from autoshard.planner.solve import (GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost,
                                     solve, tied_plan)
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
@@ -44,9 +44,9 @@ STEP_EFFORT = 0.5
 
 
 def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
-    """How many y variables the whole-mesh integer program would have (passes.solve._edge_vars)."""
-    from autoshard.passes.repeat import tie_repeated
-    from autoshard.passes.solve import _edges
+    """How many y variables the whole-mesh integer program would have (planner.solve._edge_vars)."""
+    from autoshard.planner.repeat import tie_repeated
+    from autoshard.planner.solve import _edges
     rep = rep or tie_repeated(graph, strategies)
     total = 0
     for u, value, v, slot, _ in _edges(graph, rep):
@@ -106,7 +106,7 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
     # recompute="auto": the steps keep the start's answer, no block, every block's cheap ops or
     # every block recomputed (their programs are linear in the layouts, as quick as without
     # recomputation), and but for the cheap ops the end plan recomputes the fewest blocks that
-    # fit (passes.recompute.best_counts)
+    # fit (planner.recompute.best_counts)
     auto = recompute.mode_of(costs) == recompute.AUTO
     fixed = _fixed_mode(graph, strategies, choice, costs, budget) if auto else None
     with phase("descend"), recompute.mode(costs, fixed if auto else recompute.mode_of(costs)):

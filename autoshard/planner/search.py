@@ -10,16 +10,16 @@ fastest links). The search runs in two phases:
    best plan found is pruned without solving. The bound is first a quick one (the cheap ops'
    recomputation bounded by its floor, ``lower_bound(quick=True)``), raised to the exact one only
    for a mesh it does not prune. The two-axis meshes are shared out among the processes
-   (``passes.fanout``), the lopsided ones first: theirs are the largest programs. The one-axis
+   (``planner.fanout``), the lopsided ones first: theirs are the largest programs. The one-axis
    mesh is bounded and solved first, so
-   that each two-axis mesh can be bounded by a coarse program first (passes.coarse, its layouts
+   that each two-axis mesh can be bounded by a coarse program first (planner.coarse, its layouts
    only whole or not whole, a fraction of its own), and pruned there when even that shows it
    cannot beat the one-axis plan: the tiny models whose best plan keeps activations whole on
    every mesh, whose two-axis programs are never priced. Only where the one-axis mesh's own
    coarse bound reaches its plan (``_coarse_pays``): elsewhere no coarse bound prunes.
 2. Refinement, up to 4 axes. Each axis of the best two-axis mesh is split in two in every way
    ((64, 4) -> (8, 8, 4), (64, 2, 2), ...); its plan lifts onto each refinement exactly and
-   improves there by one-axis descent (passes.descend). The best refinement becomes the mesh to
+   improves there by one-axis descent (planner.descend). The best refinement becomes the mesh to
    refine next, while refining still pays. When no two-axis mesh beats the best one-axis plan by
    more than ``TIE`` (by its plan or its lower bound), splitting an axis did not pay and
    refinement is not tried at all: the tiny models whose every mesh ties at replicated compute's cost.
@@ -41,13 +41,13 @@ import time
 import warnings
 
 from autoshard.passes.annotate import annotate
-from autoshard.passes.coarse import coarse_bound
-from autoshard.passes.axonn_start import descend_from_pins
-from autoshard.passes.descend import EXACT_AXES, lift, solve_mesh, unsplit
-from autoshard.passes.fanout import Fanout, available
-from autoshard.passes.progress import Progress, uncollected
+from autoshard.planner.coarse import coarse_bound
+from autoshard.planner.axonn_start import descend_from_pins
+from autoshard.planner.descend import EXACT_AXES, lift, solve_mesh, unsplit
+from autoshard.planner.fanout import Fanout, available
+from autoshard.planner.progress import Progress, uncollected
 from autoshard.cost.price import Costs
-from autoshard.passes.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
+from autoshard.planner.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
 from autoshard.plan import make_plan, plan_cost
 
 MAX_SEARCH_AXES = 4
@@ -60,7 +60,7 @@ EFFORT = 5.0
 # refine into the best (a 7.3B GPT block at 256: (8, 16, 2) -> (8, 8, 2, 2), past (8, 2, 16)'s best)
 BEAM = 2
 # seconds the search runs in one process before it shares its two-axis meshes out among forked
-# copies (passes.fanout): a copy takes tens of milliseconds to start, and the tiny models that
+# copies (planner.fanout): a copy takes tens of milliseconds to start, and the tiny models that
 # plan in a second would only pay for it
 FANOUT_AFTER = 0.1
 
@@ -145,7 +145,7 @@ class _Candidates:
             self.pin_errors.append(e)
             return None
         costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard)
-        costs.recompute = self.recompute   # passes.recompute
+        costs.recompute = self.recompute   # planner.recompute
         entry["_work"] = (strategies, costs)
         return entry["_work"]
 
@@ -180,7 +180,7 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
            max_axes: int = MAX_SEARCH_AXES, reshard: bool = False, recompute: str = "none", seed=None):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh). ``seed()``: (mesh, pins by node) of
-    a layout to descend from as well (``passes.axonn_start``), or None."""
+    a layout to descend from as well (``planner.axonn_start``), or None."""
     with uncollected():
         return _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
                        reshard, recompute, seed)
@@ -193,7 +193,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
     progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
     errors: list = []
     results: list = []   # (plan, mesh, choice) of every mesh solved or refined
-    owner: dict = {}     # mesh -> the process that bounds, solves or refines it (passes.fanout); 0: this one
+    owner: dict = {}     # mesh -> the process that bounds, solves or refines it (planner.fanout); 0: this one
     coarse_pays = [True]   # whether a two-axis mesh is bounded coarsely first (``_coarse_pays``)
 
     def report(step):
@@ -204,7 +204,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
 
     def bound(mesh):
         """The mesh's lower bound in its entry: a mesh that refines the best plan's must beat it
-        by TIE, and its coarse bound (passes.coarse, a fraction of the program) may say that
+        by TIE, and its coarse bound (planner.coarse, a fraction of the program) may say that
         it cannot before its own relaxation is priced and built. What the entry and the
         search's warnings and pin errors gained, for the process that asked."""
         entry = cands.entries[mesh]
@@ -345,7 +345,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
         # phase 1: one and two axes, bounded and solved whole, best bound first: the one-axis
         # mesh first, so that its plan can prune a two-axis mesh by its coarse bound; then the
         # meshes the first round left unproven. The two-axis meshes are shared out among forked
-        # copies of this process (passes.fanout) once the one-axis mesh has taken long enough
+        # copies of this process (planner.fanout) once the one-axis mesh has taken long enough
         # for the copies to pay
         unproven: list = []
         small = [m for m in cands.entries if len(m) <= EXACT_AXES]
@@ -426,7 +426,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
     finally:
         fan.close()
 
-    # AxoNN's own best-ranked grid, which no refinement reaches (passes.axonn_start)
+    # AxoNN's own best-ranked grid, which no refinement reaches (planner.axonn_start)
     got = _descend_from_seed(cands, graph, seeded, time_limit, budget, results)
     if got is not None:
         results[:] = [r for r in results if r[1] != got[1]] + [got]
@@ -462,7 +462,7 @@ def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes,
 
 
 def _coarse_pays(graph, cands, results) -> bool:
-    """Whether a two-axis mesh's coarse bound (passes.coarse) may prune it: where the one-axis
+    """Whether a two-axis mesh's coarse bound (planner.coarse) may prune it: where the one-axis
     mesh's own coarse bound reaches its plan (within ``TIE``), the plan keeps activations whole,
     as a second axis's best plan likely does too (the tiny models: each bound equal to the plan
     to the last digit). Where it falls short, the coarse bounds of the two-axis meshes fall as

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autoshard.cluster import COLLECTIVE_KINDS, Cluster
+from autoshard.machine.cluster import COLLECTIVE_KINDS, Cluster
 from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.cost.comm import ring_bytes
 
@@ -375,7 +375,7 @@ def _optimizer(device) -> tuple:
 def _adopt(params) -> None:
     """Hand the parameters to autoshard's optimizer switch, as ``parallelize`` does, where it has one."""
     try:
-        from autoshard import optim
+        from autoshard.runtime import optim
     except ImportError:
         return
     optim.adopt(params)

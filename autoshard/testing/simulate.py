@@ -359,7 +359,7 @@ def _create_group(opts, _backend_options):
     """c10d's constructor for the simulated backend (extended API: the group's name and ranks)."""
     sim = getattr(_rank_ctx, "sim", None)
     if sim is None:
-        raise RuntimeError(f"the {BACKEND!r} backend only runs inside autoshard.simulate.SimWorld.run")
+        raise RuntimeError(f"the {BACKEND!r} backend only runs inside autoshard.testing.simulate.SimWorld.run")
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     return _SimGroup(sim, str(opts.group_id), opts.group_rank, opts.group_size, ranks)
 

@@ -1,5 +1,5 @@
 """Forked copies of a mesh search, so that its meshes are bounded, solved and refined on every
-core the planning process may use (passes.search).
+core the planning process may use (planner.search).
 
 A mesh's work (its layouts, prices, relaxation) is independent of every other mesh's, so the
 search hands each mesh to one process, its *owner*, which keeps that work and does everything
@@ -31,8 +31,8 @@ import time
 import traceback
 import warnings
 
-from autoshard.passes import progress
-from autoshard.passes.progress import CLOCK, PHASES
+from autoshard.planner import progress
+from autoshard.planner.progress import CLOCK, PHASES
 
 MAX_WORKERS = 8
 ENV = "AUTOSHARD_PLAN_WORKERS"

@@ -10,7 +10,7 @@ pinning the alternative costs at most its price (at most: the solver then re-pla
 Alternatives are grouped by the node's output placements (what ``pin=`` fixes); of each group the
 cheapest strategy stands for it. Only the chosen one and the ``TOP`` cheapest others are kept, and
 the nodes of repeated blocks that share one set of solver variables share one entry
-(``passes.repeat``), so a deep stack costs what one or two blocks do.
+(``planner.repeat``), so a deep stack costs what one or two blocks do.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import difflib
 from autoshard import placement as pl
 from autoshard.cost.overlap import conversion_price
 from autoshard.cost.step import Cost
-from autoshard.summary import fmt_axes, fmt_bytes, fmt_s
+from autoshard.report.summary import fmt_axes, fmt_bytes, fmt_s
 
 TOP = 4
 
@@ -57,7 +57,7 @@ def _collectives(graph, strategies, choice, costs, users, n, s) -> list:
 
 def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
     """node name -> {"count", "options"} (the chosen option first), or {"same_as": twin}."""
-    from autoshard.passes.repeat import tie_repeated
+    from autoshard.planner.repeat import tie_repeated
     rep = tie_repeated(graph, strategies)
     count: dict = {}
     for r in rep.values():
@@ -194,7 +194,7 @@ def explain(plan, name: str) -> str:
         rows.append((_nd(o["outputs"][0]) if o["outputs"] else "-", fmt_s(o["step"]),
                      "chosen" if k == 0 else _signed(o["step"] - chosen["step"]), fmt_s(o["compute"]), fmt_s(o["comm"]),
                      fmt_bytes(o["memory"]), "" if o["fits"] else "over the memory budget"))
-    from autoshard.summary import columns
+    from autoshard.report.summary import columns
     lines += ["  " + r for r in columns(rows)]
     lines += _why(plan, param or node_name, chosen, options[1:])
     return "\n".join(lines)

@@ -5,7 +5,7 @@ order. An axis whose groups stay within a node talks over the node's links; one 
 nodes shares the node's network with the other groups of that node that cross at the same time.
 
 A cluster is either published figures (the presets) or measured on the machine it describes
-(``Cluster.measure``, ``autoshard.measure``). A measured one also holds what the presets leave
+(``Cluster.measure``, ``autoshard.machine.measure``). A measured one also holds what the presets leave
 unpriced: each collective kind's fitted latency and bandwidth per group shape, the fixed time of
 one op launch in forward and in backward, and the optimizer step.
 """
@@ -103,14 +103,14 @@ class Cluster:
 
     @staticmethod
     def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> "Cluster":
-        """This machine, measured (``autoshard.measure``). Inside an initialized process group
+        """This machine, measured (``autoshard.machine.measure``). Inside an initialized process group
         every rank must call it (it runs collectives): each collective kind's latency and
         bandwidth on every group shape a mesh axis of this world can take, matmul FLOP/s in fp32
         and bf16, memory bandwidth, op launch overhead and AdamW's step; every rank returns the
-        same figures, agreed over the ranks (``autoshard.measure``). Outside a process group, this process's compute only, with the
+        same figures, agreed over the ranks (``autoshard.machine.measure``). Outside a process group, this process's compute only, with the
         links of ``base`` (a Cluster or preset name, default the default preset). ``repeats``:
         measure that many times and keep each figure's median. Seconds on a CPU at world 2-4."""
-        from autoshard.measure import measure
+        from autoshard.machine.measure import measure
         return measure(base, name=name, repeats=repeats)
 
     def save(self, path) -> None:

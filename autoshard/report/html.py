@@ -19,7 +19,7 @@ from __future__ import annotations
 import html
 import json
 
-from autoshard import summary
+from autoshard.report import summary
 
 
 def page_data(plan) -> dict:

@@ -1,7 +1,7 @@
 """A plan for the mesh search to descend from that refining two-axis plans does not reach: AxoNN's
 own best-ranked 4-D grid (``cost.axonn.rank``), laid out by ``schemes.axonn_4d``.
 
-Descent changes one mesh axis at a time (``passes.descend``). AxoNN's layout alternates two
+Descent changes one mesh axis at a time (``planner.descend``). AxoNN's layout alternates two
 tensor-parallel axes between a block's linears (x and y swap roles from one linear to the next),
 which no one-axis step from a lifted two-axis plan makes, and a two-axis step from one does not
 find either. Where activation collectives are priced as the schedule hides them
@@ -47,8 +47,8 @@ def descend_from_pins(graph, strategies, costs, pins: dict, time_limit: float, b
     """The plan of ``strategies`` (a mesh's, unpinned) descended from the pinned plan of ``pins``
     (node name -> placement); None where the pins fit no plan in the budget."""
     from autoshard.passes.annotate import annotate
-    from autoshard.passes.descend import descend, solve_mesh
-    from autoshard.passes.solve import MemoryBudgetError
+    from autoshard.planner.descend import descend, solve_mesh
+    from autoshard.planner.solve import MemoryBudgetError
     pinned = annotate(graph, costs.mesh_shape, pins)
     try:
         sol = solve_mesh(graph, pinned, costs, time_limit, budget)

@@ -1,14 +1,14 @@
 """Recomputation: which repeated blocks keep only their input and run their forward again in
 backward, chosen by the integer program against the memory budget (DESIGN.md section 10).
 
-A block (``blocks.7``: the first numbered module an op lives in, passes.repeat) that recomputes
+A block (``blocks.7``: the first numbered module an op lives in, planner.repeat) that recomputes
 keeps what its checkpoint holds: its inputs, the parameters it was given, and the outputs the
 rest of the model reads. It frees every other activation it would keep (op outputs that only
 the block reads, and the conversions of activations made for its ops), and pays in backward its
 forward again: the ops' compute and their forward collectives. While one block's backward runs,
 its activations are back: the peak holds one block's worth on top of what is kept.
 
-Tied blocks (passes.repeat: every even layer shares block 0's layout, every odd layer block
+Tied blocks (planner.repeat: every even layer shares block 0's layout, every odd layer block
 1's) form one class of K identical blocks. How many of them recompute is an integer m in 0..K,
 written in binary-weighted booleans r_j (weights 1, 2, 4, ..., the rest: every m reachable). For
 one class, with F(x) the block's forward again (compute, collectives) and D(x) the bytes it
@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from torch.export.graph_signature import OutputKind
 
 from autoshard.cost.step import DRAG, PARTS, Cost
-from autoshard.passes.repeat import _block_of
+from autoshard.planner.repeat import _block_of
 
 AUTO = "auto"
 SELECTIVE = "selective"
 MODES = (AUTO, "none", "blocks", SELECTIVE)
 # CP-SAT's deterministic seconds for choosing how many blocks recompute, from the better of no
-# block and every block recomputed (passes.solve._solve_choosing)
+# block and every block recomputed (planner.solve._solve_choosing)
 EFFORT = 5.0
 
 
@@ -62,7 +62,7 @@ def chooses(graph, strategies, costs, budget) -> bool:
     budget, with repeated blocks to choose from."""
     if mode_of(costs) != AUTO or budget is None or not costs.training:
         return False
-    from autoshard.passes.repeat import tie_repeated
+    from autoshard.planner.repeat import tie_repeated
     return bool(groups(graph, tie_repeated(graph, strategies)))
 _FWD, _COMM = PARTS.index("compute_fwd"), PARTS.index("comm")
 
@@ -138,7 +138,7 @@ def _repeatable(node, written: set) -> bool:
 
 
 def groups(graph, rep: dict) -> list:
-    """The classes of tied blocks for this tying (``passes.repeat.tie_repeated``)."""
+    """The classes of tied blocks for this tying (``planner.repeat.tie_repeated``)."""
     blocks = _stack_blocks(graph)
     if not blocks:
         return []
@@ -411,7 +411,7 @@ def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
     """(extra Cost, bytes freed, peak bytes back, the report) of recomputing ``counts`` (group
     name -> how many of its blocks) blocks; the first blocks of each group recompute, their
     cheap ops only where ``counts[SELECTIVE]`` is set."""
-    from autoshard.passes.repeat import tie_repeated
+    from autoshard.planner.repeat import tie_repeated
     extra, freed, peak, blocks = Cost(), 0, 0, []
     if not counts or not any(counts.values()):
         return extra, 0, 0, None
@@ -438,7 +438,7 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
     (``"none"``, or when the plan fits), all (``"blocks"``), else the fewest by forward time per
     byte freed until it fits, all where it cannot."""
     from autoshard.cost.memory import rank_memory
-    from autoshard.passes.repeat import tie_repeated
+    from autoshard.planner.repeat import tie_repeated
     mode = mode_of(costs)
     gs = groups(graph, tie_repeated(graph, strategies)) if mode != "none" and costs.training else []
     if not gs:
@@ -449,7 +449,7 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
         return {**{g.name: len(g.blocks) for g in gs}, SELECTIVE: 1}
     if budget is None:
         return {}
-    from autoshard.passes.solve import tied_plan
+    from autoshard.planner.solve import tied_plan
     need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard,
                        tied_plan(graph, strategies, choice))["total"]
     if need <= budget:

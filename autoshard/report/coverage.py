@@ -56,7 +56,7 @@ import torch.nn as nn
 
 from autoshard import placement as pl
 from autoshard.api import resolve_cluster, resolve_mesh
-from autoshard.cluster import Cluster
+from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm, compute
 from autoshard.passes.annotate import Strategy, expand, one_axis_sigs, storage_options
 from autoshard.passes.capture import Graph, Node, capture
