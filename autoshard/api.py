@@ -25,7 +25,8 @@ from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh,
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.runtime.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
-from autoshard.passes.capture import Graph, capture, normalize_inputs
+from autoshard.ir import Graph
+from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, batch_casts, fuse_cast_gathers, schedule

@@ -54,7 +54,8 @@ import torch
 from autoshard import placement as pl
 from autoshard.arguments import MAX_AXES, check_mesh, check_module
 from autoshard.passes.annotate import blocked_splits
-from autoshard.passes.capture import Graph, capture
+from autoshard.ir import Graph
+from autoshard.passes.capture import capture
 
 aten = torch.ops.aten
 

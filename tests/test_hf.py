@@ -18,7 +18,8 @@ import autoshard
 from autoshard.api import plan_graph
 from autoshard.testing.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
-from autoshard.passes.capture import TensorMeta, capture
+from autoshard.ir import TensorMeta
+from autoshard.passes.capture import capture
 from autoshard.check.validate import signatures
 from cases import run_each, step_on_the_same_gradients
 from models_hf import MODELS as BUILDERS

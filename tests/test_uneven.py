@@ -264,7 +264,7 @@ def test_merging_an_uneven_dim_is_refused():
     """(17, 2, 32) viewed as (34, 32): a chunk of the 17 tokens (5, 5, 5, 2) is no chunk of the
     34 rows (9, 9, 9, 7); evenly, (16, 2, 32) as (32, 32), it is."""
     from autoshard.passes.annotate import expand
-    from autoshard.passes.capture import TensorMeta
+    from autoshard.ir import TensorMeta
     from autoshard.rules.uneven import allows_uneven
     rule = rule_for(aten.view.default)
     assert allows_uneven(aten.view.default)

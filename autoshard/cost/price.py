@@ -23,7 +23,7 @@ from autoshard.rules.moe import computed_shapes, is_grouped_mm
 from autoshard.precision import CAST, grad_itemsize
 
 if TYPE_CHECKING:
-    from autoshard.passes.capture import Graph, Node
+    from autoshard.ir import Graph, Node
 
 CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from autoshard import placement as pl
 from autoshard.placement import B, Split
-from autoshard.passes.capture import Graph, Node
+from autoshard.ir import Graph, Node
 from autoshard.passes.functionalize import SHARED_STORAGE
 from autoshard.planner.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for

@@ -20,7 +20,7 @@ from autoshard import runtime
 from autoshard.cost import comm
 from autoshard.runtime.outputs import WHOLE, kept_split, to_dtensor
 from autoshard.passes.functionalize import SHARED_STORAGE, copied
-from autoshard.passes.capture import Graph, TensorMeta
+from autoshard.ir import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups

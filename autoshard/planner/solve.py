@@ -50,7 +50,7 @@ from autoshard import placement as pl
 from autoshard.cost import memory
 from autoshard.cost.price import Costs
 from autoshard.cost.step import DRAG, PARTS, Cost
-from autoshard.passes.capture import Graph
+from autoshard.ir import Graph
 from autoshard.planner.progress import Progress, phase
 from autoshard.planner import recompute
 from autoshard.planner.repeat import tie_repeated

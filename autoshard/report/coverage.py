@@ -59,7 +59,8 @@ from autoshard.api import resolve_cluster, resolve_mesh
 from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm, compute
 from autoshard.passes.annotate import Strategy, expand, one_axis_sigs, storage_options
-from autoshard.passes.capture import Graph, Node, capture
+from autoshard.ir import Graph, Node
+from autoshard.passes.capture import capture
 from autoshard.cost.price import Costs
 from autoshard.plan import _fmt_bytes, _fmt_s
 from autoshard.rules import rule_for
