@@ -467,6 +467,7 @@ class ParallelModule(nn.Module):
             for mod, pname, _ in places:
                 mod._parameters[pname] = new
             optim.adopt([new])
+            optim.retire(p, places[0][2])
         with torch.no_grad():
             for b in self._model.buffers():
                 dist.broadcast(b, src=0)

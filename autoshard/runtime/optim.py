@@ -37,19 +37,45 @@ FOREACH_SAFE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 FUSED_SAFE = (torch.optim.Adam, torch.optim.AdamW)
 
 MARK = "_autoshard_parameter"
+# on a parameter ``parallelize`` replaced by its share: the name it had in the model
+REPLACED = "_autoshard_replaced"
 _hook = None
 
 
 def adopt(params) -> None:
     """Mark ``params`` (autoshard's DTensor parameters) for the faster step."""
-    global _hook
     for p in params:
         setattr(p, MARK, True)
+    _hook_once()
+
+
+def retire(param, name: str) -> None:
+    """Mark ``param``, which ``parallelize`` replaced in the model by its share: an optimizer
+    built before then holds it, gets no gradient for it and would step nothing, silently; its
+    step raises instead (``_step_pre_hook``)."""
+    setattr(param, REPLACED, name)
+    _hook_once()
+
+
+def _hook_once() -> None:
+    global _hook
     if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_choose_path)
+        _hook = register_optimizer_step_pre_hook(_step_pre_hook)
 
 
-def _choose_path(optimizer, args, kwargs) -> None:
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    stale = [getattr(p, REPLACED) for group in optimizer.param_groups for p in group["params"]
+             if hasattr(p, REPLACED)]
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() on {len(stale)} parameters that autoshard.parallelize replaced "
+            f"by their shares (such as {stale[0]!r}): this optimizer was built before parallelize and would "
+            "train nothing. Build it after parallelize, from the parallel module's parameters "
+            "(`torch.optim.AdamW(module.parameters())`), as with FSDP2's fully_shard")
+    _choose_path(optimizer)
+
+
+def _choose_path(optimizer) -> None:
     if type(optimizer) not in FOREACH_SAFE:
         return
     for group in optimizer.param_groups:
