@@ -15,6 +15,8 @@ from autoshard.testing.launch import LocalWorld
 from autoshard.plan import Plan
 from models import GPT
 
+pytestmark = pytest.mark.long("DCP saves and resumes across worlds, and 20 parallelizations in one group: 16 s on 2 cores")
+
 BEFORE, AFTER = 3, 3   # steps before the checkpoint, and after it
 
 

@@ -33,6 +33,8 @@ from autoshard.passes.capture import capture
 from autoshard.planner.solve import MemoryBudgetError
 from models import GPT
 
+pytestmark = pytest.mark.long("three GPT blocks planned for 256 devices by the mesh search, and each against every hand scheme: 36 s on 2 cores")
+
 CLUSTER = "a100-80gb-nvlink-ib"     # 8 A100-80GB per node: world 256 is 32 nodes
 WORLD = 256
 BUDGET = 80e9

@@ -25,6 +25,8 @@ from cases import run_each, step_on_the_same_gradients
 from models_hf import MODELS as BUILDERS
 from models_hf import megatron_pins
 
+pytestmark = pytest.mark.long("GPT-2, Llama and BERT captured, planned and trained on 2 and 4 ranks: 14 s on 2 cores")
+
 # one block of each: it holds every kind of op a deeper stack repeats, and the 2x2 plans the
 # fixture solves take a fraction of a two-block model's time (the depth's own handling is
 # test_scale's and test_schemes')

@@ -19,6 +19,8 @@ import autoshard
 from autoshard.passes.annotate import UnknownOpWarning
 from cases import run_each, step_on_the_same_gradients
 
+pytestmark = pytest.mark.long("Mixtral and two hand-written expert layers trained on 4 ranks in 11 layouts: 15 s on 2 cores")
+
 TOL = 1e-5
 SLOW = autoshard.Cluster(name="slow-compute", peak_flops=2e9, peak_flops_fp32=1e9, memory_bandwidth=4e9)
 VOCAB, SEQ, BATCH = 128, 8, 8

@@ -55,6 +55,8 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
 from cases import rel_err, run_each
 
+pytestmark = pytest.mark.long("HuggingFace DeepSeek-V3 and Qwen3-MoE captured, planned and trained on 4 ranks in 8 layouts, with every offered layout of the routing ops: 30 s on 2 cores")
+
 aten = torch.ops.aten
 TOL = 1e-5
 # compute this slow next to the links makes the solver split the work of models this small

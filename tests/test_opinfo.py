@@ -10,6 +10,8 @@ import torch
 from autoshard.check import opinfo
 from autoshard.check.validate import op_name, validate
 
+pytestmark = pytest.mark.long("every rule signature checked on OpInfo's sample inputs: 12 s on 2 cores")
+
 aten = torch.ops.aten
 WORLDS = (2, 4)
 # observed (torch 2.13, 16 cases per op): 144 ops covered; 2519 signatures checked at p=2 (1302

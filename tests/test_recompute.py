@@ -15,6 +15,8 @@ from autoshard._compat import cpu_memory_peak
 from autoshard.planner.solve import MemoryBudgetError
 from models import GPT
 
+pytestmark = pytest.mark.long("recomputed plans trained on 4 ranks, and a 6-layer GPT planned under budgets: 20 s on 2 cores")
+
 
 def _gpt(layers=4, d=32, seq=16, batch=8, dropout=0.0, device=None):
     torch.manual_seed(0)

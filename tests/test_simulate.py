@@ -31,6 +31,8 @@ from autoshard.testing.simulate import SimWorld
 from cases import rel_err
 from models import GPT
 
+pytestmark = pytest.mark.long("worlds of 16 and 64 ranks simulated in one process: 25 s on 2 cores")
+
 SMALL = dict(vocab=64, d=32, heads=4, seq=16, layers=1, batch=8, dtype=torch.float64)
 LARGE = dict(vocab=64, d=64, heads=8, seq=16, layers=1, batch=64)   # every dim divides over 64 ranks
 TOL = 1e-5
