@@ -309,3 +309,9 @@ def copy_all(dst: list, src: list) -> None:
         return
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+def custom_op_overload(op):
+    """The OpOverload that ``torch.library.custom_op`` made for the function it returns: the
+    function holds it only as a private attribute (``rules.custom.register`` takes either)."""
+    return op._opoverload

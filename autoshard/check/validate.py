@@ -19,6 +19,9 @@ The tensor inputs of an op are the tensors among ``(args, kwargs)`` in order, li
 same order the capture pass gives the graph's fx nodes. The rule sees the arguments as the planner
 gives them: every tensor replaced by an ``torch.fx.Node`` placeholder.
 
+An op that leaves its result uninitialized (``new_empty``) is checked with the memory filled as torch
+fills it under deterministic algorithms (NaN, an integer dtype's largest value): ``UNINITIALIZED``.
+
 Signatures the planner never offers are counted as *not applicable*, not checked: a split dim that
 does not divide by ``p``, or a partial sum on a non-float tensor (``autoshard.placement.is_valid``).
 
@@ -40,6 +43,7 @@ Command line: ``python -m autoshard.check.validate [-p 2 4] [-v]`` checks the bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -256,10 +260,36 @@ def signatures(target, args, kwargs=None, whole_out=None) -> list:
 
 # ---- one signature ----------------------------------------------------------------------------
 
+# ops whose result is memory they leave uninitialized: checked with it filled (NaN, an integer
+# dtype's largest value), as torch fills it under deterministic algorithms, so that ranks compare
+UNINITIALIZED = {aten.new_empty.default, aten.empty_like.default, aten.empty.memory_format,
+                 aten.empty_strided.default}
+
+
+@contextlib.contextmanager
+def _filled(target):
+    if target not in UNINITIALIZED:
+        yield
+        return
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def check_signature(target, args, kwargs, sig: Sig, p: int, seed: int = 0,
                     fx_args=None, fx_kwargs=None, whole_out=None) -> tuple:
     """-> ("ok" | "n/a" | "skip" | "fail", message)."""
+    with _filled(target):
+        return _check_signature(target, args, kwargs, sig, p, seed, fx_args, fx_kwargs, whole_out)
 
+
+def _check_signature(target, args, kwargs, sig: Sig, p: int, seed, fx_args, fx_kwargs, whole_out) -> tuple:
     ins = tensor_inputs(args, kwargs)
     if fx_args is None:
         fx_args, fx_kwargs = _placeholders(args, kwargs, ins)
@@ -350,7 +380,8 @@ def validate(cases, p: int = 2, seed: int = 0) -> Report:
         ins = tensor_inputs(args, kwargs)
         fx_args, fx_kwargs = _placeholders(args, kwargs, ins)
         try:
-            whole = target(*args, **kwargs)
+            with _filled(target):
+                whole = target(*args, **kwargs)
         except Exception as e:  # noqa: BLE001
             rep.failures.append((name, "-", f"case {ci}: the whole op raised {type(e).__name__}: {e}"))
             continue
@@ -485,6 +516,11 @@ def default_cases(seed: int = 0) -> list:
     add(aten.masked_fill.Scalar, r(4, 8, 8), mask(8, 8), -1e9)
     add(aten.masked_fill.Tensor, r(4, 8, 8), mask(4, 1, 8), torch.tensor(-2.0, dtype=f64))
     add(aten.zeros_like.default, r(8, 12))
+    add(aten.new_zeros.default, r(4, 8), [4, 8, 12])                # x's dims where they line up
+    add(aten.new_ones.default, ints(5, 4, 8), [4, 12], dtype=f64)
+    add(aten.new_full.default, r(8, 12), [8, 12], 2.5)
+    add(aten.new_empty.default, r(4, 8, 12), [4, 8, 16])            # filled while checked (UNINITIALIZED)
+    add(aten.new_empty.default, ints(5, 8), [2, 4, 8])
     add(aten.copy.default, r(4, 8, 12), r(8, 12))                    # copy_ functionalized: src broadcast
     add(aten.copy.default, r(8, 12, dtype=torch.float32), r(8, 12))  # and cast to self's dtype
     add(aten.fill.Scalar, r(8, 12), 0.5)
@@ -613,6 +649,14 @@ def default_cases(seed: int = 0) -> list:
     add(aten.tril.default, r(4, 8, 8), -1)
     add(aten.triu.default, r(4, 8, 8), 1)
     add(aten.triu.default, r(2, 4, 8, 12))
+    add(aten.repeat.default, r(4, 8, 6), [1, 2, 1])                 # dims repeated once keep their split
+    add(aten.repeat.default, r(4, 8), [2, 1, 3])                    # a new dim in front
+    add(aten.repeat.default, ints(5, 8, 4), [1, 1])
+    add(aten.repeat_interleave.self_int, r(4, 8, 6), 2, 1)          # one count: dim 1 split too
+    add(aten.repeat_interleave.self_int, r(4, 8, 6), 3, -1, output_size=18)   # Mamba2's heads: dim whole
+    add(aten.repeat_interleave.self_int, r(4, 6), 2)                # flattened
+    add(aten.repeat_interleave.self_Tensor, r(4, 8, 6), torch.tensor([2]), 1)
+    add(aten.repeat_interleave.self_Tensor, r(4, 8, 6), torch.tensor([1, 2, 0, 3, 1, 1, 2, 2]), 1)
 
     # -- losses
     NONE, MEAN, SUM = 0, 1, 2
@@ -703,6 +747,12 @@ def default_cases(seed: int = 0) -> list:
     add(aten.gather.default, r(8, 12), 1, ints(12, 8, 5))
     add(aten.scatter.src, r(8, 12), 1, r(8, 12).argsort(1)[:, :5], r(8, 5))    # distinct per row
     add(aten.scatter_add.default, r(8, 12), 0, ints(8, 4, 12), r(4, 12))
+    add(aten.scatter_add.default, r(8, 12), 0, ints(8, 4, 6), r(4, 12))      # index narrower than src
+    add(aten.scatter_add.default, r(8, 12), 0, ints(8, 2, 12), r(4, 12))     # fewer rows: index's split only
+    add(aten.scatter_add.default, r(4, 8, 12), 1, ints(8, 4, 16, 12), r(4, 16, 12))
+    add(aten.index_add.default, r(8, 12), 0, ints(8, 16), r(16, 12))         # experts' rows back to tokens
+    add(aten.index_add.default, r(4, 8, 12), 1, ints(8, 4), r(4, 4, 12), alpha=0.5)
+    add(aten.index_add.default, ints(9, 8, 12), 0, ints(8, 4), ints(9, 4, 12))
     add(aten.index_put.default, r(8, 12), [ints(8, 6)], r(6, 12), True)         # accumulate
     add(aten.index_put.default, r(8, 12, 4), [None, r(12).argsort()[:5]], r(5, 4))
     hit = torch.arange(48).reshape(8, 6) % 3 == 0                                 # a 2-d mask covers 2 dims

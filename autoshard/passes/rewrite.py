@@ -25,6 +25,7 @@ from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
 from autoshard.rules.moe import TRANSFORMERS_GROUPED_MM
+from autoshard.rules.pointwise import NEW_SIZED
 from autoshard.rules.registry import norm_dim, qualified_name
 
 aten = torch.ops.aten
@@ -66,7 +67,7 @@ def _with_arg(low: Lowering, index: int, name: str, value):
 
 
 def lower_sized(low: Lowering):
-    """view / reshape / expand: the size argument becomes this rank's output shape."""
+    """view / reshape / expand / new_zeros: the size argument becomes this rank's output shape."""
     args, kwargs = _with_arg(low, 1, "size" if low.node.target != aten.reshape.default else "shape", low.local_out())
     return low.call(args=args, kwargs=kwargs)
 
@@ -254,6 +255,7 @@ LOWERINGS = {
     aten.reshape.default: lower_sized,
     aten._unsafe_view.default: lower_sized,
     aten.expand.default: lower_sized,
+    **{op: lower_sized for op in NEW_SIZED},   # new_zeros(x, size), ...: a split output's share
     aten.unflatten.int: lower_unflatten,
     aten.split.Tensor: lower_split,
     aten.split_with_sizes.default: lower_split,

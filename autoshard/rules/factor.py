@@ -15,14 +15,15 @@ import torch
 aten = torch.ops.aten
 
 
-def factor_sigs(operands, output, shapes, out_shape, additive=()):
+def factor_sigs(operands, output, shapes, out_shape, additive=(), whole=()):
     """operands: per tensor input, a factor name per dim (None: an operand with no factors).
-    ``additive``: indices of operands that are added to the product rather than multiplied."""
+    ``additive``: indices of operands that are added to the product rather than multiplied.
+    ``whole``: factor names never split."""
     sigs = []
     names = []
     for ops in operands:
         for f in ops or ():
-            if f not in names:
+            if f not in names and f not in whole:
                 names.append(f)
     for f in names:
         placements = []

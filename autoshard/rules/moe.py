@@ -40,6 +40,8 @@ aten = torch.ops.aten
 # transformers' grouped matmul (transformers.integrations.moe), a custom op that exists only once
 # transformers is imported: found by its name
 TRANSFORMERS_GROUPED_MM = "transformers::grouped_mm_fallback"
+# torchtitan's scatter-add of the experts' rows back to their tokens (torchtitan.ops.scatter_add)
+TORCHTITAN_SCATTER_ADD = "torchtitan::deterministic_scatter_add"
 
 
 def _along(ctx: OpCtx, dim: int) -> list:
@@ -83,12 +85,48 @@ def scatter_gather(ctx: OpCtx):
     """gather(x, dim, index) and scatter(x, dim, index, src): any dim but ``dim`` where every
     tensor has x's size. scatter_add is linear in x and src together; gather in x."""
     dim = norm_dim(ctx.arg(1, "dim"), len(ctx.in_shapes[0]))
+    if ctx.target == aten.scatter_add.default:
+        return scatter_add_sigs(ctx, dim)
     sigs = _along(ctx, dim)
     if ctx.target == aten.gather.default:
         sigs.append(Sig((P, B), (P,)))
-    elif ctx.target == aten.scatter_add.default:
-        sigs.append(Sig((P, B, P), (P,)))
     return sigs
+
+
+def scatter_add_sigs(ctx: OpCtx, dim: int) -> list:
+    """x.scatter_add(dim, index, src) adds src[i] at x's position index[i] along ``dim`` (i's own
+    position on every other dim): besides the splits of ``_along``, linear in x and src together,
+    and a sum over the positions of index along ``dim``. Each rank adding its chunk of those
+    positions (index and src split there alike) into its piece of x leaves the whole sum split
+    into partial sums: ``(P, S(dim), S(dim)) -> P``. Split on another dim, a chunk's positions
+    would land at the chunk's own coordinates, not the whole's."""
+    sigs = _along(ctx, dim) + [Sig((P, B, P), (P,))]
+    index, src = ctx.in_shapes[1], ctx.in_shapes[2]
+    if len(index) == len(src) > dim and index[dim] == src[dim] > 1:
+        sigs.append(Sig((P, Split(dim), Split(dim)), (P,)))
+    return sigs
+
+
+@rule(aten.index_add.default)
+def index_add(ctx: OpCtx):
+    """x.index_add(dim, index, source, alpha): x's slice index[i] along ``dim`` plus alpha times
+    source's slice i. Split any other dim on x and source alike (the 1-d index whole); linear in
+    x and source together; a sum over source's slices, so each rank adding its chunk of them
+    (index split with them) gives partial sums."""
+    x, source = ctx.in_shapes[0], ctx.in_shapes[2]
+    dim = norm_dim(ctx.arg(1, "dim"), len(x))
+    sigs = [Sig((Split(d), B, Split(d)), (Split(d),))
+            for d in range(len(x)) if d != dim and len(source) == len(x) and source[d] == x[d] > 1]
+    sigs.append(Sig((P, B, P), (P,)))
+    if len(source) > dim and source[dim] > 1 and ctx.in_shapes[1] == (source[dim],):
+        sigs.append(Sig((P, Split(0), Split(dim)), (P,)))
+    return sigs
+
+
+def scatter_add_rows(ctx: OpCtx) -> list:
+    """torchtitan's ``deterministic_scatter_add(out, index, src)``: ``out.scatter_add(0, index,
+    src)`` in a custom op (run deterministically); the combine step of its mixtures of experts."""
+    return scatter_add_sigs(ctx, 0) if ctx.n_in == 3 and ctx.in_shapes[0] else []
 
 
 def _index_span(t, shape):
@@ -178,6 +216,7 @@ def grouped_mm(ctx: OpCtx):
 
 
 register_by_name([TRANSFORMERS_GROUPED_MM], grouped_mm_sigs)
+register_by_name([TORCHTITAN_SCATTER_ADD], scatter_add_rows)
 
 
 # ---- pricing -----------------------------------------------------------------------------------

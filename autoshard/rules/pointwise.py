@@ -74,6 +74,27 @@ def copy_values(ctx: OpCtx):
     return broadcast_sigs(ctx) + [Sig((B, P), (P,))]
 
 
+def new_sized(ctx: OpCtx):
+    """new_zeros / new_ones / new_full / new_empty(x, size): a tensor of the given size whose
+    values do not depend on x's, so any dim of it may be split, each rank making its share (the
+    rewriter gives the op this rank's size: ``rewrite.lower_sized``). x is held split on a dim
+    of the same size where it has one (at the same place, as in ``x.new_zeros(*x.shape[:2], n)``,
+    else lined up from the right, as zeros_like's), or whole. Made whole, x may lie any way: only
+    its dtype and device are read."""
+    x, out = ctx.in_shapes[0], ctx.out_shapes[0]
+    sigs = []
+    for d in range(len(out)):
+        if out[d] <= 1:
+            continue
+        right = d - (len(out) - len(x))
+        at = d if d < len(x) and x[d] == out[d] else right if 0 <= right < len(x) and x[right] == out[d] else None
+        if at is not None:
+            sigs.append(Sig((Split(at),), (Split(d),)))
+        sigs.append(Sig((B,), (Split(d),)))
+    sigs += [Sig((Split(k),), (B,)) for k in range(len(x)) if x[k] > 1]
+    return sigs + [Sig((P,), (B,))]
+
+
 def broadcast_tensors(ctx: OpCtx):
     """Each output is its input expanded to the common shape; linear in it."""
     return broadcast_sigs(ctx) + [Sig((P,) * ctx.n_in, (P,) * ctx.n_out)]
@@ -107,6 +128,8 @@ FACTORIES = [
     aten.linspace, aten.eye, aten.empty_strided, aten.new_zeros, aten.new_ones, aten.new_full,
     aten.new_empty, aten.bernoulli,
 ]
+# their default overloads may be split (their out= overloads stay replicated)
+NEW_SIZED = [aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default]
 
 register(LINEAR_UNARY, linear_unary)
 register(ADDITIVE, additive)
@@ -114,5 +137,6 @@ register(MULTIPLICATIVE, multiplicative)
 register(NUMERATOR, numerator)
 register(NONLINEAR, nonlinear)
 register(FACTORIES, replicated_only)
+register(NEW_SIZED, new_sized)
 register([aten.broadcast_tensors], broadcast_tensors)
 register([aten.copy], copy_values)

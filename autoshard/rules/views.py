@@ -3,7 +3,8 @@
 A reshape groups input dims and output dims into runs of equal product; a split of the first
 (major) dim of an input run is the same contiguous cut as a split of the first dim of its output
 run, as long as both divide evenly (the expansion checks that). Permutes move splits with their
-dims. Ops that cut along a dim (split, cat, slice, select) keep that dim whole.
+dims. Ops that cut along a dim (split, cat, slice, select) keep that dim whole; ops that copy
+along a dim (repeat, repeat_interleave) keep it whole too, unless each element stays in its chunk.
 """
 from __future__ import annotations
 
@@ -145,6 +146,34 @@ def view_as_real(ctx: OpCtx):
     return dim_map_sigs([(d, d) for d in range(len(ctx.in_shapes[0]))])
 
 
+def repeat(ctx: OpCtx):
+    """repeat(x, repeats): the output lays whole copies of x side by side on each dim, new dims in
+    front; a split dim's copies are not its chunks, so only the dims repeated once keep a split."""
+    x = ctx.in_shapes[0]
+    repeats = list(ctx.arg(1, "repeats"))
+    off = len(repeats) - len(x)
+    return dim_map_sigs([(d, d + off) for d in range(len(x)) if repeats[d + off] == 1 and x[d] > 1])
+
+
+def repeat_interleave(ctx: OpCtx):
+    """repeat_interleave(x, repeats, dim): each element repeated in place along ``dim`` (along x
+    flattened where dim is None). The other dims keep their splits. One count for every element
+    (an int, or a tensor of one) keeps each element's copies beside it, so chunk r of x gives
+    chunk r of the output along ``dim`` too (the flat output's chunks follow x's dim 0), unless
+    an ``output_size`` names the whole output's size. Per-element counts keep ``dim`` whole."""
+    x = ctx.in_shapes[0]
+    nd = len(x)
+    dim = ctx.arg(2, "dim", None)
+    one_count = ctx.n_in == 1 or all(n == 1 for n in ctx.in_shapes[1])
+    along = one_count and ctx.kwargs.get("output_size") is None
+    if dim is None:
+        pairs = [(0, 0)] if along and nd and x[0] > 1 else []
+    else:
+        dim = norm_dim(dim, nd)
+        pairs = [(d, d) for d in range(nd) if x[d] > 1 and (d != dim or along)]
+    return dim_map_sigs(pairs, n_in=ctx.n_in)
+
+
 def assert_metadata(ctx: OpCtx):
     """A check of dtype or device, which hold for any share; a check of the size or strides holds
     only for the whole tensor."""
@@ -169,3 +198,5 @@ register([aten.select.int], select)
 register([aten.view_as_complex], view_as_complex)
 register([aten.view_as_real], view_as_real)
 register([aten._assert_tensor_metadata], assert_metadata)
+register([aten.repeat], repeat)
+register([aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor], repeat_interleave)
