@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import inspect
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -75,6 +76,25 @@ def resolve_cluster(cluster) -> Cluster:
 
 
 MEASURE = "measure"
+
+
+class PresetWarning(UserWarning):
+    """A program run on CPUs planned for the default cluster, a GPU one (``parallelize``)."""
+
+
+_PRESET_WARNED = [False]
+
+
+def _warn_preset_on_cpu(cluster, device: torch.device) -> None:
+    """Once a process: the default cluster describes A100 GPUs; a CPU group planned for it gets
+    a plan and an estimated step priced for them, which nothing on this machine says."""
+    if cluster is not None or device.type != "cpu" or _PRESET_WARNED[0]:
+        return
+    _PRESET_WARNED[0] = True
+    warnings.warn(f"autoshard plans for the default cluster, {DEFAULT_CLUSTER!r} (A100 GPUs), but this group runs "
+                  "on CPUs: the plan and its estimated step are priced for those GPUs. Pass cluster=\"measure\" to "
+                  "plan for this machine (measured once, on every rank), or a Cluster that describes it",
+                  PresetWarning, stacklevel=4)
 
 
 def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
@@ -303,6 +323,9 @@ class ParallelModule(nn.Module):
         self._buffers = model._buffers
         self.__dict__["_model"] = model
         self.__dict__["_plan"] = plan
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if plan is None:
+            _warn_preset_on_cpu(plan_kwargs.get("cluster"), device)
         if plan_kwargs.get("cluster") == MEASURE:   # collective: measured here, on every rank, once
             plan_kwargs = dict(plan_kwargs, cluster=Cluster.measure())
         self.__dict__["_plan_kwargs"] = plan_kwargs
@@ -311,7 +334,6 @@ class ParallelModule(nn.Module):
         self.__dict__["_distributed"] = False
         self.__dict__["_planned_shapes"] = None
         self.__dict__["_planned_consts"] = None
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.__dict__["_device"] = device
         mesh, joint = _mesh_for(device.type, tuple(mesh_shape))
         self.__dict__["device_mesh"] = mesh

@@ -85,3 +85,30 @@ def test_an_optimizer_built_before_parallelize_says_so_at_its_step(world2):
     for said, moved in world2.run(optimizer_built_before):
         assert said and "built before parallelize" in said and "AdamW.step() on 14 parameters" in said, said
         assert moved
+
+
+def preset_warnings():
+    """A fresh process: the first parallelize on CPUs under the default cluster warns that it
+    plans for A100 GPUs and what to pass; the next does not, nor one given a cluster."""
+    import warnings
+    import torch
+    import autoshard
+    from autoshard.api import PresetWarning
+    from models import MLP
+    x = torch.randn(8, 32)
+    said = []
+    for cluster in (None, None, "a100-80gb-nvlink-ib"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autoshard.parallelize(MLP(), (x,), cluster=cluster, verbose=False)
+        said.append([str(w.message) for w in caught if w.category is PresetWarning])
+    planned = autoshard.plan(MLP(), (x,), mesh=(2,))
+    return said, (planned.cluster.name, planned.cluster.name in str(planned))
+
+
+def test_a_cpu_group_planned_for_the_default_gpus_is_told_once_what_to_pass():
+    from autoshard.testing.launch import run_local
+    for said, priced_on in run_local(preset_warnings, 2):
+        assert len(said[0]) == 1 and said[1:] == [[], []], said
+        assert "A100 GPUs" in said[0][0] and 'cluster="measure"' in said[0][0]
+        assert priced_on == ("a100-80gb-nvlink-ib", True)   # and the summary says so
