@@ -401,11 +401,8 @@ class ParallelModule(nn.Module):
                 f"non-tensor arguments {list(consts)} differ from those the program was captured with "
                 f"{list(self._planned_consts)}: they are constants of the traced graph. Call with the same "
                 "values, or parallelize a fresh copy of the model for these.")
-        if self._planned_shapes is not None and shapes != self._planned_shapes:
-            raise ValueError(
-                f"input shapes {[list(s) for s, _ in shapes]} differ from the shapes the plan was made for "
-                f"{[list(s) for s, _ in self._planned_shapes]}: autoshard plans for fixed shapes. Pad or "
-                "batch inputs to the planned shapes, or parallelize a fresh copy of the model for these.")
+        # other shapes (a ragged last batch, an eval batch) are captured and planned again, once
+        # each, with the parameters pinned where they are (_agree_on_plan), as a later mode is
         agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self.__dict__.get("_timeout"))
         outputs = self._plan.schedule.get("outputs", WHOLE) if self._plan is not None else \
             self._plan_kwargs.get("outputs", WHOLE)
