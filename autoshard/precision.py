@@ -96,15 +96,22 @@ def ambient_autocast(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
-def make_explicit(gm: fx.GraphModule, signature, mp_policy=None, autocast: Optional[torch.dtype] = None) -> bool:
+def make_explicit(gm: fx.GraphModule, signature, mp_policy=None, autocast: Optional[torch.dtype] = None,
+                  traced_as: Optional[dict] = None) -> bool:
     """Write the policy's and autocast's casts into ``gm`` (in place) and set every node's
     ``meta["val"]`` to its dtype after them. ``autocast``: the caller's autocast dtype, for
     the ops outside the model's own autocast regions (their nodes carry ``meta[AUTOCAST]``).
-    Whether anything changed."""
+    ``traced_as``: placeholder name -> its tensor's own dtype, where the graph was traced with
+    it in the policy's ``param_dtype`` (``passes.capture``): the placeholder gets its own dtype
+    back and the policy's cast. Whether anything changed."""
     g = gm.graph
     if mp_policy is None and autocast is None and not any(AUTOCAST in n.meta for n in g.nodes):
         return False
     vals = {n: _meta(n.meta.get("val")) for n in g.nodes if n.op == "placeholder"}
+    for n, v in vals.items():
+        own = (traced_as or {}).get(n.name)
+        if own is not None and isinstance(v, torch.Tensor) and v.dtype != own:
+            vals[n] = torch.empty(v.shape, dtype=own, device="meta")
     if mp_policy is not None:
         _policy_casts(g, signature, mp_policy, vals)
     known: dict = {}   # (op, argument dtypes, device type) -> autocast's casts of its arguments

@@ -177,10 +177,17 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: 
     args, kwargs = normalize_inputs(example_inputs)
     if extra_kwargs:
         kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
-    with phase("capture"), meta_view(model):
-        ep = export(model, _to_meta(args), _to_meta(kwargs))
+    # under a policy the model is traced as FSDP2 runs it: on its parameters (and, with
+    # cast_forward_inputs, its inputs) in param_dtype, so that the code's own casts (an RMSNorm's
+    # x.float() ... .type_as(x)) are recorded as what they do then, not as the no-ops they are in
+    # fp32; make_explicit gives the graph back its masters and casts them (``traced_as``)
+    cast = mp_policy.param_dtype if mp_policy is not None else None
+    cast_in = cast if mp_policy is not None and mp_policy.cast_forward_inputs else None
+    with phase("capture"), meta_view(model, cast) as params:
+        ep = export(model, _to_meta(args, cast_in), _to_meta(kwargs, cast_in))
         inline_regions(ep.graph_module)
-        precise = make_explicit(ep.graph_module, ep.graph_signature, mp_policy, autocast)
+        precise = make_explicit(ep.graph_module, ep.graph_signature, mp_policy, autocast,
+                                traced_as=_traced_as(ep, params, (args, kwargs)) if cast is not None else None)
         functionalize(ep.graph_module, ep.graph_signature)   # in-place ops out of place, where nothing reads the old value
         graph = from_exported(ep, model)
     graph.outputs = outputs
@@ -292,28 +299,51 @@ def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
     return graph
 
 
-def _to_meta(x):
+def _to_meta(x, floating=None):
+    """Meta tensors of ``x``'s shapes; its floating tensors in ``floating`` when given."""
     if isinstance(x, torch.Tensor):
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        dtype = floating if floating is not None and x.dtype.is_floating_point else x.dtype
+        return torch.empty(x.shape, dtype=dtype, device="meta")
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
+        return type(x)(_to_meta(v, floating) for v in x)
     if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
+        return {k: _to_meta(v, floating) for k, v in x.items()}
     return x
 
 
+def _traced_as(ep: ExportedProgram, params: dict, inputs) -> dict:
+    """placeholder name -> the dtype its tensor really has, for the parameters and user inputs
+    traced in another (``capture`` under a policy)."""
+    leaves = [x for x in torch.utils._pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+    users = iter(leaves)
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER and spec.target in params:
+            out[spec.arg.name] = params[spec.target]
+        elif spec.kind == InputKind.USER_INPUT and hasattr(spec.arg, "name") and type(spec.arg).__name__ == "TensorArgument":
+            x = next(users, None)
+            if x is not None:
+                out[spec.arg.name] = x.dtype
+    return out
+
+
 @contextlib.contextmanager
-def meta_view(model: nn.Module):
+def meta_view(model: nn.Module, floating=None):
     """Swap the model's parameters and buffers for meta tensors of their global shapes while it is
-    captured: no memory for weights, and DTensor shares trace as the whole tensors they stand for."""
+    captured: no memory for weights, and DTensor shares trace as the whole tensors they stand for.
+    ``floating``: the dtype the floating parameters take meanwhile (a policy's ``param_dtype``).
+    Yields each parameter's name (every alias) -> its own dtype."""
     saved = []
     fakes: dict = {}
-    for mod in model.modules():
+    dtypes: dict = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
             if p is None:
                 continue
+            dtypes[f"{mod_name}.{name}" if mod_name else name] = p.dtype
             if id(p) not in fakes:
-                fakes[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+                dtype = floating if floating is not None and p.dtype.is_floating_point else p.dtype
+                fakes[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
             saved.append((mod._parameters, name, p))
             mod._parameters[name] = fakes[id(p)]
         for name, b in list(mod._buffers.items()):
@@ -322,7 +352,7 @@ def meta_view(model: nn.Module):
             saved.append((mod._buffers, name, b))
             mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
     try:
-        yield
+        yield dtypes
     finally:
         for registry, name, value in reversed(saved):
             registry[name] = value
