@@ -23,6 +23,7 @@ from autoshard import runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_unflatten
 from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
                                  check_plan_options)
+from autoshard import cache
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.runtime.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
@@ -453,7 +454,14 @@ class ParallelModule(nn.Module):
                             pins[n.fqn] = self._plan.params[n.fqn]
                     kwargs["pin"] = pins
                     kwargs["training"] = training
-                msg[0] = ("ok", plan_graph(graph, self.device_mesh.shape, **kwargs).to_json())
+                mesh = tuple(self.device_mesh.shape)
+                name = cache.key(graph, mesh, kwargs) if cache.directory() is not None else None
+                text = cache.load(name) if name else None
+                if text is None:   # planned here, and kept for the next start (autoshard.cache)
+                    text = plan_graph(graph, mesh, **kwargs).to_json()
+                    if name:
+                        cache.save(name, text)
+                msg[0] = ("ok", text)
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
                 msg[0] = ("error", type(e).__name__, str(e))
         dist.broadcast_object_list(msg, src=0)

@@ -7,6 +7,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from autoshard.testing import launch  # noqa: E402
 
+# every test plans afresh (a plan kept on disk by an earlier run would hide the planner's work);
+# test_cache turns the cache on in a directory of its own. The ranks take this environment too
+os.environ["AUTOSHARD_PLAN_CACHE"] = "off"
+
 # the ranks of the suite's groups import these to run its cases: imported once, in the server
 # they are forked from (launch.PRELOAD), rather than by every rank of every module's group
 launch.PRELOAD += ["transformers", "models", "cases"]
