@@ -231,6 +231,23 @@ def test_untraceable_model_says_what_failed_and_what_to_try():
     assert "DataDependent" in msg and "torch.where" in msg and "torch.cond" in msg
 
 
+class MadeOnTheCpu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x * torch.arange(16.0))   # no device=: torch.export takes it, a meta trace does not
+
+
+def test_a_tensor_made_without_device_is_named_with_the_fix():
+    with pytest.raises(autoshard.CaptureError) as info:
+        autoshard.plan(MadeOnTheCpu(), (torch.randn(4, 16),), mesh=(2,))
+    msg = str(info.value)
+    assert "MadeOnTheCpu" in msg and "without device=" in msg and "device=x.device" in msg
+    assert "Try torch.export.export" not in msg   # which works, and would mislead
+
+
 def test_pin_of_an_unknown_name():
     model, x = _mlp()
     with pytest.raises(ValueError, match="did you mean 'layers.0.fc1.weight'".replace("did", "Did")):

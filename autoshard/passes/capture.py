@@ -48,6 +48,15 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram
                      "pytree can flatten. Return tensors (or tuples, lists, dicts and dataclasses "
                      "registered with torch.utils._pytree), or switch that output off: a decoder's "
                      "key/value cache object, for one, goes with use_cache=False.")
+        elif "meta" in first and ("device" in first or "Device" in type(e).__name__):
+            # export on the user's own tensors works; here the weights and inputs are meta tensors
+            raise CaptureError(
+                f"autoshard could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
+                "autoshard traces the model on the meta device (no memory for its weights), and the "
+                "forward makes a tensor on another device: a tensor created without device= "
+                "(torch.arange(n), torch.ones(t, t), torch.tensor([...])) lands on the CPU and meets the "
+                "meta inputs. Create it on the input's device (torch.arange(n, device=x.device)), or "
+                "register it as a buffer in __init__.") from e
         else:
             cause = ("Common causes: Python control flow that depends on tensor values (use torch.where "
                      "or torch.cond), calls into non-torch libraries, or example inputs of the wrong shape.")
