@@ -20,7 +20,7 @@ import torch.nn as nn
 from autoshard import placement as pl
 from autoshard.runtime import agree, optim
 from autoshard import runtime
-from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_unflatten
+from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
 from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
                                  check_plan_options)
 from autoshard import cache
@@ -240,7 +240,8 @@ def _device_type(model: nn.Module) -> str:
 # ---- running ------------------------------------------------------------------------------------
 
 def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Optional[Plan] = None,
-                overlap: bool = True, timeout: Optional[float] = None, **plan_kwargs) -> "ParallelModule":
+                overlap: bool = True, timeout: Optional[float] = None, inputs: str = "whole",
+                **plan_kwargs) -> "ParallelModule":
     """``model`` for the current rank of an initialized process group.
 
     With ``example_inputs`` (or a ``plan``) it plans and shards the parameters now; without, at
@@ -250,8 +251,15 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     and for measuring what the schedule gains). ``timeout`` (seconds) bounds every collective on
     the module's process groups (the mesh's, and those spanning several axes), which otherwise
     wait as long as torch's default for each (gloo: the default group's ``init_process_group``
-    timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise."""
+    timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise.
+    ``inputs``: ``"whole"``, every rank passes the same whole batch; ``"local"``, each rank passes
+    its own (as with DDP and a DistributedSampler): the global batch is the ranks' batches
+    concatenated in rank order along dim 0, gathered at each call, and every output with that
+    batch dim comes back as this rank's rows (``ParallelModule.data_shards``, ``data_rank``)."""
     check_module("model", model)
+    if inputs not in ("whole", "local"):
+        raise ValueError(f"inputs is \"whole\" (every rank passes the whole batch) or \"local\" (each rank its "
+                         f"own, concatenated in rank order), got {inputs!r}")
     if example_inputs is not None:
         normalize_inputs(example_inputs)
     if plan is not None and not isinstance(plan, Plan):
@@ -278,8 +286,9 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if plan is not None:
         mesh_shape = tuple(plan.mesh_shape)
     plan_kwargs.pop("mesh", None)
-    agree.check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout)   # before any collective
+    agree.check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout, inputs)   # before any collective
     pm = ParallelModule(model, mesh_shape, plan, plan_kwargs, overlap)
+    pm.__dict__["_local"] = inputs == "local"
     if timeout is not None:
         pm.__dict__["_timeout"] = timeout
         pm._bound_collectives()
@@ -385,7 +394,20 @@ class ParallelModule(nn.Module):
     # -- planning --------------------------------------------------------------------------------
     def prepare(self, example_inputs):
         args, kwargs = normalize_inputs(example_inputs)
+        if self.__dict__.get("_local"):
+            args, kwargs, _ = _gathered(args, kwargs)
         self._program_for(args, kwargs)
+
+    @property
+    def data_shards(self) -> int:
+        """How many different batches the ranks pass: the world under ``inputs="local"``, else 1
+        (every rank the same whole batch)."""
+        return dist.get_world_size() if self.__dict__.get("_local") else 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which of them this rank passes (a DistributedSampler's ``rank``)."""
+        return dist.get_rank() if self.__dict__.get("_local") else 0
 
     def _program_for(self, args, kwargs, leaves=None):
         if leaves is None:
@@ -503,12 +525,68 @@ class ParallelModule(nn.Module):
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
+        rows = None
+        if self.__dict__.get("_local"):
+            args, kwargs, rows = _gathered(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         program, _, _, feed = self._program_for(args, kwargs, leaves)
         inputs = feed.inputs() + [x for x in leaves if isinstance(x, torch.Tensor)]
         with runtime.active(self._rank_mesh), (runtime.regathering() if feed.again else contextlib.nullcontext()):
             outs = program(*inputs)
-        return feed.outputs(outs)
+        out = feed.outputs(outs)
+        return out if rows is None else tree_map_only(torch.Tensor, lambda t: _own_rows(t, *rows), out)
+
+
+def _gathered(args, kwargs):
+    """``inputs="local"``: every rank's tensors with a dim concatenated in rank order along dim 0
+    (the ranks' row counts may differ: a ragged last batch), and this rank's rows of them
+    (first row, count, global rows, ranks), read off the first such tensor."""
+    leaves, spec = tree_flatten((args, kwargs))
+    batched = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not batched:
+        return args, kwargs, None
+    p = dist.get_world_size()
+    counts = torch.tensor([leaves[i].shape[0] for i in batched], dtype=torch.int64)
+    every = [torch.empty_like(counts) for _ in range(p)]
+    dist.all_gather(every, counts)
+    for k, i in enumerate(batched):
+        x = leaves[i].detach()
+        most = max(int(c[k]) for c in every)
+        padded = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))]) if x.shape[0] < most else x
+        parts = [torch.empty_like(padded) for _ in range(p)]
+        dist.all_gather(parts, padded.contiguous())
+        leaves[i] = torch.cat([part[:int(c[k])] for part, c in zip(parts, every)])
+    me = dist.get_rank()
+    first = sum(int(c[0]) for c in every[:me])
+    args, kwargs = tree_unflatten(leaves, spec)
+    return args, kwargs, (first, int(every[me][0]), sum(int(c[0]) for c in every), p)
+
+
+def _own_rows(t, first: int, count: int, total: int, p: int):
+    """This rank's rows of an output with the global batch's dim 0 (others as they are)."""
+    if t.dim() == 0 or t.shape[0] != total:
+        return t
+    return _Rows.apply(t, first, count, p)
+
+
+class _Rows(torch.autograd.Function):
+    """An output's rows for this rank. Each rank seeds the gradient of its own rows only; the
+    program takes a whole output's gradient as the same on every rank (each seeds the whole),
+    so the rows' gradients are summed over the ranks into it (one all-reduce of the output's
+    gradient: every rank must run backward through the output, as through the program)."""
+
+    @staticmethod
+    def forward(ctx, t, first, count, p):
+        ctx.meta = (t.shape, first, count)
+        return t[first:first + count]
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, first, count = ctx.meta
+        whole = g.new_zeros(shape)
+        whole[first:first + count] = g
+        dist.all_reduce(whole)
+        return whole, None, None, None
 
 
 class _Feed:

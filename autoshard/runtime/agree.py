@@ -100,10 +100,10 @@ def layout_digest(plan) -> str:
     return digest(json.dumps([list(plan.mesh_shape), params, plan.training, plan.schedule, nodes], sort_keys=True))
 
 
-def check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout=None) -> None:
+def check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout=None, inputs="whole") -> None:
     """At ``parallelize``, before the mesh's groups are made: the plan, mesh, options and model."""
     check({"plan": None if plan is None else layout_digest(plan), "mesh": tuple(mesh_shape),
-           "options": digest(repr(sorted(plan_kwargs.items()))), "overlap": overlap,
+           "options": digest(repr(sorted(plan_kwargs.items()))), "overlap": overlap, "inputs": inputs,
            "model": digest(repr([(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]))},
           "parallelize", timeout)
 
