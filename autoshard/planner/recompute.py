@@ -28,10 +28,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from torch.export.graph_signature import OutputKind
 
 from autoshard.cost.step import DRAG, PARTS, Cost
-from autoshard.planner.repeat import _block_of
+from autoshard.planner.repeat import stack_blocks, tied_plan
 
 AUTO = "auto"
 SELECTIVE = "selective"
@@ -88,58 +87,9 @@ class Group:
         return self.blocks[0]
 
 
-def _stack_blocks(graph) -> dict:
-    """block name -> its op node names, for every block of a stack of two or more that may run
-    its forward twice; once per graph."""
-    if "recompute_blocks" in graph.cache:
-        return graph.cache["recompute_blocks"]
-    found: dict = {}
-    for n in graph.nodes:
-        if n.kind != "op":
-            continue
-        b = _block_of(n)
-        if b is not None:
-            found.setdefault(b[0], {}).setdefault(b[1], []).append(n.name)
-    out = {}
-    written = _written_buffers(graph)
-    for container, by_index in found.items():
-        if len(by_index) < 2:
-            continue
-        for k in sorted(by_index):
-            names = by_index[k]
-            # a block the user checkpoints already recomputes (passes.checkpoint.user_regions)
-            if all(_repeatable(graph.by_name[m], written) for m in names):
-                out[f"{container}.{k}"] = names
-    graph.cache["recompute_blocks"] = out
-    return out
-
-
-def _written_buffers(graph) -> set:
-    """The names of the buffer nodes whose buffer the step writes (export's BUFFER_MUTATION
-    outputs, which the parallel module copies in after the call): a checkpointed block fed such
-    a buffer would find it changed when backward runs the block again."""
-    targets = {s.target for s in graph.exported.graph_signature.output_specs
-               if s.kind == OutputKind.BUFFER_MUTATION}
-    return {n.name for n in graph.nodes if n.kind == "buffer" and n.fqn in targets}
-
-
-def _repeatable(node, written: set) -> bool:
-    """Whether running the op again changes nothing (no mutation, no running statistics, no
-    read of a buffer the step writes), and the user's own checkpoint does not already run it
-    again (``Node.region``)."""
-    if getattr(node, "region", None) is not None:
-        return False
-    if any(v[0] in written for v in node.inputs if v is not None):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and schema.is_mutable:
-        return False
-    return "batch_norm" not in node.op_name
-
-
 def groups(graph, rep: dict) -> list:
     """The classes of tied blocks for this tying (``planner.repeat.tie_repeated``)."""
-    blocks = _stack_blocks(graph)
+    blocks = stack_blocks(graph)
     if not blocks:
         return []
     by_key: dict = {}
@@ -426,7 +376,7 @@ def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
         freed += m * d
         peak = max(peak, d)
         blocks += g.blocks[:m]
-    order = list(_stack_blocks(graph))
+    order = list(stack_blocks(graph))
     blocks.sort(key=order.index)
     report = {"mode": mode_of(costs), "blocks": blocks, "of": len(order), "selective": light,
               "compute": extra.compute, "communication": extra.comm, "freed": freed, "peak": peak}
@@ -449,7 +399,6 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
         return {**{g.name: len(g.blocks) for g in gs}, SELECTIVE: 1}
     if budget is None:
         return {}
-    from autoshard.planner.solve import tied_plan
     need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard,
                        tied_plan(graph, strategies, choice))["total"]
     if need <= budget:

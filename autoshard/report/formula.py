@@ -20,7 +20,7 @@ a gradient's share of its bucket) is taken at the branch the plan's own values s
 formula is the plan's cost where it stands, exact at ``values`` and smooth around them.
 
 Only published cluster figures have a formula: a measured cluster prices kernels and collectives
-by fitted rates (``Cluster.measure``), which have no closed form here.
+by fitted rates (``autoshard.measure``), which have no closed form here.
 """
 from __future__ import annotations
 
