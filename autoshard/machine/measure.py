@@ -59,6 +59,7 @@ import torch.fx as fx
 from autoshard.machine.cluster import COLLECTIVE_KINDS, DEFAULT_CLUSTER, Cluster
 from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.cost.comm import ring_bytes
+from autoshard.cost.compute import FLOP_FAMILIES, work
 
 aten = torch.ops.aten
 
@@ -312,7 +313,6 @@ def _kernels(device) -> tuple:
     """((family, forward rate, backward rate), ...) of each family of ``cost.compute.FAMILY``:
     the work of every timed call as the cost model counts it (``cost.compute.work``), over the
     seconds its forward, and then its backward, took."""
-    from autoshard.cost.compute import FLOP_FAMILIES, work
     rand = lambda *shape: torch.randn(*shape, device=device, requires_grad=True)   # noqa: E731
     shapes = _shapes(device)
     tokens, rows, heads = shapes["tokens"], shapes["rows"], shapes["attention"]

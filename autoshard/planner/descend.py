@@ -32,6 +32,7 @@ from autoshard.cost import memory
 from autoshard.planner import recompute
 from autoshard.planner.progress import phase, uncollected
 from autoshard.cost.price import Costs
+from autoshard.passes.annotate import annotate
 from autoshard.planner.repeat import tie_repeated, tied_plan, twin_edges
 from autoshard.planner.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost, solve
 
@@ -253,7 +254,6 @@ def unsplit(groups) -> frozenset:
 def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Optional[float]) -> list:
     """The exact plans of every two-axis mesh this one coarsens to, lifted onto it (for a mesh
     with no pins: pins name this mesh's axes, which a coarser mesh lacks)."""
-    from autoshard.passes.annotate import annotate
     starts = []
     for coarse, groups in coarsenings(costs.mesh_shape):
         if len(coarse) > EXACT_AXES:

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 
 
 from autoshard.cost.step import DRAG, PARTS, Cost
-from autoshard.planner.repeat import stack_blocks, tied_plan
+from autoshard.cost import memory
+from autoshard.cost.compute import FLOPS, FLOPS_BY_NAME, qualified_name
+from autoshard.cost.memory import rank_memory
+from autoshard.planner.repeat import stack_blocks, tie_repeated, tied_plan
 
 AUTO = "auto"
 SELECTIVE = "selective"
@@ -61,7 +64,6 @@ def chooses(graph, strategies, costs, budget) -> bool:
     budget, with repeated blocks to choose from."""
     if mode_of(costs) != AUTO or budget is None or not costs.training:
         return False
-    from autoshard.planner.repeat import tie_repeated
     return bool(groups(graph, tie_repeated(graph, strategies)))
 _FWD, _COMM = PARTS.index("compute_fwd"), PARTS.index("comm")
 
@@ -70,7 +72,6 @@ def heavy(node) -> bool:
     """Whether an op does the arithmetic of a block (matmuls, attention, convolutions:
     ``cost.compute.FLOPS``): under ``"selective"`` it keeps its output and is not run again; the
     others (norms, activations, adds, dropout: cheap per byte they keep) are."""
-    from autoshard.cost.compute import FLOPS, FLOPS_BY_NAME, qualified_name
     return node.target in FLOPS or qualified_name(node.target) in FLOPS_BY_NAME
 
 
@@ -302,7 +303,6 @@ def region_terms(model, strategies, table, x, placed, costs, scale, budgeted: bo
     as (terms, constant) bytes times ``scale`` of the memory budget: one variable at least each
     region's bytes made again, a linear form over the layout variables (tied blocks' regions
     alike: their representatives')."""
-    from autoshard.cost import memory
     graph, mesh = costs.graph, costs.mesh_shape
     if not (budgeted and costs.training) or all(n.region is None for n in graph.nodes):
         return {}, 0
@@ -361,7 +361,6 @@ def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
     """(extra Cost, bytes freed, peak bytes back, the report) of recomputing ``counts`` (group
     name -> how many of its blocks) blocks; the first blocks of each group recompute, their
     cheap ops only where ``counts[SELECTIVE]`` is set."""
-    from autoshard.planner.repeat import tie_repeated
     extra, freed, peak, blocks = Cost(), 0, 0, []
     if not counts or not any(counts.values()):
         return extra, 0, 0, None
@@ -387,8 +386,6 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
     """For a fixed layout (a descent's start), how many blocks of each group recompute: none
     (``"none"``, or when the plan fits), all (``"blocks"``), else the fewest by forward time per
     byte freed until it fits, all where it cannot."""
-    from autoshard.cost.memory import rank_memory
-    from autoshard.planner.repeat import tie_repeated
     mode = mode_of(costs)
     gs = groups(graph, tie_repeated(graph, strategies)) if mode != "none" and costs.training else []
     if not gs:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 
 from autoshard import placement as pl
-from autoshard.report.summary import fmt_axes, fmt_bytes, fmt_s
+from autoshard.report.summary import columns, fmt_axes, fmt_bytes, fmt_s
 
 # ---- words --------------------------------------------------------------------------------------
 
@@ -107,7 +107,6 @@ def explain(plan, name: str) -> str:
         rows.append((_nd(o["outputs"][0]) if o["outputs"] else "-", fmt_s(o["step"]),
                      "chosen" if k == 0 else _signed(o["step"] - chosen["step"]), fmt_s(o["compute"]), fmt_s(o["comm"]),
                      fmt_bytes(o["memory"]), "" if o["fits"] else "over the memory budget"))
-    from autoshard.report.summary import columns
     lines += ["  " + r for r in columns(rows)]
     lines += _why(plan, param or node_name, chosen, options[1:])
     return "\n".join(lines)
