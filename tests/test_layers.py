@@ -1,7 +1,8 @@
 """The house's layers, as the README's "How it works" says them: nothing in ``autoshard/cost/`` or
 ``autoshard/rules/`` imports from ``autoshard/passes/`` or ``autoshard/planner/`` at module level;
-and no circle among autoshard's modules, counting the imports inside functions (a function-level
-import that hides a circle is a circle). A type checker's import is no import."""
+no circle among autoshard's modules, counting the imports inside functions (a function-level
+import that hides a circle is a circle); and no import up a floor (``FLOORS``). A type checker's
+import is no import."""
 import ast
 import collections
 import pathlib
@@ -192,3 +193,53 @@ def test_the_graph_sees_imports_inside_functions_and_finds_their_circle(tmp_path
     assert dict(graph["pkg.c"]) == {"pkg.sub": [(1, False)], "pkg.sub.b": [(1, False)]}
     assert circles(graph) == [["pkg.a", "pkg.sub.b"]]
     assert circles(graph, {("pkg.sub.b", "pkg.a")}) == []
+
+
+# The floors, in the order a model flows through them (the README's "How it works"): a module imports
+# from its own floor or those above it in this list, never from one below. A folder may span floors:
+# passes/ captures and annotates before anything is priced, and lowers a plan after it is made.
+# report/'s plan-reading modules stand under plan.py: a plan's methods call them, and they only read
+# its fields (plan.py says why).
+FLOORS = [
+    ("_compat", "placement", "arguments", "ir", "precision", "planner.progress", "planner.repeat"),
+    ("rules",),
+    ("passes.functionalize", "passes.capture", "passes.annotate"),
+    ("machine.cluster",),
+    ("cost",),
+    ("runtime",),
+    ("report.summary", "report.explain", "report.formula", "report.html"),
+    ("plan", "cache"),              # a plan as data, and plans kept on disk
+    ("passes",),                     # rewrite, schedule, checkpoint, interleave, overdecompose
+    ("schemes",),
+    ("planner",),
+    ("api", "machine.measure"),
+    ("report.coverage", "cli", "__main__", "testing", "check"),
+]
+
+# Imports that go up a floor today, each with why; the list only shrinks.
+UPWARD = frozenset({
+    # the output modes (whole or dtensor) and which values stay split are an option filed with the
+    # runtime that returns them; the cost model prices them. To move below cost with the options.
+    ("autoshard.cost.price", "autoshard.runtime.outputs"),
+})
+
+
+def floor_of(module: str) -> int:
+    """The floor of a module: that of the longest name in ``FLOORS`` it is or lies under; the
+    ground floor for a package whose ``__init__.py`` imports nothing (``autoshard.cost``)."""
+    name = module.partition(".")[2]
+    init = ROOT.joinpath(*name.split("."), "__init__.py")
+    if init.exists() and not any(isinstance(s, (ast.Import, ast.ImportFrom))
+                                 for s in ast.walk(ast.parse(init.read_text()))):
+        return 0
+    best = max(((len(p), i) for i, names in enumerate(FLOORS) for p in names
+                if name == p or name.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} stands on no floor: add it to FLOORS"
+    return best[1]
+
+
+def test_nothing_imported_upward():
+    graph = import_graph()
+    up = {(a, b): where for a in graph for b, where in graph[a].items() if floor_of(b) > floor_of(a)}
+    assert set(up) <= UPWARD, {e: w for e, w in up.items() if e not in UPWARD}
+    assert UPWARD <= set(up), f"no longer upward, strike from UPWARD: {UPWARD - set(up)}"
