@@ -26,7 +26,7 @@ from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_bu
 from autoshard import cache
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.machine.measure import MEASURE, measure, resolve_cluster  # noqa: F401 (MEASURE: api.MEASURE)
-from autoshard.runtime.outputs import WHOLE, check_outputs
+from autoshard.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture, normalize_inputs
