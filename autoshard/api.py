@@ -25,7 +25,7 @@ from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_bu
                                  check_number, check_options)
 from autoshard import cache
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
-from autoshard.machine.measure import MEASURE, measure, resolve_cluster  # noqa: F401 (MEASURE: api.MEASURE)
+from autoshard.machine.measure import MEASURE, measure, resolve_cluster
 from autoshard.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
