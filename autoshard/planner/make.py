@@ -193,7 +193,6 @@ class Priced(NamedTuple):
         return alternatives(plan, *self)
 
 
-
 # ---- alternatives, priced on demand --------------------------------------------------------------
 
 TOP = 4
