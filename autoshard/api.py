@@ -21,11 +21,12 @@ from autoshard import placement as pl
 from autoshard.runtime import agree, optim
 from autoshard import runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
-from autoshard.arguments import (MAX_AXES, check_bool, check_budget, check_mesh, check_module, check_number, check_options,
-                                 check_plan_options)
+from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_budget, check_int, check_mesh, check_module,
+                                 check_number, check_options)
 from autoshard import cache
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
-from autoshard.runtime.outputs import WHOLE, check_outputs
+from autoshard.machine.measure import MEASURE, measure, resolve_cluster
+from autoshard.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture, normalize_inputs
@@ -38,7 +39,8 @@ from autoshard.planner.descend import lifted_starts, solve_mesh
 from autoshard.planner.progress import shown
 from autoshard.planner.recompute import AUTO
 from autoshard.cost.price import Costs
-from autoshard.plan import Plan, make_plan
+from autoshard.plan import Plan
+from autoshard.planner.make import make_plan
 from autoshard.precision import ambient_autocast, check_policy, policy_from_record, reduce_dtype
 
 
@@ -59,24 +61,29 @@ def resolve_mesh(world, mesh) -> tuple:
     return mesh
 
 
-def resolve_cluster(cluster) -> Cluster:
-    """A Cluster from a Cluster, a preset name, None (the default preset) or ``"measure"``: this
-    machine, measured now (``Cluster.measure``). Inside a process group measuring is collective,
-    so every rank must plan with ``"measure"`` together (``parallelize`` measures once, on every
-    rank, and rank 0 plans with its figures); outside one it measures this process's compute and
-    keeps the default preset's links, with a warning."""
-    if cluster is None:
-        return Cluster.preset(DEFAULT_CLUSTER)
-    if cluster == MEASURE:
-        return Cluster.measure()
-    if isinstance(cluster, str):
-        return Cluster.preset(cluster)
-    if isinstance(cluster, Cluster):
-        return cluster
-    raise TypeError(f"cluster is a Cluster, a preset name or {MEASURE!r}, got {type(cluster).__name__}")
-
-
-MEASURE = "measure"
+def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0, bucket_bytes=None,
+                       memory_budget=None, reshard_after_forward=False, recompute="auto", **others) -> None:
+    """The planning options of ``plan`` and ``parallelize``, each of the right kind and range
+    (the pins' names and placements are checked against the graph when it is planned)."""
+    if cluster is not None and not isinstance(cluster, (str, Cluster)):
+        raise TypeError(f"cluster is an autoshard.Cluster, a preset name (autoshard.PRESETS) or 'measure', "
+                        f"got {type(cluster).__name__}")
+    if pin is not None and (not isinstance(pin, dict) or not all(isinstance(k, str) for k in pin)):
+        raise TypeError(f"pin is a dict {{name: placements}}, e.g. {{'fc1.weight': ('S(0)',)}}, got {pin!r}")
+    check_bool("training", training)
+    check_number("time_limit", time_limit, positive=True, hint="the solver's seconds, such as 60")
+    if bucket_bytes is not None:   # None: chosen from the cluster's links (cost.buckets.bucket_bytes_for)
+        check_int("bucket_bytes", bucket_bytes, low=1, hint="bytes per gradient bucket, or None to choose "
+                  "it from the links")
+    if memory_budget is not None:
+        check_budget(memory_budget)
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
+    if not isinstance(recompute, str):
+        raise TypeError(f"recompute is one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {type(recompute).__name__}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute is one of {', '.join(map(repr, RECOMPUTE_MODES))} (the solver chooses, none, every "
+                         f"repeated block, every block's cheap ops), got {recompute!r}")
 
 
 class PresetWarning(UserWarning):
@@ -337,7 +344,7 @@ class ParallelModule(nn.Module):
         if plan is None:
             _warn_preset_on_cpu(plan_kwargs.get("cluster"), device)
         if plan_kwargs.get("cluster") == MEASURE:   # collective: measured here, on every rank, once
-            plan_kwargs = dict(plan_kwargs, cluster=Cluster.measure())
+            plan_kwargs = dict(plan_kwargs, cluster=measure())
         self.__dict__["_plan_kwargs"] = plan_kwargs
         self.__dict__["_overlap"] = overlap
         self.__dict__["_programs"] = {}   # (training, shapes, constants) -> (program, graph, plan, feed)

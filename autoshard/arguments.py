@@ -8,6 +8,8 @@ import math
 import numbers
 
 MAX_AXES = 4   # the most mesh axes a plan has
+# planner.recompute's modes: the solver chooses, none, every repeated block, every block's cheap ops
+RECOMPUTE_MODES = ("auto", "none", "blocks", "selective")
 
 
 def _is_int(value) -> bool:
@@ -78,33 +80,6 @@ def check_mesh(mesh, max_axes: int = MAX_AXES) -> tuple:
     if any(a < 1 for a in mesh) or (len(mesh) > 1 and any(a < 2 for a in mesh)):
         raise ValueError(f"every axis of mesh {mesh} needs at least 2 devices; drop axes of size 1")
     return mesh
-
-
-def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0, bucket_bytes=None,
-                       memory_budget=None, reshard_after_forward=False, recompute="auto", **others) -> None:
-    """The planning options of ``plan`` and ``parallelize``, each of the right kind and range
-    (the pins' names and placements are checked against the graph when it is planned)."""
-    from autoshard.machine.cluster import Cluster
-    if cluster is not None and not isinstance(cluster, (str, Cluster)):
-        raise TypeError(f"cluster is an autoshard.Cluster, a preset name (autoshard.PRESETS) or 'measure', "
-                        f"got {type(cluster).__name__}")
-    if pin is not None and (not isinstance(pin, dict) or not all(isinstance(k, str) for k in pin)):
-        raise TypeError(f"pin is a dict {{name: placements}}, e.g. {{'fc1.weight': ('S(0)',)}}, got {pin!r}")
-    check_bool("training", training)
-    check_number("time_limit", time_limit, positive=True, hint="the solver's seconds, such as 60")
-    if bucket_bytes is not None:   # None: chosen from the cluster's links (cost.buckets.bucket_bytes_for)
-        check_int("bucket_bytes", bucket_bytes, low=1, hint="bytes per gradient bucket, or None to choose "
-                  "it from the links")
-    if memory_budget is not None:
-        check_budget(memory_budget)
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
-    from autoshard.planner.recompute import MODES
-    if not isinstance(recompute, str):
-        raise TypeError(f"recompute is one of {', '.join(map(repr, MODES))}, got {type(recompute).__name__}")
-    if recompute not in MODES:
-        raise ValueError(f"recompute is one of {', '.join(map(repr, MODES))} (the solver chooses, none, every "
-                         f"repeated block, every block's cheap ops), got {recompute!r}")
 
 
 def check_budget(memory_budget) -> float:

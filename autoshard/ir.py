@@ -80,7 +80,7 @@ class Graph:
     # signatures, repeat's blocks), by the pass's own keys
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     # how the caller takes the user outputs: "whole" on every rank, or "dtensor" in their planned
-    # layouts (autoshard.runtime.outputs), which the cost of converting them to the output depends on
+    # layouts (autoshard.outputs), which the cost of converting them to the output depends on
     outputs: str = "whole"
 
     def __post_init__(self):

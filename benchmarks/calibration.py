@@ -1,7 +1,7 @@
 """The cost model against the clock: predicted and measured step times of several plans of one GPT,
-on a local gloo group (CPU processes) measured by ``autoshard.Cluster.measure``.
+on a local gloo group (CPU processes) measured by ``autoshard.measure``.
 
-  1. every rank measures the cluster (``Cluster.measure``: collectives per group shape, matmul
+  1. every rank measures the cluster (``autoshard.measure``: collectives per group shape, matmul
      FLOP/s, memory bandwidth, op launch overhead, AdamW's step); rank 0's figures are the plan's
   2. the default plan (``autoshard.plan`` with the measured cluster, its own mesh search) and every
      hand scheme of ``autoshard.schemes`` that fits the world, each planned on the measured cluster
@@ -48,7 +48,7 @@ from autoshard.passes.annotate import annotate  # noqa: E402
 from autoshard.passes.capture import capture  # noqa: E402
 from autoshard.cost.price import Costs  # noqa: E402
 from autoshard.planner.solve import Solution  # noqa: E402
-from autoshard.plan import make_plan  # noqa: E402
+from autoshard.planner.make import make_plan  # noqa: E402
 from plan_gpt import GPT  # noqa: E402
 from vs_torch import ResMLP  # noqa: E402
 
@@ -76,11 +76,11 @@ def measure_job():
     as ``parallelize`` imports it anyway)."""
     import torch.distributed.tensor  # noqa: F401
     start = time.perf_counter()
-    autoshard.Cluster.measure()
+    autoshard.measure()
     seconds = time.perf_counter() - start
     # the plans are made on the median of three: one measurement taken during a burst of other
     # work on the machine would make the default plan for a slower machine than the steps see
-    return autoshard.Cluster.measure(repeats=3), seconds
+    return autoshard.measure(repeats=3), seconds
 
 
 def steps_job(plan_texts, args):
@@ -95,7 +95,7 @@ def steps_job(plan_texts, args):
     clusters, times = [], [[] for _ in runs]
     for step in range(args.warmup + args.steps):
         if step >= args.warmup:
-            clusters.append(autoshard.Cluster.measure())
+            clusters.append(autoshard.measure())
         order = list(range(len(runs)))
         order = order[step % len(order):] + order[:step % len(order)]   # each plan goes first in turn
         for i in order:

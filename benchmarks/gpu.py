@@ -6,7 +6,7 @@ measured there, beside the preset a plan for that GPU is priced on.
 
 Three parts, each printed as it ends, so a run cut short still shows what it reached:
 
-1. ``Cluster.measure`` inside a process group of one rank (NCCL on a GPU): the cost model's own
+1. ``autoshard.measure`` inside a process group of one rank (NCCL on a GPU): the cost model's own
    figures (matmul FLOP/s at fp32 and bf16 on its small timed shapes, memory bandwidth, the launch
    overhead per op in forward and per autograd node in backward), then square matmuls of growing
    size timed directly, and each figure over the preset's (``--preset``): the efficiency the preset
@@ -71,14 +71,14 @@ def measure_compute(device, preset: str, out: str) -> dict:
     """Part 1: the measured cluster beside the preset, and large matmuls timed directly."""
     base = autoshard.Cluster.preset(preset)
     start = time.perf_counter()
-    cluster = autoshard.Cluster.measure(base, name=f"measured-{device.type}")
+    cluster = autoshard.measure(base, name=f"measured-{device.type}")
     took = time.perf_counter() - start
     if out:
         cluster.save(os.path.join(out, "cluster.json"))
     fig = {"measure_s": took, "fp32": cluster.peak_flops_fp32, "bf16": cluster.peak_flops,
            "memory": cluster.memory_bandwidth, "launch_fwd": cluster.op_overhead,
            "launch_bwd": cluster.backward_overhead}
-    print(f"\n== 1. Cluster.measure on {device} ({took:.1f} s), beside the {preset} preset ==")
+    print(f"\n== 1. autoshard.measure on {device} ({took:.1f} s), beside the {preset} preset ==")
     print(f"matmul fp32 {fig['fp32'] / 1e12:.2f} TFLOP/s ({fig['fp32'] / base.peak_flops_fp32:.2f} of the preset's "
           f"{base.peak_flops_fp32 / 1e12:.0f}); bf16 {fig['bf16'] / 1e12:.2f} TFLOP/s "
           f"({fig['bf16'] / base.peak_flops:.2f} of {base.peak_flops / 1e12:.0f}); the cost model's small timed shapes")

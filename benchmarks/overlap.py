@@ -130,7 +130,7 @@ def _build(case, a):
     pin = {"megatron": schemes.megatron, "seq-parallel": schemes.sequence_parallel}.get(case)
     kw = {"pin": pin(model, batch, mesh)} if pin else {}
     # a measured cluster is measured by every rank together (collectives), then planned on by rank 0
-    cluster = autoshard.Cluster.measure() if a.cluster == "measure" else a.cluster
+    cluster = autoshard.measure() if a.cluster == "measure" else a.cluster
     text = [autoshard.plan(model, batch, mesh=mesh, cluster=cluster, **kw).to_json() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)     # one plan, rank 0's, on every rank
     plan = autoshard.Plan.from_json(text[0])

@@ -17,7 +17,7 @@ beside autoshard's own plan:
              median ratio is taken against that peer's step in the same round
 
 Every autoshard contender plans for ``--cluster``: by default this machine, measured once per
-world and model (``autoshard.Cluster.measure``), where autoshard has it; a preset otherwise.
+world and model (``autoshard.measure``), where autoshard has it; a preset otherwise.
 
 Two models: a GPT (separate q, k, v and o linears as in LLaMA, an fc -> gelu -> fc2 MLP, layer
 norms, the head tied to the token embedding, cross-entropy inside forward) and a residual MLP
@@ -203,7 +203,7 @@ def default_cluster() -> str:
 
 def plan_cluster(a):
     """The cluster autoshard's contenders plan for: measured here (collective), or a preset."""
-    return autoshard.Cluster.measure() if a.cluster == "measure" else autoshard.Cluster.preset(a.cluster)
+    return autoshard.measure() if a.cluster == "measure" else autoshard.Cluster.preset(a.cluster)
 
 
 def make(name, base, batch, tp, a, cluster=None):

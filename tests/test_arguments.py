@@ -80,7 +80,7 @@ BAD = [
     (lambda: Cluster(name=None), TypeError, "Cluster.name is a string"),
     (lambda: Cluster(nodes=4), TypeError, "unexpected keyword argument 'nodes'"),
     (lambda: Cluster.preset("h100"), ValueError, "unknown cluster preset 'h100'; choose one of"),
-    (lambda: Cluster.measure(repeats=0), ValueError, "repeats"),
+    (lambda: autoshard.measure(repeats=0), ValueError, "repeats"),
     # schemes
     (lambda: schemes.data_parallel("mlp", (X,), (2,)), TypeError, "model must be a torch.nn.Module"),
     (lambda: schemes.roles("mlp", (X,)), TypeError, "model must be a torch.nn.Module"),

@@ -1,4 +1,4 @@
-"""Cluster.measure: the machine measured in its process group, saved and loaded exactly, carried by
+"""autoshard.measure: the machine measured in its process group, saved and loaded exactly, carried by
 the plan to every rank, and priced by the cost model (fitted collectives, op launches, the
 optimizer step, overlap); the presets price as before."""
 import copy
@@ -33,7 +33,7 @@ FAKE = PRESET.with_(name="fake measured", peak_flops=5e10, peak_flops_fp32=4e10,
 def _measure():
     import torch.distributed.tensor  # noqa: F401 - imported by parallelize anyway; not measuring's time
     start = time.perf_counter()
-    cluster = Cluster.measure()
+    cluster = measure.measure()
     return cluster, time.perf_counter() - start
 
 
@@ -65,7 +65,7 @@ def measured(world2):
 def test_measured_on_every_rank_alike_and_sane(measured):
     clusters = [c for c, _ in measured]
     c = clusters[0]
-    print(f"\nCluster.measure at world 2: {max(s for _, s in measured):.2f} s")
+    print(f"\nautoshard.measure at world 2: {max(s for _, s in measured):.2f} s")
     assert all(other == c for other in clusters)                 # rank 0's figures, everywhere
     assert c.measured and c.gpus_per_node == 2 and c.efficiency == 1.0
     assert 1e8 < c.peak_flops_fp32 < 1e15 and 1e8 < c.peak_flops < 1e16       # a CPU core to a GPU
@@ -360,4 +360,4 @@ def test_median_of_measurements():
     assert m.op_overhead == FAKE.op_overhead and m.optimizer == FAKE.optimizer and m.collectives == FAKE.collectives
     assert m.gpus_per_node == FAKE.gpus_per_node and m.name == "fake measured, median of 3"
     with pytest.raises(ValueError, match="repeats"):
-        Cluster.measure(repeats=0)
+        measure.measure(repeats=0)

@@ -11,7 +11,7 @@ import torch
 import autoshard
 from autoshard.cost import overlap, price
 from autoshard.cost.price import Costs
-from autoshard.planner import recompute
+from autoshard.planner import recompute, repeat
 from autoshard.planner.solve import choice_cost
 from models import GPT
 
@@ -94,7 +94,7 @@ def test_a_recomputed_blocks_conversions_are_priced_as_they_run(monkeypatch):
     plan = autoshard.plan(model, inputs, mesh=MESH, pin=pins, recompute="blocks", verbose=False)
     graph, strategies, choice, costs, _ = plan._priced
     assert plan.recompute["blocks"] == ["blocks.0", "blocks.1"]
-    rerun = {o for b in plan.recompute["blocks"] for o in recompute._stack_blocks(graph)[b]}
+    rerun = {o for b in plan.recompute["blocks"] for o in repeat.stack_blocks(graph)[b]}
 
     def priced(m, patch):
         patch(m)

@@ -122,8 +122,9 @@ def test_verbose_is_a_bool():
 
 def test_a_plan_priced_once_per_price_and_weighed_twin_by_twin_is_priced_and_weighed_node_by_node():
     from autoshard.cost import memory
-    from autoshard.plan import _priced
-    from autoshard.planner.solve import choice_cost, tied_plan
+    from autoshard.planner.make import _priced
+    from autoshard.planner.repeat import tied_plan
+    from autoshard.planner.solve import choice_cost
     graph = capture(*_gpt(6))
     mesh = (2, 4)
     strategies = annotate_pass.annotate(graph, mesh)
@@ -209,7 +210,7 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
     in a plan that fits the budget."""
     from autoshard.planner import descend
     from autoshard.planner import solve as solve_module
-    from autoshard.plan import make_plan
+    from autoshard.planner.make import make_plan
     with torch.device("meta"):
         model = GPT(vocab=50304, d=2048, heads=16, layers=96, seq=2048)
     idx = torch.zeros(1024, 2048, dtype=torch.long, device="meta")

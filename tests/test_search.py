@@ -428,7 +428,7 @@ def test_annotate_works_once_per_mesh_and_pins_narrow_only_their_call():
 
 
 def test_a_searchs_plan_costs_what_its_entry_says_and_a_pair_is_priced_once():
-    # a search makes the plan of the chosen mesh only; the others carry plan.plan_cost, which
+    # a search makes the plan of the chosen mesh only; the others carry planner.make.plan_cost, which
     # must sum as make_plan does
     from autoshard.cost.overlap import conversion_price
     from autoshard.passes.annotate import annotate

@@ -3,6 +3,9 @@ prices a parameter's share of its bucket's launch and latency by it, and ``passe
 forms the buckets by it."""
 from __future__ import annotations
 
+from autoshard.cost import comm, compute
+from autoshard.precision import grad_itemsize
+
 BUCKET_BYTES = 25 * 2**20     # DDP's default bucket: the largest a bucket gets
 MIN_BUCKET_BYTES = 2**20      # DDP's first bucket: the smallest
 LATENCY_SHARE = 0.05          # a bucket's launch and latency at most this part of its all-reduce
@@ -17,7 +20,6 @@ def bucket_bytes_for(cluster, mesh_shape) -> int:
     the end of backward, until their latencies add up. On the NVLink and InfiniBand presets this
     is the 25 MiB cap; on a cluster measured on loopback gloo it came out between 6 and 25 MiB,
     as the measured latency varied with the machine's load."""
-    from autoshard.cost import comm
     axes = tuple(range(len(mesh_shape)))
     fixed = comm.group_all_reduce_time(0, axes, mesh_shape, cluster)
     per_byte = (comm.group_all_reduce_time(BUCKET_BYTES, axes, mesh_shape, cluster) - fixed) / BUCKET_BYTES
@@ -32,7 +34,6 @@ def backward_left(graph, cluster, world: int, training: bool) -> list:
     backward has gone back through it, that is the backward of the ops before it: each op's
     kernel on its whole shapes shared by the ``world`` ranks (whatever the plan, they split the
     work between them), and its own autograd node's launch."""
-    from autoshard.cost import compute
     left, total = [], 0.0
     for n in graph.nodes:
         left.append(total)
@@ -59,7 +60,6 @@ def grad_buckets(graph, cap: int) -> list:
     """The gradient buckets the schedule forms (``passes.schedule._bucket_gradients``), every
     trainable parameter taken as all-reduced: filled in the order gradients complete (the reverse
     of first use) up to ``cap`` bytes; [{"members": [(name, bytes), ...], "bytes"}, ...]."""
-    from autoshard.precision import grad_itemsize
     first = first_uses(graph)
     params = sorted((n for n in graph.nodes if n.kind == "param" and n.requires_grad and n.name in first),
                     key=lambda n: -first[n.name])

@@ -323,7 +323,7 @@ def ring_bytes(kind: str, nbytes: float, p: int) -> float:
 def step_time(step: Step, itemsize: int, mesh_shape, links, share: float = 1.0, scale: float = 1.0) -> float:
     """alpha-beta time of one step on its axis (or group of axes), plus the launch overhead of a
     collective; local steps are free of communication. ``links``: ``Cluster.axis_links``. A
-    link measured on groups of this shape (``Cluster.measure``) prices the step by its kind's
+    link measured on groups of this shape (``autoshard.measure``) prices the step by its kind's
     fitted latency and bandwidth; otherwise a ring takes p-1 latency steps. ``share`` < 1 when
     the tensor travels in a bucket with others: it pays that part of the launch and latency;
     ``scale``: the bucket's bytes over the tensor's (``fitted_time``)."""
@@ -350,7 +350,7 @@ def _fit(link, kind: str):
 def fitted_time(fit, sent: float, overhead: float, share: float = 1.0, scale: float = 1.0) -> float:
     """Seconds of a measured collective sending ``sent`` bytes per rank: its launch and latency
     (``share`` of them in a bucket), and the time its bytes take. With the points it was timed
-    at (``Cluster.measure``), that time is read off them, linearly between two, and past the
+    at (``autoshard.measure``), that time is read off them, linearly between two, and past the
     last at the slope of the last two: a CPU's collectives slow down per byte as they outgrow
     its caches (gloo's all-gather of 8 MB per rank at world 4 takes three times its 4 MB one),
     which one straight line fitted over all sizes misses at the sizes that carry the bytes.
@@ -375,7 +375,7 @@ def all_reduce_time(nbytes: int, p: int, link, share: float = 1.0, scale: float 
     tree (2 log2 p steps, the whole tensor up and down), as NCCL picks by size: small tensors
     (a loss's sum, a norm's statistics) pay log p latency, not p. ``share`` < 1 when the tensor
     rides in a bucket with others and pays only that part of the bucket's launch and latency.
-    A measured link (``Cluster.measure``) prices it by the fitted latency and bandwidth of the
+    A measured link (``autoshard.measure``) prices it by the fitted latency and bandwidth of the
     all-reduce its groups ran, whatever algorithm the backend chose; ``scale`` as in
     ``fitted_time`` (a bucket's member moves its bytes at the bucket's rate)."""
     alpha, beta, overhead = link

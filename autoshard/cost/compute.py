@@ -6,7 +6,7 @@ Costing the local shapes charges redundant compute (a broadcast op runs whole on
 full FLOPs, so replicating everything is never free. Backward of a differentiable op is costed as
 twice its forward (two matmuls per matmul), the usual rule of thumb.
 
-A measured cluster (``Cluster.measure``) adds what its machine measured one launch to cost: the
+A measured cluster (``autoshard.measure``) adds what its machine measured one launch to cost: the
 op's in forward, one autograd node's in backward. There a view (an op that aliases its input:
 view, transpose, split, ...) costs its launch and nothing else, since it moves no bytes, and the
 ops of a kernel family it timed (``FAMILY``: matmul, attention, gelu, norm, softmax,

@@ -19,7 +19,7 @@ every rank.
 
 Each mesh's plan is solved without it; its saving is then taken off the plan's estimated step
 (``plan.cost``; ``plan.breakdown``: ``interleave_saved``, moved from ``exposed`` to ``hidden``)
-and off the step a mesh search compares meshes by (``plan.plan_cost``), so the search prefers
+and off the step a mesh search compares meshes by (``planner.make.plan_cost``), so the search prefers
 the mesh whose plan interleaves well; the schedule pass carries it out
 (``plan.schedule["interleave"]``). ``Plan.explain`` prices a node's alternatives as the solver
 does, against the chosen layout's step before the saving. Recomputed blocks run in checkpointed

@@ -80,7 +80,7 @@ def rank_memory(graph, strategies, choice, mesh_shape, training: bool, reshard: 
     """Bytes per rank: parameters, gradients, optimizer state, activations, total. ``reshard``:
     a parameter converted for an op is converted again in backward, not kept. ``tied``: ({node:
     how many nodes take its layout}, [(producer, value, consumer, slot, how many such edges)])
-    of a plan whose repeated blocks take their twins' layouts (``planner.solve.tied_plan``),
+    of a plan whose repeated blocks take their twins' layouts (``planner.repeat.tied_plan``),
     priced twin by twin."""
     total = dict.fromkeys(PARTS, 0)
     count, edges = tied if tied is not None else (None, None)

@@ -18,7 +18,7 @@ from autoshard.cost import comm, compute, memory
 from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
-from autoshard.runtime.outputs import kept_split
+from autoshard.outputs import kept_split
 from autoshard.rules.moe import computed_shapes, is_grouped_mm
 from autoshard.precision import CAST, grad_itemsize
 

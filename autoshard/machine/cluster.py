@@ -5,7 +5,7 @@ order. An axis whose groups stay within a node talks over the node's links; one 
 nodes shares the node's network with the other groups of that node that cross at the same time.
 
 A cluster is either published figures (the presets) or measured on the machine it describes
-(``Cluster.measure``, ``autoshard.machine.measure``). A measured one also holds what the presets leave
+(``autoshard.measure``, ``autoshard.machine.measure``). A measured one also holds what the presets leave
 unpriced: each collective kind's fitted latency and bandwidth per group shape, the fixed time of
 one op launch in forward and in backward, and the optimizer step.
 """
@@ -35,7 +35,7 @@ class Cluster:
     memory_bandwidth: float = 2.0e12  # bytes/s of device memory
     memory: float = 80e9             # bytes of device memory
     efficiency: float = 0.6          # fraction of peak a real kernel reaches
-    # measured (Cluster.measure); the presets leave them empty: launches, measured links and the
+    # measured (autoshard.measure); the presets leave them empty: launches, measured links and the
     # optimizer step unpriced, every op charged its tensors' bytes
     op_overhead: float = 0.0         # seconds one op costs to launch in the emitted forward program
     backward_overhead: float = 0.0   # seconds one autograd node costs in backward
@@ -100,18 +100,6 @@ class Cluster:
 
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)
-
-    @staticmethod
-    def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> "Cluster":
-        """This machine, measured (``autoshard.machine.measure``). Inside an initialized process group
-        every rank must call it (it runs collectives): each collective kind's latency and
-        bandwidth on every group shape a mesh axis of this world can take, matmul FLOP/s in fp32
-        and bf16, memory bandwidth, op launch overhead and AdamW's step; every rank returns the
-        same figures, agreed over the ranks (``autoshard.machine.measure``). Outside a process group, this process's compute only, with the
-        links of ``base`` (a Cluster or preset name, default the default preset). ``repeats``:
-        measure that many times and keep each figure's median. Seconds on a CPU at world 2-4."""
-        from autoshard.machine.measure import measure
-        return measure(base, name=name, repeats=repeats)
 
     def save(self, path) -> None:
         """Write the cluster as JSON; ``Cluster.load`` reads back an equal one."""
@@ -210,7 +198,7 @@ PRESETS = {
     "a100-80gb-nvlink-ib": Cluster(
         name="a100-80gb-nvlink-ib", gpus_per_node=8, intra_bandwidth=150e9, inter_bandwidth=200e9,
         peak_flops=312e12, peak_flops_fp32=156e12, memory_bandwidth=2.0e12, memory=80e9),
-    # 8 H100-80GB per node, NVLink 4, 8x NDR 400 Gb/s per node. Measured by Cluster.measure on an
+    # 8 H100-80GB per node, NVLink 4, 8x NDR 400 Gb/s per node. Measured by autoshard.measure on an
     # H200 (the H100's compute die, more and faster memory; torch 2.11, CUDA 13, 2026-11-27,
     # benchmarks/gpu.py, docs/benchmarks.md "On a GPU"): matmuls at the cost model's timed layer shapes 334
     # TFLOP/s fp32 (TF32) and 707 bf16, 0.68 and 0.72 of the peaks below (square products of

@@ -1,4 +1,4 @@
-"""Measure the machine a plan runs on: ``Cluster.measure``.
+"""Measure the machine a plan runs on: ``autoshard.measure``.
 
 Inside an initialized process group every rank takes part: the collectives need them all, and
 each rank times its compute while the others do, so the figures carry the contention a real step
@@ -56,9 +56,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autoshard.machine.cluster import COLLECTIVE_KINDS, Cluster
+from autoshard.machine.cluster import COLLECTIVE_KINDS, DEFAULT_CLUSTER, Cluster
 from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.cost.comm import ring_bytes
+from autoshard.cost.compute import FLOP_FAMILIES, work
 
 aten = torch.ops.aten
 
@@ -103,12 +104,31 @@ def _shapes(device) -> dict:
                 optimizer=OPTIMIZER_SETS[:2] + ((OPTIMIZER_SETS[2][0], OPTIMIZER_SETS[2][1] * GPU_SCALE ** 2),))
 
 
+MEASURE = "measure"
+
+
+def resolve_cluster(cluster) -> Cluster:
+    """A Cluster from a Cluster, a preset name, None (the default preset) or ``"measure"``: this
+    machine, measured now (``measure``). Inside a process group measuring is collective,
+    so every rank must plan with ``"measure"`` together (``parallelize`` measures once, on every
+    rank, and rank 0 plans with its figures); outside one it measures this process's compute and
+    keeps the default preset's links, with a warning."""
+    if cluster is None:
+        return Cluster.preset(DEFAULT_CLUSTER)
+    if cluster == MEASURE:
+        return measure()
+    if isinstance(cluster, str):
+        return Cluster.preset(cluster)
+    if isinstance(cluster, Cluster):
+        return cluster
+    raise TypeError(f"cluster is a Cluster, a preset name or {MEASURE!r}, got {type(cluster).__name__}")
+
+
 def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Cluster:
     """The Cluster this machine is: see the module docstring. ``base`` (a Cluster or a preset
     name; default the default preset) gives what cannot be measured here: the links outside a
     process group. ``repeats`` > 1 measures that many times and keeps each figure's median, for
     a machine whose load comes and goes."""
-    from autoshard.api import resolve_cluster
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats is a number of measurements, at least 1; got {repeats!r}")
     base = resolve_cluster(base)
@@ -128,7 +148,7 @@ def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Clust
         runs.append(figures)
     figures = _median(runs)
     if not grouped:
-        warnings.warn("Cluster.measure outside a process group measures this process's compute only; "
+        warnings.warn("autoshard.measure outside a process group measures this process's compute only; "
                       f"the links are {base.name}'s. Measure inside the group the plan will run on "
                       "(torch.distributed.init_process_group) to measure them too.", stacklevel=3)
     world = dist.get_world_size() if grouped else 1
@@ -293,7 +313,6 @@ def _kernels(device) -> tuple:
     """((family, forward rate, backward rate), ...) of each family of ``cost.compute.FAMILY``:
     the work of every timed call as the cost model counts it (``cost.compute.work``), over the
     seconds its forward, and then its backward, took."""
-    from autoshard.cost.compute import FLOP_FAMILIES, work
     rand = lambda *shape: torch.randn(*shape, device=device, requires_grad=True)   # noqa: E731
     shapes = _shapes(device)
     tokens, rows, heads = shapes["tokens"], shapes["rows"], shapes["attention"]

@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoshard import runtime
-from autoshard.planner.recompute import _stack_blocks
+from autoshard.planner.repeat import stack_blocks
 
 
 aten = torch.ops.aten
@@ -83,7 +83,7 @@ def checkpoint_blocks(program: fx.GraphModule, graph, plan) -> fx.GraphModule:
     user = user_regions(graph)
     if not (chosen or user) or not plan.training:
         return program
-    blocks = {**_stack_blocks(graph), **user}   # the planner offers no block the user checkpoints
+    blocks = {**stack_blocks(graph), **user}   # the planner offers no block the user checkpoints
     chosen = list(chosen) + list(user)
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))

@@ -3,7 +3,7 @@
 Every tensor is held in its planned placement; between producer and consumer the conversion
 steps of ``cost.comm.transition`` appear as explicit calls (``all_gather``, ``reduce_scatter``, ...)
 whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share;
-outputs leave whole, or as DTensors in their planned layouts (``autoshard.runtime.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
+outputs leave whole, or as DTensors in their planned layouts (``autoshard.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
 their arguments, means over a split dim, random draws, a mean loss over a split batch) are
 lowered by a small function from ``LOWERINGS``.
 """
@@ -18,7 +18,8 @@ from autoshard import placement as pl
 from autoshard.runtime import experts
 from autoshard import runtime
 from autoshard.cost import comm
-from autoshard.runtime.outputs import WHOLE, kept_split, to_dtensor
+from autoshard.outputs import WHOLE, kept_split
+from autoshard.runtime.outputs import to_dtensor
 from autoshard.passes.functionalize import SHARED_STORAGE, copied
 from autoshard.ir import Graph, TensorMeta
 from autoshard.plan import Plan

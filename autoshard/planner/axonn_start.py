@@ -20,6 +20,9 @@ from typing import Optional
 
 from autoshard import schemes
 from autoshard.cost import axonn
+from autoshard.passes.annotate import annotate
+from autoshard.planner.descend import descend, solve_mesh
+from autoshard.planner.solve import MemoryBudgetError
 
 
 def axonn_start(graph, world: int, cluster, budget: Optional[float]) -> Optional[tuple]:
@@ -46,9 +49,6 @@ def axonn_start(graph, world: int, cluster, budget: Optional[float]) -> Optional
 def descend_from_pins(graph, strategies, costs, pins: dict, time_limit: float, budget: Optional[float]):
     """The plan of ``strategies`` (a mesh's, unpinned) descended from the pinned plan of ``pins``
     (node name -> placement); None where the pins fit no plan in the budget."""
-    from autoshard.passes.annotate import annotate
-    from autoshard.planner.descend import descend, solve_mesh
-    from autoshard.planner.solve import MemoryBudgetError
     pinned = annotate(graph, costs.mesh_shape, pins)
     try:
         sol = solve_mesh(graph, pinned, costs, time_limit, budget)

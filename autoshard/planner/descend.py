@@ -32,8 +32,9 @@ from autoshard.cost import memory
 from autoshard.planner import recompute
 from autoshard.planner.progress import phase, uncollected
 from autoshard.cost.price import Costs
-from autoshard.planner.solve import (GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost,
-                                    solve, tied_plan)
+from autoshard.passes.annotate import annotate
+from autoshard.planner.repeat import tie_repeated, tied_plan, twin_edges
+from autoshard.planner.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost, solve
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
@@ -45,11 +46,9 @@ STEP_EFFORT = 0.5
 
 def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
     """How many y variables the whole-mesh integer program would have (planner.solve._edge_vars)."""
-    from autoshard.planner.repeat import tie_repeated
-    from autoshard.planner.solve import _edges
     rep = rep or tie_repeated(graph, strategies)
     total = 0
-    for u, value, v, slot, _ in _edges(graph, rep):
+    for u, value, v, slot, _ in twin_edges(graph, rep):
         src = {s.outputs[value[1]] for s in strategies[u.name]}
         dst = {s.inputs[slot] for s in strategies[v.name]}
         if len(src) > 1 and len(dst) > 1:
@@ -255,7 +254,6 @@ def unsplit(groups) -> frozenset:
 def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Optional[float]) -> list:
     """The exact plans of every two-axis mesh this one coarsens to, lifted onto it (for a mesh
     with no pins: pins name this mesh's axes, which a coarser mesh lacks)."""
-    from autoshard.passes.annotate import annotate
     starts = []
     for coarse, groups in coarsenings(costs.mesh_shape):
         if len(coarse) > EXACT_AXES:

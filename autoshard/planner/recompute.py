@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from torch.export.graph_signature import OutputKind
 
 from autoshard.cost.step import DRAG, PARTS, Cost
-from autoshard.planner.repeat import _block_of
+from autoshard.cost import memory
+from autoshard.cost.compute import FLOPS, FLOPS_BY_NAME, qualified_name
+from autoshard.cost.memory import rank_memory
+from autoshard.planner.repeat import stack_blocks, tie_repeated, tied_plan
 
 AUTO = "auto"
 SELECTIVE = "selective"
@@ -62,7 +64,6 @@ def chooses(graph, strategies, costs, budget) -> bool:
     budget, with repeated blocks to choose from."""
     if mode_of(costs) != AUTO or budget is None or not costs.training:
         return False
-    from autoshard.planner.repeat import tie_repeated
     return bool(groups(graph, tie_repeated(graph, strategies)))
 _FWD, _COMM = PARTS.index("compute_fwd"), PARTS.index("comm")
 
@@ -71,7 +72,6 @@ def heavy(node) -> bool:
     """Whether an op does the arithmetic of a block (matmuls, attention, convolutions:
     ``cost.compute.FLOPS``): under ``"selective"`` it keeps its output and is not run again; the
     others (norms, activations, adds, dropout: cheap per byte they keep) are."""
-    from autoshard.cost.compute import FLOPS, FLOPS_BY_NAME, qualified_name
     return node.target in FLOPS or qualified_name(node.target) in FLOPS_BY_NAME
 
 
@@ -88,58 +88,9 @@ class Group:
         return self.blocks[0]
 
 
-def _stack_blocks(graph) -> dict:
-    """block name -> its op node names, for every block of a stack of two or more that may run
-    its forward twice; once per graph."""
-    if "recompute_blocks" in graph.cache:
-        return graph.cache["recompute_blocks"]
-    found: dict = {}
-    for n in graph.nodes:
-        if n.kind != "op":
-            continue
-        b = _block_of(n)
-        if b is not None:
-            found.setdefault(b[0], {}).setdefault(b[1], []).append(n.name)
-    out = {}
-    written = _written_buffers(graph)
-    for container, by_index in found.items():
-        if len(by_index) < 2:
-            continue
-        for k in sorted(by_index):
-            names = by_index[k]
-            # a block the user checkpoints already recomputes (passes.checkpoint.user_regions)
-            if all(_repeatable(graph.by_name[m], written) for m in names):
-                out[f"{container}.{k}"] = names
-    graph.cache["recompute_blocks"] = out
-    return out
-
-
-def _written_buffers(graph) -> set:
-    """The names of the buffer nodes whose buffer the step writes (export's BUFFER_MUTATION
-    outputs, which the parallel module copies in after the call): a checkpointed block fed such
-    a buffer would find it changed when backward runs the block again."""
-    targets = {s.target for s in graph.exported.graph_signature.output_specs
-               if s.kind == OutputKind.BUFFER_MUTATION}
-    return {n.name for n in graph.nodes if n.kind == "buffer" and n.fqn in targets}
-
-
-def _repeatable(node, written: set) -> bool:
-    """Whether running the op again changes nothing (no mutation, no running statistics, no
-    read of a buffer the step writes), and the user's own checkpoint does not already run it
-    again (``Node.region``)."""
-    if getattr(node, "region", None) is not None:
-        return False
-    if any(v[0] in written for v in node.inputs if v is not None):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and schema.is_mutable:
-        return False
-    return "batch_norm" not in node.op_name
-
-
 def groups(graph, rep: dict) -> list:
     """The classes of tied blocks for this tying (``planner.repeat.tie_repeated``)."""
-    blocks = _stack_blocks(graph)
+    blocks = stack_blocks(graph)
     if not blocks:
         return []
     by_key: dict = {}
@@ -352,7 +303,6 @@ def region_terms(model, strategies, table, x, placed, costs, scale, budgeted: bo
     as (terms, constant) bytes times ``scale`` of the memory budget: one variable at least each
     region's bytes made again, a linear form over the layout variables (tied blocks' regions
     alike: their representatives')."""
-    from autoshard.cost import memory
     graph, mesh = costs.graph, costs.mesh_shape
     if not (budgeted and costs.training) or all(n.region is None for n in graph.nodes):
         return {}, 0
@@ -411,7 +361,6 @@ def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
     """(extra Cost, bytes freed, peak bytes back, the report) of recomputing ``counts`` (group
     name -> how many of its blocks) blocks; the first blocks of each group recompute, their
     cheap ops only where ``counts[SELECTIVE]`` is set."""
-    from autoshard.planner.repeat import tie_repeated
     extra, freed, peak, blocks = Cost(), 0, 0, []
     if not counts or not any(counts.values()):
         return extra, 0, 0, None
@@ -426,7 +375,7 @@ def chosen(graph, strategies, choice, costs, counts: dict) -> tuple:
         freed += m * d
         peak = max(peak, d)
         blocks += g.blocks[:m]
-    order = list(_stack_blocks(graph))
+    order = list(stack_blocks(graph))
     blocks.sort(key=order.index)
     report = {"mode": mode_of(costs), "blocks": blocks, "of": len(order), "selective": light,
               "compute": extra.compute, "communication": extra.comm, "freed": freed, "peak": peak}
@@ -437,8 +386,6 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
     """For a fixed layout (a descent's start), how many blocks of each group recompute: none
     (``"none"``, or when the plan fits), all (``"blocks"``), else the fewest by forward time per
     byte freed until it fits, all where it cannot."""
-    from autoshard.cost.memory import rank_memory
-    from autoshard.planner.repeat import tie_repeated
     mode = mode_of(costs)
     gs = groups(graph, tie_repeated(graph, strategies)) if mode != "none" and costs.training else []
     if not gs:
@@ -449,7 +396,6 @@ def best_counts(graph, strategies, choice, costs, budget) -> dict:
         return {**{g.name: len(g.blocks) for g in gs}, SELECTIVE: 1}
     if budget is None:
         return {}
-    from autoshard.planner.solve import tied_plan
     need = rank_memory(graph, strategies, choice, costs.mesh_shape, costs.training, costs.reshard,
                        tied_plan(graph, strategies, choice))["total"]
     if need <= budget:

@@ -11,6 +11,10 @@ prices one and counts it as many times as it occurs.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from torch.export.graph_signature import OutputKind
+
 PERIOD = 2
 
 
@@ -81,3 +85,102 @@ def tie_repeated(graph, strategies) -> dict:
             for a, b in zip(names, bases):
                 rep[a] = b
     return rep
+
+
+def stack_blocks(graph) -> dict:
+    """block name -> its op node names, for every block of a stack of two or more that may run
+    its forward twice; once per graph."""
+    if "recompute_blocks" in graph.cache:
+        return graph.cache["recompute_blocks"]
+    found: dict = {}
+    for n in graph.nodes:
+        if n.kind != "op":
+            continue
+        b = _block_of(n)
+        if b is not None:
+            found.setdefault(b[0], {}).setdefault(b[1], []).append(n.name)
+    out = {}
+    written = _written_buffers(graph)
+    for container, by_index in found.items():
+        if len(by_index) < 2:
+            continue
+        for k in sorted(by_index):
+            names = by_index[k]
+            # a block the user checkpoints already recomputes (passes.checkpoint.user_regions)
+            if all(_repeatable(graph.by_name[m], written) for m in names):
+                out[f"{container}.{k}"] = names
+    graph.cache["recompute_blocks"] = out
+    return out
+
+
+def _written_buffers(graph) -> set:
+    """The names of the buffer nodes whose buffer the step writes (export's BUFFER_MUTATION
+    outputs, which the parallel module copies in after the call): a checkpointed block fed such
+    a buffer would find it changed when backward runs the block again."""
+    targets = {s.target for s in graph.exported.graph_signature.output_specs
+               if s.kind == OutputKind.BUFFER_MUTATION}
+    return {n.name for n in graph.nodes if n.kind == "buffer" and n.fqn in targets}
+
+
+def _repeatable(node, written: set) -> bool:
+    """Whether running the op again changes nothing (no mutation, no running statistics, no
+    read of a buffer the step writes), and the user's own checkpoint does not already run it
+    again (``Node.region``)."""
+    if getattr(node, "region", None) is not None:
+        return False
+    if any(v[0] in written for v in node.inputs if v is not None):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False
+    return "batch_norm" not in node.op_name
+
+
+TABLES_KEPT = 4   # a descent builds a new strategies dict per step; keep the last few tables only
+
+
+def tied_plan(graph, strategies, choice) -> Optional[tuple]:
+    """({node: how many nodes take its layout}, [(producer, value, consumer, slot, how many such
+    edges)]) of a plan whose repeated blocks' nodes (planner.repeat) take their twins' strategies,
+    as every plan the solver makes does: what it keeps is theirs times their count (bytes
+    depend on the tensors and ops alone, alike in tied blocks), and what it costs as the
+    solver counts it (``planner.solve.program_cost``). None for a plan that does not, or a graph with user
+    checkpoint regions (whose blocks may checkpoint apart)."""
+    if any(n.region is not None for n in graph.nodes):
+        return None
+    rep = tie_repeated(graph, strategies)
+    if not all(choice[name] == choice[twin] for name, twin in rep.items() if name != twin):
+        return None
+    return tally(rep[n.name] for n in graph.nodes), _tied_edges(graph, rep)
+
+
+def _tied_edges(graph, rep: dict) -> list:
+    """``twin_edges``, once per graph and tying (a descent's steps tie alike)."""
+    kept = graph.cache.setdefault("tied edges", {})
+    key = tuple(rep.items())
+    hit = kept.get(key)
+    if hit is None:
+        hit = kept[key] = twin_edges(graph, rep)
+        while len(kept) > TABLES_KEPT:
+            kept.pop(next(iter(kept)))
+    return hit
+
+
+def twin_edges(graph, rep: dict) -> list:
+    """(producer, value, consumer, slot, times) once per set of twin edges: the edges of repeated
+    blocks that join twin nodes share their variables and their costs (planner.repeat)."""
+    first, count = {}, {}
+    for v in graph.nodes:
+        for slot, value in enumerate(v.inputs):
+            key = (rep[value[0]], value[1], rep[v.name], slot)
+            if key not in first:
+                first[key] = (graph.by_name[value[0]], value, v, slot)
+            count[key] = count.get(key, 0) + 1
+    return [first[k] + (count[k],) for k in first]
+
+
+def tally(keys) -> dict:
+    out: dict = {}
+    for k in keys:
+        out[k] = out.get(k, 0) + 1
+    return out

@@ -48,7 +48,7 @@ from autoshard.planner.fanout import Fanout, available
 from autoshard.planner.progress import Progress, uncollected
 from autoshard.cost.price import Costs
 from autoshard.planner.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, lower_bound, solve
-from autoshard.plan import make_plan, plan_cost
+from autoshard.planner.make import make_plan, plan_cost
 
 MAX_SEARCH_AXES = 4
 TIE = 1e-3   # meshes whose estimated steps differ by less than this share are equals: the simpler wins

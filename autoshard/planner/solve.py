@@ -53,7 +53,7 @@ from autoshard.cost.step import DRAG, PARTS, Cost
 from autoshard.ir import Graph
 from autoshard.planner.progress import Progress, phase
 from autoshard.planner import recompute
-from autoshard.planner.repeat import tie_repeated
+from autoshard.planner.repeat import TABLES_KEPT, tally, tie_repeated, tied_plan, twin_edges
 
 PICO = 1e12
 # CP-SAT counts in picoseconds, or in nanoseconds where picoseconds would let a sum of the
@@ -158,16 +158,13 @@ def _units(table: _Table) -> tuple:
     return tuple(u for u in INTEGER_UNITS if table.magnitude * u <= 2 ** 62) or INTEGER_UNITS[-1:]
 
 
-TABLES_KEPT = 4   # a descent builds a new strategies dict per step; keep the last few tables only
-
-
 def _table(graph, strategies, costs: Costs) -> _Table:
     hit = costs._tables.get(id(strategies))
     if hit is not None and hit[0] is strategies:
         return hit[1]
     with phase("cost"):
         rep = tie_repeated(graph, strategies)
-        count = _count(rep[n.name] for n in graph.nodes)
+        count = tally(rep[n.name] for n in graph.nodes)
         nodes = []
         for n in graph.nodes:
             if rep[n.name] != n.name:
@@ -175,7 +172,7 @@ def _table(graph, strategies, costs: Costs) -> _Table:
             priced = [_node_cost(costs, n, st) for st in strategies[n.name]]
             nodes.append((n, count[n.name], [c for c, _ in priced], [b for _, b in priced]))
         edges = [(u, value, v, slot, times) + _pairs(costs, strategies, u, value, v, slot)
-                 for u, value, v, slot, times in _edges(graph, rep)]
+                 for u, value, v, slot, times in twin_edges(graph, rep)]
         table = _Table(rep, nodes, edges)
     costs._tables[id(strategies)] = (strategies, table)
     while len(costs._tables) > TABLES_KEPT:
@@ -1032,53 +1029,6 @@ def _node_vars(model, table: _Table, sums: _Sums) -> dict:
         if r != name:
             x[name] = x[r]
     return x
-
-
-def _count(keys) -> dict:
-    out: dict = {}
-    for k in keys:
-        out[k] = out.get(k, 0) + 1
-    return out
-
-
-def tied_plan(graph, strategies, choice) -> Optional[tuple]:
-    """({node: how many nodes take its layout}, [(producer, value, consumer, slot, how many such
-    edges)]) of a plan whose repeated blocks' nodes (planner.repeat) take their twins' strategies,
-    as every plan the solver makes does: what it keeps is theirs times their count (bytes
-    depend on the tensors and ops alone, alike in tied blocks), and what it costs as the
-    solver counts it (``program_cost``). None for a plan that does not, or a graph with user
-    checkpoint regions (whose blocks may checkpoint apart)."""
-    if any(n.region is not None for n in graph.nodes):
-        return None
-    rep = tie_repeated(graph, strategies)
-    if not all(choice[name] == choice[twin] for name, twin in rep.items() if name != twin):
-        return None
-    return _count(rep[n.name] for n in graph.nodes), _tied_edges(graph, rep)
-
-
-def _tied_edges(graph, rep: dict) -> list:
-    """``_edges``, once per graph and tying (a descent's steps tie alike)."""
-    kept = graph.cache.setdefault("tied edges", {})
-    key = tuple(rep.items())
-    hit = kept.get(key)
-    if hit is None:
-        hit = kept[key] = _edges(graph, rep)
-        while len(kept) > TABLES_KEPT:
-            kept.pop(next(iter(kept)))
-    return hit
-
-
-def _edges(graph, rep: dict) -> list:
-    """(producer, value, consumer, slot, times) once per set of twin edges: the edges of repeated
-    blocks that join twin nodes share their variables and their costs (planner.repeat)."""
-    first, count = {}, {}
-    for v in graph.nodes:
-        for slot, value in enumerate(v.inputs):
-            key = (rep[value[0]], value[1], rep[v.name], slot)
-            if key not in first:
-                first[key] = (graph.by_name[value[0]], value, v, slot)
-            count[key] = count.get(key, 0) + 1
-    return [first[k] + (count[k],) for k in first]
 
 
 def _groups(strats, pick):

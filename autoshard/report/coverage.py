@@ -62,7 +62,7 @@ from autoshard.passes.annotate import Strategy, expand, one_axis_sigs, storage_o
 from autoshard.ir import Graph, Node
 from autoshard.passes.capture import capture
 from autoshard.cost.price import Costs
-from autoshard.plan import _fmt_bytes, _fmt_s
+from autoshard.report.summary import fmt_bytes as _fmt_bytes, fmt_s as _fmt_s
 from autoshard.rules import rule_for
 from autoshard.rules.uneven import allows_uneven
 

@@ -1,6 +1,7 @@
 """Why a tensor is laid out as it is: the alternatives the solver had, priced, and how to force one.
 
-Each alternative of a node is priced as the plan with only that node changed: its own cost (compute,
+The alternatives are the plan's (``plan.alternatives``, priced by ``planner.make.alternatives``);
+this module words them and never imports ``autoshard.plan`` (see its docstring). Each alternative of a node is priced as the plan with only that node changed: its own cost (compute,
 its gradient's all-reduce, the all-reduces its lowering issues), the conversions of its inputs from
 their producers' chosen layouts and those of its outputs into its consumers' chosen layouts, all by
 the solver's own ``Costs``, and the whole step recomputed from the parts (``cost.step``), so
@@ -8,7 +9,7 @@ overlap is priced as the solver prices it. Such a plan is one the solver could h
 pinning the alternative costs at most its price (at most: the solver then re-plans the neighbours).
 
 Alternatives are grouped by the node's output placements (what ``pin=`` fixes); of each group the
-cheapest strategy stands for it. Only the chosen one and the ``TOP`` cheapest others are kept, and
+cheapest strategy stands for it. Only the chosen one and the ``planner.make.TOP`` cheapest others are kept, and
 the nodes of repeated blocks that share one set of solver variables share one entry
 (``planner.repeat``), so a deep stack costs what one or two blocks do.
 """
@@ -17,95 +18,7 @@ from __future__ import annotations
 import difflib
 
 from autoshard import placement as pl
-from autoshard.cost.overlap import conversion_price
-from autoshard.cost.step import Cost
-from autoshard.report.summary import fmt_axes, fmt_bytes, fmt_s
-
-TOP = 4
-
-
-def _local(graph, strategies, choice, costs, users, n, s) -> tuple:
-    """(Cost, bytes per rank) that node ``n`` adds when it runs strategy ``s`` and every other
-    node keeps its choice."""
-    cost, mem = costs.node(n, s), costs.memory(n, s)
-    for slot, value in enumerate(n.inputs):
-        src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-        cost = cost + conversion_price(costs, value, src, s.inputs[slot], n, slot)
-        mem += costs.kept(value, src, s.inputs[slot], n)
-    for k in range(len(n.outputs)):
-        for name, slot in users.get((n.name, k), []):
-            consumer = graph.by_name[name]
-            dst = strategies[name][choice[name]].inputs[slot]
-            cost = cost + conversion_price(costs, (n.name, k), s.outputs[k], dst, consumer, slot)
-            mem += costs.kept((n.name, k), s.outputs[k], dst, consumer)
-    return cost, mem
-
-
-def _collectives(graph, strategies, choice, costs, users, n, s) -> list:
-    """What strategy ``s`` of ``n`` communicates, as [kind, phase, axes, bytes, seconds, hidden, at]."""
-    from autoshard.plan import conversion_collectives, own_collectives
-    colls = list(own_collectives(graph, costs, n, s))
-    for slot, value in enumerate(n.inputs):
-        src = strategies[value[0]][choice[value[0]]].outputs[value[1]]
-        colls += conversion_collectives(graph, costs, value, src, s.inputs[slot], n)
-    for k in range(len(n.outputs)):
-        for name, slot in users.get((n.name, k), []):
-            dst = strategies[name][choice[name]].inputs[slot]
-            colls += conversion_collectives(graph, costs, (n.name, k), s.outputs[k], dst, graph.by_name[name])
-    return [[c.kind, c.phase, list(c.axes), c.bytes, c.seconds, c.overlapped, c.node] for c in colls]
-
-
-def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
-    """node name -> {"count", "options"} (the chosen option first), or {"same_as": twin}."""
-    from autoshard.planner.repeat import tie_repeated
-    rep = tie_repeated(graph, strategies)
-    count: dict = {}
-    for r in rep.values():
-        count[r] = count.get(r, 0) + 1
-    users = graph.users()
-    base_memory = plan.memory.get("total", 0)
-    budget = plan.memory.get("budget")
-    out = {}
-    for n in graph.nodes:
-        if n.kind == "output":
-            continue
-        if rep[n.name] != n.name:
-            out[n.name] = {"same_as": rep[n.name]}
-            continue
-        strats = strategies[n.name]
-        chosen = choice[n.name]
-        here, here_mem = _local(graph, strategies, choice, costs, users, n, strats[chosen])
-        rest = {f: getattr(total, f) - getattr(here, f) for f in Cost.__dataclass_fields__}
-        best: dict = {}   # output placements -> (step, memory, index, cost)
-        for i, s in enumerate(strats):
-            cost, mem = _local(graph, strategies, choice, costs, users, n, s)
-            step = Cost(**{f: rest[f] + getattr(cost, f) for f in rest}).step
-            key = s.outputs
-            if i == chosen or key not in best or (step, mem) < best[key][:2]:
-                if best.get(key, (0, 0, None))[2] != chosen:
-                    best[key] = (step, mem, i, cost)
-        others = sorted((v for k, v in best.items() if v[2] != chosen), key=lambda v: (v[0], v[1], v[2]))
-        kept = others[:TOP]
-        own = strats[chosen].outputs[0] if strats[chosen].outputs else ()
-        for axis in range(len(own)):   # and the best with each other placement on each axis
-            for v in others:
-                p = strats[v[2]].outputs[0][axis]
-                if p != own[axis] and not any(strats[k[2]].outputs[0][axis] == p for k in kept):
-                    kept.append(v)
-        kept.sort(key=lambda v: (v[0], v[1], v[2]))
-        options = []
-        for step, mem, i, cost in [best[strats[chosen].outputs]] + kept:
-            s = strats[i]
-            memory = base_memory - here_mem + mem
-            options.append({
-                "outputs": [list(pl.to_strings(p)) for p in s.outputs],
-                "inputs": [list(pl.to_strings(p)) for p in s.inputs],
-                "step": step, "compute": cost.compute, "comm": cost.communication, "memory": mem,
-                "fits": budget is None or memory <= budget,
-                "collectives": _collectives(graph, strategies, choice, costs, users, n, s)})
-        out[n.name] = {"count": count[n.name], "options": options, "legal": len(best)}
-    return out
-
+from autoshard.report.summary import columns, fmt_axes, fmt_bytes, fmt_s
 
 # ---- words --------------------------------------------------------------------------------------
 
@@ -194,7 +107,6 @@ def explain(plan, name: str) -> str:
         rows.append((_nd(o["outputs"][0]) if o["outputs"] else "-", fmt_s(o["step"]),
                      "chosen" if k == 0 else _signed(o["step"] - chosen["step"]), fmt_s(o["compute"]), fmt_s(o["comm"]),
                      fmt_bytes(o["memory"]), "" if o["fits"] else "over the memory budget"))
-    from autoshard.report.summary import columns
     lines += ["  " + r for r in columns(rows)]
     lines += _why(plan, param or node_name, chosen, options[1:])
     return "\n".join(lines)

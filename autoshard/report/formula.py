@@ -20,7 +20,7 @@ a gradient's share of its bucket) is taken at the branch the plan's own values s
 formula is the plan's cost where it stands, exact at ``values`` and smooth around them.
 
 Only published cluster figures have a formula: a measured cluster prices kernels and collectives
-by fitted rates (``Cluster.measure``), which have no closed form here.
+by fitted rates (``autoshard.measure``), which have no closed form here.
 """
 from __future__ import annotations
 
@@ -313,7 +313,7 @@ def formula(plan, dims=None, part: str = "step", nodes=None) -> tuple:
     costs of these graph nodes (each its own and its inputs' conversions), e.g. one layer's."""
     if part not in PARTS:
         raise ValueError(f"part is one of {PARTS}, got {part!r}")
-    source = plan.__dict__.get("_priced")   # make_plan keeps it: (graph, strategies, choice, costs, total)
+    source = plan.__dict__.get("_priced")   # planner.make.Priced: (graph, strategies, choice, costs, total)
     if source is None:
         raise ValueError("a formula re-prices the plan from its graph, which a plan read from JSON does not "
                          "hold: call formula on the plan autoshard.plan returned")

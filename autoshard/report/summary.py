@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from autoshard import placement as pl
 from autoshard.cost.step import PARTS, Cost
 
 TOP_COLLECTIVES = 8
@@ -306,7 +307,6 @@ def collective_lines(plan, label: dict) -> list:
 def uneven_lines(plan, shown: int = 4) -> list:
     """The tensors split unevenly (a dim that does not divide by its axes), with the chunk each
     rank holds, DTensor's layout; compute, memory and collectives are priced by the largest."""
-    from autoshard import placement as pl
     mesh = tuple(plan.mesh_shape)
     groups: dict = {}
     for n in plan.nodes.values():
@@ -337,7 +337,6 @@ def summary(plan) -> str:
 
 def table(plan) -> str:
     """One row per graph node: shape, placement, collectives, compute and communication."""
-    from autoshard import placement as pl
     by_node: dict = {}
     for c in plan.collectives:
         by_node.setdefault(c.node, []).append(c)

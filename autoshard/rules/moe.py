@@ -33,7 +33,7 @@ import torch
 
 from autoshard.placement import B, P, Split, local_shape
 from autoshard.rules.pointwise import numerator
-from autoshard.rules.registry import OpCtx, Sig, norm_dim, register, register_by_name, rule
+from autoshard.rules.registry import OpCtx, Sig, norm_dim, qualified_name, register, register_by_name, rule
 
 aten = torch.ops.aten
 
@@ -265,7 +265,6 @@ def expert_loads(model, loads: dict):
 
 
 def is_grouped_mm(target) -> bool:
-    from autoshard.rules.registry import qualified_name
     return target == aten._grouped_mm.default or qualified_name(target) == TRANSFORMERS_GROUPED_MM
 
 
