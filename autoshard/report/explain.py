@@ -1,17 +1,8 @@
 """Why a tensor is laid out as it is: the alternatives the solver had, priced, and how to force one.
 
-The alternatives are the plan's (``plan.alternatives``, priced by ``planner.make.alternatives``);
-this module words them and never imports ``autoshard.plan`` (see its docstring). Each alternative of a node is priced as the plan with only that node changed: its own cost (compute,
-its gradient's all-reduce, the all-reduces its lowering issues), the conversions of its inputs from
-their producers' chosen layouts and those of its outputs into its consumers' chosen layouts, all by
-the solver's own ``Costs``, and the whole step recomputed from the parts (``cost.step``), so
-overlap is priced as the solver prices it. Such a plan is one the solver could have returned, so
-pinning the alternative costs at most its price (at most: the solver then re-plans the neighbours).
-
-Alternatives are grouped by the node's output placements (what ``pin=`` fixes); of each group the
-cheapest strategy stands for it. Only the chosen one and the ``planner.make.TOP`` cheapest others are kept, and
-the nodes of repeated blocks that share one set of solver variables share one entry
-(``planner.repeat``), so a deep stack costs what one or two blocks do.
+The alternatives are the plan's (``plan.alternatives``, priced and chosen by
+``planner.make.alternatives``, whose docstring says how); this module words them and never
+imports ``autoshard.plan`` (see its docstring).
 """
 from __future__ import annotations
 
