@@ -163,7 +163,7 @@ def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
         assert quick <= exact and math.isinf(quick) == math.isinf(exact)   # quick says as surely that nothing fits
         if math.isinf(exact):
             continue
-        if share == 0.8:   # CP-SAT proves the tighter budgets' plans in 20-30 s here, 60 s (its limit) on a slower machine
+        if share == 0.8:   # the tighter budgets' plans take CP-SAT 20-30 s here: benchmarks/budget_bounds.py
             plan = solve(graph, strategies, costs, 60, budget)
             assert exact <= plan.objective * (1 + 1e-6)
         # the cheap ops' relaxation is skipped only where it cannot move the least of the modes
