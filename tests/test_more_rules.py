@@ -281,7 +281,7 @@ def _err(got, want) -> float:
     return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
 
 
-def train_case(pin):
+def train_case(pin, mesh=(2,)):
     autoshard.rules.register(SCATTER, FACTORS, additive=(0,))   # this rank's rule table
     torch.manual_seed(0)
     model = Routed()
@@ -289,7 +289,7 @@ def train_case(pin):
     ids, labels = routed_inputs()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownOpWarning)
-        pm = autoshard.parallelize(model, (ids, labels), mesh=(2,), pin=pin, cluster=SLOW)
+        pm = autoshard.parallelize(model, (ids, labels), mesh=mesh, pin=pin, cluster=SLOW)
     (loss, logits), (ref_loss, ref_logits) = pm(ids, labels), ref(ids, labels)
     loss.backward()
     ref_loss.backward()
@@ -307,9 +307,30 @@ def trained(world2):
     return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS)}
 
 
+# on two axes: each pinned op split (or summed) the same way over both
+PLANS_2D = {"solver": None, "pinned": {k: v * 2 for k, v in PINNED.items()}}
+
+
+@pytest.fixture(scope="module")
+def trained_2d(world4):
+    per_rank = world4.run(run_each, train_case, [(pin, (2, 2)) for pin in PLANS_2D.values()])
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS_2D)}
+
+
+@pytest.mark.parametrize("plan", PLANS_2D)
+def test_exact_against_one_device_on_two_axes(trained_2d, plan):
+    _exact(trained_2d[plan])
+    if plan == "pinned":
+        assert _whole(trained_2d[plan][0]["placements"]) == []
+
+
 @pytest.mark.parametrize("plan", PLANS)
 def test_exact_against_one_device(trained, plan):
-    for r, res in enumerate(trained[plan]):
+    _exact(trained[plan])
+
+
+def _exact(ranks):
+    for r, res in enumerate(ranks):
         assert "error" not in res, f"rank {r}: {res['error']}"
         assert res["unknown"] == [], res["unknown"]
         assert res["loss"] < TOL and res["logits"] < TOL, res
