@@ -547,7 +547,7 @@ class ParallelModule(nn.Module):
 def _gathered(args, kwargs):
     """``inputs="local"``: every rank's tensors with a dim concatenated in rank order along dim 0
     (the ranks' row counts may differ: a ragged last batch), and this rank's rows of them
-    (first row, count, global rows, ranks), read off the first such tensor."""
+    (first row, count, global rows), read off the first such tensor."""
     leaves, spec = tree_flatten((args, kwargs))
     batched = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() >= 1]
     if not batched:
@@ -566,14 +566,14 @@ def _gathered(args, kwargs):
     me = dist.get_rank()
     first = sum(int(c[0]) for c in every[:me])
     args, kwargs = tree_unflatten(leaves, spec)
-    return args, kwargs, (first, int(every[me][0]), sum(int(c[0]) for c in every), p)
+    return args, kwargs, (first, int(every[me][0]), sum(int(c[0]) for c in every))
 
 
-def _own_rows(t, first: int, count: int, total: int, p: int):
+def _own_rows(t, first: int, count: int, total: int):
     """This rank's rows of an output with the global batch's dim 0 (others as they are)."""
     if t.dim() == 0 or t.shape[0] != total:
         return t
-    return _Rows.apply(t, first, count, p)
+    return _Rows.apply(t, first, count)
 
 
 class _Rows(torch.autograd.Function):
@@ -583,7 +583,7 @@ class _Rows(torch.autograd.Function):
     gradient: every rank must run backward through the output, as through the program)."""
 
     @staticmethod
-    def forward(ctx, t, first, count, p):
+    def forward(ctx, t, first, count):
         ctx.meta = (t.shape, first, count)
         return t[first:first + count]
 
@@ -593,7 +593,7 @@ class _Rows(torch.autograd.Function):
         whole = g.new_zeros(shape)
         whole[first:first + count] = g
         dist.all_reduce(whole)
-        return whole, None, None, None
+        return whole, None, None
 
 
 class _Feed:
