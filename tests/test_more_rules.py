@@ -1,6 +1,6 @@
 """Rules for ops real models call that ran replicated for want of one (issue 32): repeat
 (DeBERTa-v2), repeat_interleave (Mamba2), new_zeros and the other new_* (DeepSeek-V3's MLA),
-copy (a copy_ functionalized), argsort, sort and cumsum (routing), scatter_add and index_add with
+copy (a copy_ functionalized), argsort, sort, cumsum, amax/max and argmax (routing), scatter_add and index_add with
 their partial sums (a mixture of experts' combine), and a user's own torch.library op through
 ``autoshard.rules.register``, shown on a copy of torchtitan's ``deterministic_scatter_add``.
 
@@ -145,6 +145,14 @@ LITERAL = [   # (op, args, kwargs, offered, not offered)
      ["(P, B, P) -> P"], ["(P, S(0), S(0)) -> P"]),   # index rows fewer than src's: chunks would not line up
     (aten.index_add.default, (rn(8, 12), 0, ri(8, 16), rn(16, 12)), {},
      ["(S(1), B, S(1)) -> S(1)", "(P, B, P) -> P", "(P, S(0), S(0)) -> P"], ["(S(0), B, S(0)) -> S(0)"]),
+    # a max or min (the router's top score): kept dims keep their split, a reduced one is never split
+    (aten.amax.default, (x3, [1], True), {}, ["(S(0)) -> S(0)", "(S(2)) -> S(2)"], ["(S(1)) -> S(1)", "(S(1)) -> P"]),
+    (aten.amax.default, (x3, [1]), {}, ["(S(2)) -> S(1)"], []),
+    (aten.amin.default, (x3, [0, 2]), {}, ["(S(1)) -> S(0)"], ["(S(0)) -> P"]),
+    (aten.max.dim, (x3, 2), {}, ["(S(0)) -> S(0), S(0)", "(S(1)) -> S(1), S(1)"], ["(S(2)) -> S(2), S(2)"]),
+    (aten.min.dim, (x3, 0, True), {}, ["(S(2)) -> S(2), S(2)"], ["(S(0)) -> S(0), S(0)"]),
+    (aten.argmax.default, (x3, 1), {}, ["(S(2)) -> S(1)"], ["(S(1)) -> S(1)"]),
+    (aten.argmin.default, (x3,), {}, [], ["(S(0)) -> S(0)"]),
 ]
 
 
@@ -158,7 +166,8 @@ def test_signatures(case):
 CUSTOM = {op_name(SCATTER.default), op_name(GATED.default)}
 NEW = {"repeat.default", "repeat_interleave.self_int", "repeat_interleave.self_Tensor", "new_zeros.default",
        "new_ones.default", "new_full.default", "new_empty.default", "copy.default", "argsort.default",
-       "argsort.stable", "sort.default", "sort.stable", "cumsum.default", "scatter_add.default", "index_add.default"}
+       "argsort.stable", "sort.default", "sort.stable", "cumsum.default", "scatter_add.default", "index_add.default",
+       "amax.default", "amin.default", "max.dim", "min.dim", "argmax.default"}
 
 
 @pytest.mark.parametrize("p", (2, 4))

@@ -231,20 +231,20 @@ def test_untraceable_model_says_what_failed_and_what_to_try():
     assert "DataDependent" in msg and "torch.where" in msg and "torch.cond" in msg
 
 
-class MadeOnTheCpu(nn.Module):
+class MadeOnAnotherDevice(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(16, 16)
 
     def forward(self, x):
-        return self.fc(x * torch.arange(16.0))   # no device=: torch.export takes it, a meta trace does not
+        return self.fc(x * torch.arange(16.0, device="meta"))   # meets the CPU input: fails eagerly too
 
 
-def test_a_tensor_made_without_device_is_named_with_the_fix():
+def test_a_tensor_made_on_another_device_is_named_with_the_fix():
     with pytest.raises(autoshard.CaptureError) as info:
-        autoshard.plan(MadeOnTheCpu(), (torch.randn(4, 16),), mesh=(2,))
+        autoshard.plan(MadeOnAnotherDevice(), (torch.randn(4, 16),), mesh=(2,))
     msg = str(info.value)
-    assert "MadeOnTheCpu" in msg and "without device=" in msg and "device=x.device" in msg
+    assert "MadeOnAnotherDevice" in msg and "mixes devices" in msg and "device=x.device" in msg
     assert "Try torch.export.export" not in msg   # which works, and would mislead
 
 

@@ -12,6 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -48,15 +49,13 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram
                      "pytree can flatten. Return tensors (or tuples, lists, dicts and dataclasses "
                      "registered with torch.utils._pytree), or switch that output off: a decoder's "
                      "key/value cache object, for one, goes with use_cache=False.")
-        elif "meta" in first and ("device" in first or "Device" in type(e).__name__):
-            # export on the user's own tensors works; here the weights and inputs are meta tensors
+        elif "device" in first.lower() and ("mismatch" in first.lower() or "Device" in type(e).__name__):
             raise CaptureError(
                 f"autoshard could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
-                "autoshard traces the model on the meta device (no memory for its weights), and the "
-                "forward makes a tensor on another device: a tensor created without device= "
-                "(torch.arange(n), torch.ones(t, t), torch.tensor([...])) lands on the CPU and meets the "
-                "meta inputs. Create it on the input's device (torch.arange(n, device=x.device)), or "
-                "register it as a buffer in __init__.") from e
+                "The forward mixes devices: it makes a tensor on one device (a tensor created without "
+                "device=, such as torch.arange(n) or torch.tensor([...]), lands on the CPU) and meets "
+                "inputs or weights on another. Create it on the input's device "
+                "(torch.arange(n, device=x.device)), or register it as a buffer in __init__.") from e
         else:
             cause = ("Common causes: Python control flow that depends on tensor values (use torch.where "
                      "or torch.cond), calls into non-torch libraries, or example inputs of the wrong shape.")
@@ -179,11 +178,16 @@ def tensor_args(fx_node: fx.Node) -> list:
 
 def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: str = "whole",
             mp_policy=None, autocast=None) -> Graph:
-    """Capture on the meta device: the weights are never touched, so this works for a model of
-    any size, and for one whose parameters are already DTensor shares. ``outputs``: how the
-    caller takes the user outputs (``Graph.outputs``). ``mp_policy`` (a MixedPrecisionPolicy)
-    and ``autocast`` (the caller's autocast dtype) are written in as casts (``autoshard.precision``)."""
+    """Capture on fake tensors of the device type the model runs on (``run_device_type``): the
+    weights are never touched and nothing is allocated, so this works for a model of any size and
+    for one whose parameters are already DTensor shares, while ``x.device.type`` stays true to the
+    run (a router under ``torch.autocast(device_type=x.device.type)``, a device branch, a tensor
+    made without ``device=``). ``outputs``: how the caller takes the user outputs
+    (``Graph.outputs``). ``mp_policy`` (a MixedPrecisionPolicy) and ``autocast`` (the caller's
+    autocast dtype) are written in as casts (``autoshard.precision``); the caller's own autocast is
+    off while tracing, so that those casts are made once."""
     args, kwargs = normalize_inputs(example_inputs)
+    device = run_device_type(model, (args, kwargs))
     if extra_kwargs:
         kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
     # under a policy the model is traced as FSDP2 runs it: on its parameters (and, with
@@ -192,8 +196,9 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: 
     # fp32; make_explicit gives the graph back its masters and casts them (``traced_as``)
     cast = mp_policy.param_dtype if mp_policy is not None else None
     cast_in = cast if mp_policy is not None and mp_policy.cast_forward_inputs else None
-    with phase("capture"), meta_view(model, cast) as params:
-        ep = export(model, _to_meta(args, cast_in), _to_meta(kwargs, cast_in))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with phase("capture"), fake_view(model, fake, device, cast) as params, _no_autocast(device):
+        ep = export(model, _to_fake(args, fake, device, cast_in), _to_fake(kwargs, fake, device, cast_in))
         inline_regions(ep.graph_module)
         precise = make_explicit(ep.graph_module, ep.graph_signature, mp_policy, autocast,
                                 traced_as=_traced_as(ep, params, (args, kwargs)) if cast is not None else None)
@@ -308,16 +313,41 @@ def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
     return graph
 
 
-def _to_meta(x, floating=None):
-    """Meta tensors of ``x``'s shapes; its floating tensors in ``floating`` when given."""
+def run_device_type(model: nn.Module, inputs) -> str:
+    """The device type the model runs on: its parameters' and buffers', else its inputs', where
+    they hold data; for a model built on the meta device, CUDA where this machine has it, else CPU."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(x for x in torch.utils._pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))]
+    return next((t.device.type for t in tensors if t.device.type != "meta"),
+                "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _fake(mode: FakeTensorMode, shape, dtype, device: str) -> torch.Tensor:
+    with mode:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _to_fake(x, mode: FakeTensorMode, device: str, floating=None):
+    """Fake tensors of ``x``'s shapes on ``device``; its floating tensors in ``floating`` when given."""
     if isinstance(x, torch.Tensor):
         dtype = floating if floating is not None and x.dtype.is_floating_point else x.dtype
-        return torch.empty(x.shape, dtype=dtype, device="meta")
+        return _fake(mode, x.shape, dtype, device)
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v, floating) for v in x)
+        return type(x)(_to_fake(v, mode, device, floating) for v in x)
     if isinstance(x, dict):
-        return {k: _to_meta(v, floating) for k, v in x.items()}
+        return {k: _to_fake(v, mode, device, floating) for k, v in x.items()}
     return x
+
+
+@contextlib.contextmanager
+def _no_autocast(device: str):
+    """The caller's autocast off while tracing (``capture`` writes its casts in once, itself)."""
+    try:
+        region = torch.autocast(device_type=device, enabled=False)
+    except RuntimeError:   # a device type this torch has no autocast for: nothing to switch off
+        region = contextlib.nullcontext()
+    with region:
+        yield
 
 
 def _traced_as(ep: ExportedProgram, params: dict, inputs) -> dict:
@@ -337,9 +367,10 @@ def _traced_as(ep: ExportedProgram, params: dict, inputs) -> dict:
 
 
 @contextlib.contextmanager
-def meta_view(model: nn.Module, floating=None):
-    """Swap the model's parameters and buffers for meta tensors of their global shapes while it is
-    captured: no memory for weights, and DTensor shares trace as the whole tensors they stand for.
+def fake_view(model: nn.Module, mode: FakeTensorMode, device: str, floating=None):
+    """Swap the model's parameters and buffers for fake tensors (``mode``) of their global shapes
+    on ``device`` while it is captured: no memory for weights, and DTensor shares trace as the
+    whole tensors they stand for.
     ``floating``: the dtype the floating parameters take meanwhile (a policy's ``param_dtype``).
     Yields each parameter's name (every alias) -> its own dtype."""
     saved = []
@@ -352,14 +383,14 @@ def meta_view(model: nn.Module, floating=None):
             dtypes[f"{mod_name}.{name}" if mod_name else name] = p.dtype
             if id(p) not in fakes:
                 dtype = floating if floating is not None and p.dtype.is_floating_point else p.dtype
-                fakes[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
+                fakes[id(p)] = nn.Parameter(_fake(mode, p.shape, dtype, device), requires_grad=p.requires_grad)
             saved.append((mod._parameters, name, p))
             mod._parameters[name] = fakes[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
                 continue
             saved.append((mod._buffers, name, b))
-            mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+            mod._buffers[name] = _fake(mode, b.shape, b.dtype, device)
     try:
         yield dtypes
     finally:

@@ -111,6 +111,22 @@ def reduction(ctx: OpCtx):
     return sigs
 
 
+@rule(aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
+      aten.argmin.default)
+def extremum(ctx: OpCtx):
+    """A max or min (and its index) over some dims: a kept dim keeps its split; a reduced dim
+    cannot be split, for a max of parts is no partial sum (and an index into a part is not one
+    into the whole)."""
+    nd = len(ctx.in_shapes[0])
+    reduced, keepdim = _reduced_dims(ctx)
+    sigs = []
+    for d in range(nd):
+        if d not in reduced:
+            out = Split(d if keepdim else d - sum(r < d for r in reduced))
+            sigs.append(Sig((Split(d),), (out,) * ctx.n_out))
+    return sigs
+
+
 @rule(aten.cross_entropy_loss.default)
 def cross_entropy(ctx: OpCtx):
     """input (N, C, ...), target (N, ...): split the batch. A mean over a split batch divides each
