@@ -15,9 +15,10 @@ What it shows, each where it happens below:
 - bf16 compute with fp32 master weights and fp32 gradient reduction (FSDP2's
   ``MixedPrecisionPolicy``); AdamW built after ``parallelize`` from the module's parameters;
 - a ragged last batch: the dataset is no multiple of the global batch, so each epoch's last
-  batch is smaller, and autoshard plans that shape once when it first arrives;
+  batch is smaller, and autoshard plans that shape once when it first arrives (that step's time
+  includes the planning);
 - checkpoints with ``torch.distributed.checkpoint`` (model, optimizer and step), resumable in a
-  fresh launch at another world size;
+  fresh launch, at another world size too (the data then goes on in that world's order);
 - the loss and tokens/s of every step, printed by rank 0.
 
 ``--single --world N`` trains the same model on one device on the same global batches, in the
