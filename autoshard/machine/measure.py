@@ -380,9 +380,9 @@ def _optimizer(device) -> tuple:
     for count, numel in _shapes(device)["optimizer"]:
         params = []
         for _ in range(count):
-            t = torch.randn(numel, device=device)
+            t, g = torch.randn(numel, device=device), torch.randn(numel, device=device)   # no DTensor RNG: warns on CPU
             p = torch.nn.Parameter(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if grouped else t)
-            p.grad = torch.randn_like(p)
+            p.grad = DTensor.from_local(g, mesh, [Replicate()], run_check=False) if grouped else g
             params.append(p)
         _adopt(params)
         opt = torch.optim.AdamW(params, lr=1e-3)
