@@ -25,7 +25,7 @@ from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_bu
                                  check_number, check_options)
 from autoshard import cache
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
-from autoshard.machine.measure import MEASURE, measure, resolve_cluster
+from autoshard.machine.measure import MEASURE, kept_measure, measure, resolve_cluster
 from autoshard.outputs import WHOLE, check_outputs
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
@@ -344,7 +344,7 @@ class ParallelModule(nn.Module):
         if plan is None:
             _warn_preset_on_cpu(plan_kwargs.get("cluster"), device)
         if plan_kwargs.get("cluster") == MEASURE:   # collective: measured here, on every rank, once
-            plan_kwargs = dict(plan_kwargs, cluster=measure())
+            plan_kwargs = dict(plan_kwargs, cluster=kept_measure())
         self.__dict__["_plan_kwargs"] = plan_kwargs
         self.__dict__["_overlap"] = overlap
         self.__dict__["_programs"] = {}   # (training, shapes, constants) -> (program, graph, plan, feed)

@@ -3,6 +3,8 @@ the plan to every rank, and priced by the cost model (fitted collectives, op lau
 optimizer step, overlap); the presets price as before."""
 import copy
 import math
+import os
+import pathlib
 import time
 import warnings
 
@@ -108,6 +110,35 @@ def test_parallelize_measures_and_trains_exactly(world2):
     for _, losses, rank in out:
         for loss, ref in losses:
             assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6), (rank, losses)
+
+
+def _kept(root):
+    """cluster="measure" twice with a plan cache at ``root``: the second measures nothing."""
+    before = os.environ.get("AUTOSHARD_PLAN_CACHE")
+    os.environ["AUTOSHARD_PLAN_CACHE"] = root
+    fresh = measure.measure
+
+    def refuse(*_, **__):
+        raise AssertionError("measured again, though kept")
+    try:
+        first = measure.resolve_cluster("measure")
+        measure.measure = refuse
+        again = measure.resolve_cluster("measure")
+    finally:
+        measure.measure = fresh
+        if before is None:
+            del os.environ["AUTOSHARD_PLAN_CACHE"]
+        else:
+            os.environ["AUTOSHARD_PLAN_CACHE"] = before
+    return first, again, sorted(p.name for p in pathlib.Path(root, "clusters").iterdir())
+
+
+def test_a_measured_cluster_is_kept_on_disk_and_read_back_on_every_rank(world2, tmp_path):
+    """issue 34: a restart neither measures again nor, its figures the same, misses its kept plan."""
+    out = world2.run(_kept, str(tmp_path))
+    (first, again, files), (first1, again1, _) = out
+    assert first.measured and first == again == first1 == again1   # rank 0 read, every rank took it
+    assert len(files) == 1 and files[0] in first.name
 
 
 def test_measure_outside_a_group_measures_compute_and_keeps_the_links():

@@ -44,8 +44,10 @@ DTensor optimizer step's one-time set-up (importing torch._dynamo), which ``para
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import pathlib
 import socket
 import statistics
 import time
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autoshard.cache import directory
 from autoshard.machine.cluster import COLLECTIVE_KINDS, DEFAULT_CLUSTER, Cluster
 from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.cost.comm import ring_bytes
@@ -116,12 +119,64 @@ def resolve_cluster(cluster) -> Cluster:
     if cluster is None:
         return Cluster.preset(DEFAULT_CLUSTER)
     if cluster == MEASURE:
-        return measure()
+        return kept_measure()
     if isinstance(cluster, str):
         return Cluster.preset(cluster)
     if isinstance(cluster, Cluster):
         return cluster
     raise TypeError(f"cluster is a Cluster, a preset name or {MEASURE!r}, got {type(cluster).__name__}")
+
+
+def kept_measure() -> Cluster:
+    """``cluster="measure"``: this machine measured once and kept on disk, beside the plans
+    (``autoshard.cache``), so that a restart or a resume neither measures again nor, its figures
+    being the same, misses its kept plan. Kept per machine: its host, device, cores and threads,
+    the group's size, backend and ranks per host, torch's version and this module's source (a
+    changed measurement measures again). In a process group rank 0 reads and every rank takes
+    what it read, or all measure together. ``autoshard.measure()`` always measures afresh; delete
+    the file (its path is in the figures' ``name``) to measure again, or turn the cache off
+    (``AUTOSHARD_PLAN_CACHE=off``)."""
+
+    root = directory()
+    if root is None:
+        return measure()
+    grouped = dist.is_available() and dist.is_initialized()
+    path = root / "clusters" / f"{_machine_key(grouped)}.json"
+    found = None
+    if not grouped or dist.get_rank() == 0:
+        try:
+            found = Cluster.load(path)
+        except (OSError, ValueError, TypeError):   # none kept yet, or unreadable: measure
+            found = None
+    if grouped:
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    if found is not None:
+        return found
+    cluster = measure()
+    cluster = cluster.with_(name=f"{cluster.name}, kept in {path}")
+    if not grouped or dist.get_rank() == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            cluster.save(tmp)
+            os.replace(tmp, path)   # whole or not at all: another process may read meanwhile
+        except OSError:   # a read-only cache: measured, not kept
+            pass
+    return cluster
+
+
+def _machine_key(grouped: bool) -> str:
+    """What the kept figures hold for: see ``kept_measure``."""
+    device = _device()
+    parts = [socket.gethostname(), device.type, os.cpu_count(), torch.get_num_threads(), torch.__version__,
+             pathlib.Path(__file__).read_bytes()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    if grouped:
+        parts += [dist.get_world_size(), dist.get_backend(), _ranks_per_host()]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
 def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Cluster:
