@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import runtime
+from autoshard.runtime import steps as runtime_steps
 from autoshard.cost.step import DRAG
 from autoshard.passes.capture import capture
 from autoshard.passes.rewrite import rewrite
@@ -283,7 +284,7 @@ def reduce_scatter_order_case():
     model, x = MLP(), torch.randn(8, 32)
     pm = autoshard.parallelize(model, (x,), pin=FSDP, bucket_bytes=2048)
     events = []
-    real = runtime._reduce_scatter
+    real = runtime_steps._reduce_scatter
 
     def traced(*args, **kw):
         events.append("reduce_scatter")
@@ -291,11 +292,11 @@ def reduce_scatter_order_case():
 
     x = x.clone().requires_grad_()
     x.register_hook(lambda g: events.append("input"))
-    runtime._reduce_scatter = traced
+    runtime_steps._reduce_scatter = traced
     try:
         pm(x).sum().backward()
     finally:
-        runtime._reduce_scatter = real
+        runtime_steps._reduce_scatter = real
     return events, pm.program
 
 
