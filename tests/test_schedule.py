@@ -531,7 +531,7 @@ def test_an_interleaved_batch_trains_exactly_and_flies_each_chunks_steps_beside_
 
 def test_interleave_shapes_each_step_as_the_conversion_planner_does():
     """``passes.interleave`` follows local shapes through the runtime's steps with the conversion
-    planner's own rule (``cost.comm``): an all-to-all gathers ``dim`` and splits ``dim2``, an
+    planner's own rule (``autoshard.convert``): an all-to-all gathers ``dim`` and splits ``dim2``, an
     all-gather multiplies its dim by the axis's ranks, a reduce-scatter divides it."""
     from autoshard.ir import TensorMeta
     from autoshard.passes.interleave import _Shapes

@@ -11,6 +11,7 @@ import torch
 
 from autoshard import placement as pl
 from autoshard._compat import tree_map_only
+from autoshard.convert import rank_sizes, transition
 from autoshard.runtime.mesh import RankMesh, _mesh
 from autoshard.runtime.steps import _launch, _run
 
@@ -20,7 +21,6 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
     the tensor's whole shape, which an uneven split's chunk sizes come from (None: every split
     is even). ``arriving``: a last step that is a collective is started and not waited for; the
     result is an ``Arriving`` tensor, which waits when it is first read."""
-    from autoshard.cost.comm import rank_sizes, transition
     if whole is not None and pl.is_even(whole, src, m.shape) and pl.is_even(whole, dst, m.shape):
         whole = None    # the even path: no chunk sizes to work out on every call
     if whole is None:   # every split even
