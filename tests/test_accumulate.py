@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard import runtime, schemes
+from autoshard import schemes
+from autoshard.runtime import steps as runtime_steps
 from models import GPT, MLP
 
 DP = {"x": ("S(0)",)} | {n: ("B",) for n, _ in MLP().named_parameters()}
@@ -23,18 +24,18 @@ class _Counted:
         self.calls = 0
 
     def __enter__(self):
-        self.saved = dist.all_reduce, runtime._reduce_scatter
+        self.saved = dist.all_reduce, runtime_steps._reduce_scatter
 
         def count(fn):
             def call(*a, **k):
                 self.calls += 1
                 return fn(*a, **k)
             return call
-        dist.all_reduce, runtime._reduce_scatter = (count(f) for f in self.saved)
+        dist.all_reduce, runtime_steps._reduce_scatter = (count(f) for f in self.saved)
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce, runtime._reduce_scatter = self.saved
+        dist.all_reduce, runtime_steps._reduce_scatter = self.saved
 
 
 def _model(name):

@@ -201,7 +201,8 @@ def test_the_graph_sees_imports_inside_functions_and_finds_their_circle(tmp_path
 # report/'s plan-reading modules stand under plan.py: a plan's methods call them, and they only read
 # its fields (plan.py says why).
 FLOORS = [
-    ("_compat", "placement", "arguments", "ir", "precision", "outputs", "planner.progress", "planner.repeat"),
+    ("_compat", "placement", "convert", "arguments", "ir", "precision", "outputs", "planner.progress",
+     "planner.repeat"),
     ("rules",),
     ("passes.functionalize", "passes.capture", "passes.annotate"),
     ("machine.cluster",),
@@ -239,3 +240,16 @@ def test_nothing_imported_upward():
     up = {(a, b): where for a in graph for b, where in graph[a].items() if floor_of(b) > floor_of(a)}
     assert set(up) <= UPWARD, {e: w for e, w in up.items() if e not in UPWARD}
     assert UPWARD <= set(up), f"no longer upward, strike from UPWARD: {UPWARD - set(up)}"
+
+
+# STYLE.md: modules under about 800 lines. A module over it is split by what it holds, not excused.
+MAX_LINES = 800
+OVER_FOR_NOW = frozenset({
+    "planner/solve.py",   # being split on another branch
+})
+
+
+def test_no_module_over_800_lines():
+    over = {str(p.relative_to(ROOT)): n for p in sorted(ROOT.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert set(over) - OVER_FOR_NOW == set(), {p: n for p, n in over.items() if p not in OVER_FOR_NOW}

@@ -16,6 +16,7 @@ import autoshard
 from autoshard.machine import measure
 from autoshard import placement as pl
 from autoshard.machine.cluster import COLLECTIVE_KINDS, Cluster
+from autoshard.convert import Step
 from autoshard.cost import comm
 from autoshard.cost.buckets import BUCKET_BYTES
 from autoshard.passes.annotate import annotate
@@ -186,7 +187,7 @@ def test_presets_price_no_launches_and_no_fits():
 def test_collectives_priced_by_their_fits():
     links = FAKE.axis_links((2,))
     assert links[0].fits["all_reduce"] == (3e-4, 1e9)
-    step = comm.Step("all_gather", 0, 0, None, (1024, 256))
+    step = Step("all_gather", 0, 0, None, (1024, 256))
     n = 1024 * 256 * 4
     # launch + fitted latency + ring bytes / fitted bandwidth
     assert comm.step_time(step, 4, (2,), links) == pytest.approx(8e-6 + 3e-4 + n / 1e9)
@@ -216,7 +217,7 @@ def test_collectives_priced_through_their_points():
     c = FAKE.with_(collectives=tuple((k, 2, 1) + fit for k in COLLECTIVE_KINDS))
     assert Cluster(**dict(vars(c), collectives=[[*r[:5], [list(p) for p in r[5]]] for r in c.collectives])) == c
     links = c.axis_links((2,))
-    step = comm.Step("all_gather", 0, 0, None, (1024, 256))   # 1 MiB in, 1 MiB sent at world 2
+    step = Step("all_gather", 0, 0, None, (1024, 256))   # 1 MiB in, 1 MiB sent at world 2
     assert comm.step_time(step, 4, (2,), links) == pytest.approx(8e-6 + comm.fitted_time(fit, 2**20, 0.0))
     assert comm.all_reduce_time(2**20, 2, links[0]) == pytest.approx(8e-6 + comm.fitted_time(fit, 2**20, 0.0))
     with pytest.raises(ValueError, match="points"):

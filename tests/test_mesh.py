@@ -25,7 +25,7 @@ import autoshard
 from autoshard import placement as pl
 from autoshard import schemes
 from autoshard.api import resolve_pins
-from autoshard.cost import comm
+from autoshard import convert
 from autoshard.testing.launch import LocalWorld
 from autoshard.passes.annotate import annotate
 from autoshard.passes.capture import capture
@@ -41,7 +41,7 @@ TOL = 1e-5   # of each tensor's largest magnitude where that is above 1 (cases.r
 # (on an A100 it replicates it: every collective costs more than the whole step)
 SLOW = autoshard.Cluster(name="slow-compute", peak_flops=2e9, peak_flops_fp32=1e9, memory_bandwidth=4e9)
 # and links where bytes cost and latency does not, across nodes of 2: a conversion on both axes of
-# (2, 4) runs as one collective over the group spanning them (comm.transition), of every kind
+# (2, 4) runs as one collective over the group spanning them (cost.comm.transition), of every kind
 FLAT = SLOW.with_(name="slow-compute-bandwidth-bound", gpus_per_node=2, intra_latency=0.0, inter_latency=0.0,
                   collective_overhead=0.0)
 CLUSTERS = {"slow": SLOW, "flat": FLAT}
@@ -328,7 +328,7 @@ def test_scheme_errors_say_what_to_change():
         schemes.tensor_3d(model, inputs, (16, 16))
 
 
-# the conversion step planner (cost.comm.transition) against a simulation of every rank: for every
+# the conversion step planner (convert.transition) against a simulation of every rank: for every
 # pair of layouts on each mesh, the steps turn each rank's share into its share in the new layout
 
 def _blocks(x, dim, groups):
@@ -372,19 +372,19 @@ def _step(local, st, p):
             for k, c in enumerate(members):
                 out[c] = _STEPS[st.kind](xs, k, p, st)
             continue
-        inner = comm.Step(st.kind, st.axis, st.dim + 1)
+        inner = convert.Step(st.kind, st.axis, st.dim + 1)
         for k, c in enumerate(members):
             out[c] = _unblocks(_STEPS[st.kind]([_blocks(x, st.dim, st.groups) for x in xs], k, p, inner), st.dim)
     return out
 
 
 def _joint(shape, src, dst, mesh):
-    """The one collective over the changing axes' group, when ``comm`` offers one (None else)."""
-    j = comm._joint_step(src, dst, len(mesh))
+    """The one collective over the changing axes' group, when ``convert`` offers one (None else)."""
+    j = convert._joint_step(src, dst, len(mesh))
     if j is None:
         return None
     kind, axes, d, d2, groups = j
-    return [comm.Step(kind, axes, d, d2, pl.local_shape(shape, src, mesh), groups)]
+    return [convert.Step(kind, axes, d, d2, pl.local_shape(shape, src, mesh), groups)]
 
 
 class _Shares:
@@ -408,7 +408,7 @@ def _converts(shares, src, dst, steps=None) -> bool:
     mesh, ranks = shares.mesh, shares.ranks
     local = shares(src)
     if steps is None:
-        steps = comm.transition(local[ranks[0]].shape, src, dst, mesh)
+        steps = convert.transition(local[ranks[0]].shape, src, dst, mesh)
     for st in steps:
         if any(v.shape != tuple(st.in_shape) for v in local.values()):
             return False
@@ -437,7 +437,7 @@ def test_every_conversion_is_exact_on_every_rank(mesh):
     assert not wrong, wrong[:10]
     # one collective over several axes' group: every conversion that can run so, run so
     joint = [(s, d) for s in layouts for d in layouts if _joint(shape, s, d, mesh)]
-    assert {_joint(shape, s, d, mesh)[0].kind for s, d in joint} == set(comm.COLLECTIVES)
+    assert {_joint(shape, s, d, mesh)[0].kind for s, d in joint} == set(convert.COLLECTIVES)
     wrong = [(pl.format_nd(s), pl.format_nd(d)) for s, d in joint
              if not _converts(shares, s, d, _joint(shape, s, d, mesh))]
     assert not wrong, wrong[:10]

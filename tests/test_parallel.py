@@ -319,7 +319,8 @@ def reshard_case(mesh, reshard, overlap, shard=None):
     """FSDP on ``mesh`` (storing parameters split on the ``shard`` axes, default all: others
     hybrid, broadcast): one training step against the single device, the gathers each phase
     issues, and what the plan says of them."""
-    from autoshard import runtime, schemes
+    from autoshard import schemes
+    from autoshard.runtime import steps as runtime_steps
     torch.manual_seed(0)
     model = GPT(layers=2)
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
@@ -328,12 +329,12 @@ def reshard_case(mesh, reshard, overlap, shard=None):
                                reshard_after_forward=reshard, overlap=overlap)
     opt, ref_opt = torch.optim.Adam(pm.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     out, ref_out = pm(*inputs), ref(*inputs)
-    gathers, real = [], runtime._all_gather
-    runtime._all_gather = lambda *a, **k: (gathers.append(1), real(*a, **k))[1]
+    gathers, real = [], runtime_steps._all_gather
+    runtime_steps._all_gather = lambda *a, **k: (gathers.append(1), real(*a, **k))[1]
     try:
         out.backward()
     finally:
-        runtime._all_gather = real
+        runtime_steps._all_gather = real
     ref_out.backward()
     ref_params = dict(ref.named_parameters())
     grads = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())

@@ -13,7 +13,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint
 
 import autoshard
-from autoshard import runtime, schemes
+from autoshard import schemes
+from autoshard.runtime import steps as runtime_steps
 from models import GPT, MLP
 
 BF16 = torch.bfloat16
@@ -202,7 +203,7 @@ class _Collectives:
     and size."""
 
     def __enter__(self):
-        self.calls, self.saved = [], (runtime._all_gather, runtime._reduce_scatter, dist.all_reduce)
+        self.calls, self.saved = [], (runtime_steps._all_gather, runtime_steps._reduce_scatter, dist.all_reduce)
 
         def count(kind, f):
             return lambda out, inp, **kw: (self.calls.append((kind, inp.dtype, inp.numel())), f(out, inp, **kw))[1]
@@ -210,12 +211,12 @@ class _Collectives:
         def reduce(t, *args, **kw):
             self.calls.append(("all_reduce", t.dtype, t.numel()))
             return self.saved[2](t, *args, **kw)
-        runtime._all_gather, runtime._reduce_scatter = count("all_gather", self.saved[0]), count("reduce_scatter", self.saved[1])
+        runtime_steps._all_gather, runtime_steps._reduce_scatter = count("all_gather", self.saved[0]), count("reduce_scatter", self.saved[1])
         dist.all_reduce = reduce
         return self
 
     def __exit__(self, *exc):
-        runtime._all_gather, runtime._reduce_scatter, dist.all_reduce = self.saved
+        runtime_steps._all_gather, runtime_steps._reduce_scatter, dist.all_reduce = self.saved
 
 
 def fsdp_policy_case(reduce, overlap=True, mesh=(4,), roles=None):

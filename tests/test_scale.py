@@ -258,14 +258,14 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
 
 
 def test_a_conversions_remembered_plan_walks_any_shape_as_planning_it_afresh_would():
-    """``cost.comm._axis_by_axis`` remembers each pair of layouts' plan and reuses it for every
+    """``convert._axis_by_axis`` remembers each pair of layouts' plan and reuses it for every
     tensor and every mesh of as many axes: every conversion between the layouts of 3-d tensors,
     even and uneven, on meshes of two and three axes, takes the steps planned afresh for its own
     shape and mesh, after the others have filled the memo."""
     import itertools
-    from autoshard.cost import comm
+    from autoshard import convert
     from autoshard.placement import B, P, Split
-    comm._PLANS.clear()
+    convert._PLANS.clear()
     checked = 0
     for mesh, shapes in [((2, 4), [(8, 16, 32), (6, 12, 20)]), ((4, 2), [(8, 16, 32), (3, 5, 7)]),
                          ((2, 2, 2), [(8, 8, 8), (4, 6, 10)])]:
@@ -276,14 +276,14 @@ def test_a_conversions_remembered_plan_walks_any_shape_as_planning_it_afresh_wou
                 if local is None:
                     continue
                 for dst in layouts:
-                    uneven = comm._uneven_dims(whole, src, dst, mesh)
-                    fresh, _ = comm._plan(local, src, dst, mesh, uneven)
-                    got = comm._axis_by_axis(local, src, dst, mesh, uneven)
+                    uneven = convert._uneven_dims(whole, src, dst, mesh)
+                    fresh, _ = convert._plan(local, src, dst, mesh, uneven)
+                    got = convert._axis_by_axis(local, src, dst, mesh, uneven)
                     steps = [(s.kind, s.axis, s.dim, s.dim2, s.groups) for s in got]
                     assert steps == list(fresh), (mesh, whole, src, dst)
                     shape = tuple(local)
                     for s in got:   # each step takes the shape the ones before it left
                         assert s.in_shape == shape
-                        shape = comm._apply_shape(shape, s, mesh[s.axis])
+                        shape = convert.apply_shape(shape, s, mesh[s.axis])
                     checked += 1
     assert checked > 30000

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import runtime
+from autoshard.runtime import steps as runtime_steps
 from autoshard.cost.step import DRAG
 from autoshard.passes.capture import capture
 from autoshard.passes.rewrite import rewrite
@@ -283,7 +284,7 @@ def reduce_scatter_order_case():
     model, x = MLP(), torch.randn(8, 32)
     pm = autoshard.parallelize(model, (x,), pin=FSDP, bucket_bytes=2048)
     events = []
-    real = runtime._reduce_scatter
+    real = runtime_steps._reduce_scatter
 
     def traced(*args, **kw):
         events.append("reduce_scatter")
@@ -291,11 +292,11 @@ def reduce_scatter_order_case():
 
     x = x.clone().requires_grad_()
     x.register_hook(lambda g: events.append("input"))
-    runtime._reduce_scatter = traced
+    runtime_steps._reduce_scatter = traced
     try:
         pm(x).sum().backward()
     finally:
-        runtime._reduce_scatter = real
+        runtime_steps._reduce_scatter = real
     return events, pm.program
 
 
@@ -530,7 +531,7 @@ def test_an_interleaved_batch_trains_exactly_and_flies_each_chunks_steps_beside_
 
 def test_interleave_shapes_each_step_as_the_conversion_planner_does():
     """``passes.interleave`` follows local shapes through the runtime's steps with the conversion
-    planner's own rule (``cost.comm``): an all-to-all gathers ``dim`` and splits ``dim2``, an
+    planner's own rule (``autoshard.convert``): an all-to-all gathers ``dim`` and splits ``dim2``, an
     all-gather multiplies its dim by the axis's ranks, a reduce-scatter divides it."""
     from autoshard.ir import TensorMeta
     from autoshard.passes.interleave import _Shapes

@@ -142,7 +142,7 @@ def conversions_case(mesh):
     where this rank's result or gradient differs from the whole tensor's chunk, a message."""
     from torch.distributed.device_mesh import init_device_mesh
     from autoshard import runtime
-    from autoshard.cost import comm
+    from autoshard import convert
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(17, 10, generator=g), torch.randn(17, 10, generator=g)
     rm = runtime.RankMesh(init_device_mesh("cpu", mesh), torch.Generator())
@@ -162,9 +162,9 @@ def conversions_case(mesh):
         for src, dst in CONVERSIONS[mesh]:
             src, dst = pl.parse_nd(src, len(mesh)), pl.parse_nd(dst, len(mesh))
             local = cut(x, src, (pl.Split, pl.Partial)).clone().requires_grad_()
-            steps = comm.transition(pl.local_shape(x.shape, src, mesh), src, dst, mesh, whole=x.shape)
+            steps = convert.transition(pl.local_shape(x.shape, src, mesh), src, dst, mesh, whole=x.shape)
             out = local
-            for st, kw in zip(steps, comm.rank_sizes(x.shape, src, steps, mesh, coords)):
+            for st, kw in zip(steps, convert.rank_sizes(x.shape, src, steps, mesh, coords)):
                 kw = {"axis": st.axis, **kw, **{k: v for k, v in (("dim", st.dim), ("dim2", st.dim2)) if v is not None}}
                 out = runtime.STEP_FUNCTIONS[st.kind](out, **kw)
             got = out.detach()

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from autoshard import placement as pl
+from autoshard.convert import dual_steps
 from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm
 from autoshard.cost.compute import BACKWARD_FACTOR
@@ -301,7 +302,7 @@ def plan_traffic(plan, graph) -> dict:
             dst = choice.in_placements()[slot]
             steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize)
             if plan.training and meta.floating and n.kind != "output" and producer.requires_grad:
-                steps = steps + comm.dual_steps(steps, mesh)
+                steps = steps + dual_steps(steps, mesh)
             t = sum(comm.step_time(st, meta.itemsize, mesh, links) for st in steps)
             converted[n.name] = converted.get(n.name, 0.0) + t
             if producer.name in derived or n.op_name in MATMULS and slot != BIAS.get(n.op_name):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 from autoshard import placement as pl
+from autoshard.convert import Step
 from autoshard.cost import comm
 from autoshard.cost.step import DRAG
 
@@ -39,7 +40,7 @@ CHOICES = (1, 2, 4)
 def _launch(costs, c) -> float:
     """Seconds the collective ``c`` (``plan.Collective``) costs whatever its size: its launch
     and latency, what each extra chunk pays again."""
-    step = comm.Step(c.kind, c.axes if len(c.axes) > 1 else c.axes[0], 0, 1, in_shape=(0,))
+    step = Step(c.kind, c.axes if len(c.axes) > 1 else c.axes[0], 0, 1, in_shape=(0,))
     return comm.step_time(step, 4, costs.mesh_shape, costs.links)
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from autoshard import placement as pl
+from autoshard.convert import dual_steps
 from autoshard.cost import comm, compute, memory
 from autoshard.cost.step import DRAG, Cost
 
@@ -341,7 +342,7 @@ def _chunkings(costs, e, strat):
         drag_b = (k * c_b - whole.compute_bwd + ops * cluster.backward_overhead) if e["duals"] else 0.0
         chunk = steps[0]._replace(in_shape=cout)
         s_f = comm.step_time(chunk, meta.itemsize, mesh, costs.links)
-        s_b = sum(comm.step_time(st, meta.itemsize, mesh, costs.links) for st in comm.dual_steps([chunk], mesh)) \
+        s_b = sum(comm.step_time(st, meta.itemsize, mesh, costs.links) for st in dual_steps([chunk], mesh)) \
             if e["duals"] else 0.0
         # what covers the pipeline in backward: a chunk's input gradient only, where its
         # weight's is made later, beside another step

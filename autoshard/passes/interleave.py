@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import runtime
-from autoshard.cost import comm
+from autoshard import convert
 
 aten = torch.ops.aten
 
@@ -109,8 +109,8 @@ class _Shapes:
             kw = n.kwargs
             if kw.get("sizes") is not None or kw.get("sizes2") is not None:
                 return None
-            step = comm.Step(_STEPS.get(t, "slice"), kw["axis"], kw.get("dim"), kw.get("dim2"))
-            return comm._apply_shape(self.of[n.args[0]], step, step.size(self.mesh))
+            step = convert.Step(_STEPS.get(t, "slice"), kw["axis"], kw.get("dim"), kw.get("dim2"))
+            return convert.apply_shape(self.of[n.args[0]], step, step.size(self.mesh))
         return None
 
 

@@ -1,8 +1,8 @@
 """Rewrite: the captured graph and a plan -> the program one rank runs.
 
 Every tensor is held in its planned placement; between producer and consumer the conversion
-steps of ``cost.comm.transition`` appear as explicit calls (``all_gather``, ``reduce_scatter``, ...)
-whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share;
+steps of ``convert.transition`` (as ``cost.comm.transition`` prices them) appear as explicit calls
+(``all_gather``, ``reduce_scatter``, ...) whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share;
 outputs leave whole, or as DTensors in their planned layouts (``autoshard.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
 their arguments, means over a split dim, random draws, a mean loss over a split batch) are
 lowered by a small function from ``LOWERINGS``.
@@ -17,6 +17,7 @@ import torch.fx as fx
 from autoshard import placement as pl
 from autoshard.runtime import experts
 from autoshard import runtime
+from autoshard.convert import rank_sizes
 from autoshard.cost import comm
 from autoshard.outputs import WHOLE, kept_split
 from autoshard.runtime.outputs import to_dtensor
@@ -373,7 +374,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
                                         whole=meta.shape)
                 even = all(pl.is_even(meta.shape, q, mesh) for q in (src, dst))
                 out = _emit_conversion(g, local[value], steps,
-                                       None if even else comm.rank_sizes(meta.shape, src, steps, mesh, coords))
+                                       None if even else rank_sizes(meta.shape, src, steps, mesh, coords))
                 if steps and regather and even and graph.by_name[value[0]].kind == "param":
                     spec = tuple((st.kind, st.axis, st.dim, st.dim2, st.groups) for st in steps)
                     out = g.call_function(runtime.regather, (out, local[value], spec))

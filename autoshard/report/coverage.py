@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import placement as pl
+from autoshard.convert import dual_steps
 from autoshard.api import resolve_cluster, resolve_mesh
 from autoshard.machine.cluster import Cluster
 from autoshard.cost import comm, compute
@@ -349,6 +350,6 @@ def _conversions(node: Node, graph: Graph, costs: Costs) -> tuple:
         steps, _ = costs.conversion(value, src, dst)
         # a gradient flows back through the conversion exactly when Costs.convert charges its dual
         if costs.training and meta.floating and graph.by_name[value[0]].requires_grad:
-            steps = steps + comm.dual_steps(steps, mesh)
+            steps = steps + dual_steps(steps, mesh)
         nbytes += sum(comm.step_bytes(st, meta.itemsize) for st in steps if st.is_collective)
     return seconds, nbytes

@@ -31,6 +31,7 @@ from dataclasses import asdict
 import sympy
 
 from autoshard import placement as pl
+from autoshard.convert import apply_shape, dual_steps
 from autoshard.cost import comm, compute
 from autoshard.cost.compute import BACKWARD_FACTOR
 from autoshard.cost.overlap import edge_price
@@ -239,10 +240,10 @@ class _Pricer:
         ``last_itemsize``: the last dual's bytes per element (``Costs.reduced_itemsize``)."""
         shapes = [self.local(meta, src)]
         for st in steps:
-            shapes.append(list(comm._apply_shape(shapes[-1], st, self.size(st.axes))))
+            shapes.append(list(apply_shape(shapes[-1], st, self.size(st.axes))))
         nbytes = [math.prod(s, start=q(1)) * meta.itemsize for s in shapes]
         fwd = [self.step_time(st, nbytes[i], share if i == 0 else 1.0) for i, st in enumerate(steps)]
-        duals = comm.dual_steps(steps, self.mesh_values)
+        duals = dual_steps(steps, self.mesh_values)
         last = (last_itemsize or meta.itemsize) / meta.itemsize
         bwd = [self.step_time(st, nbytes[len(steps) - i] * (last if i == len(duals) - 1 else 1),
                               share if i == len(duals) - 1 else 1.0)

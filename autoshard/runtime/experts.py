@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autoshard import runtime
 from autoshard.rules.moe import chunk_of, group_members
+from autoshard.runtime.mesh import _mesh
 
 
 def _overlap(a, b) -> tuple:
@@ -113,7 +113,7 @@ def grouped_mm(x, w, offs, row_axes: tuple, expert_axes: tuple, axis: tuple = ()
     """This rank's part of the grouped matmul of x (rows, k) by w (experts, k, n) at offsets
     offs (experts,): see the module docstring. ``axis``: the axes that split both the rows and
     the experts, over which rows are exchanged."""
-    m = runtime._mesh()
+    m = _mesh()
     ends = [int(e) for e in offs.tolist()]
     n_experts = w.shape[0]
     mine, experts, sent, received = exchange_plan(ends, m.coords, m.shape, row_axes, expert_axes,
@@ -146,7 +146,7 @@ def gather_rows(x, index, axis: tuple):
     be split by axes before ``axis`` (never after: ``rules.indexing.index``), which the members
     of this rank's group share: the chunk it takes of its own chunk is then its chunk of the
     output."""
-    m = runtime._mesh()
+    m = _mesh()
     group, p, me = m.group(axis), m.size(axis), m.coord(axis)
     n = x.shape[0]
     index = index.remainder(n * p)

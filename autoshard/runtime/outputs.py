@@ -34,7 +34,7 @@ def to_dtensor(x, placement: tuple, shape: tuple):
     ``x`` as a DTensor of the global ``shape`` on the module's DeviceMesh."""
     import torch
     from torch.distributed.tensor import DTensor
-    from autoshard.runtime import _mesh
+    from autoshard.runtime.mesh import _mesh
     if not isinstance(x, torch.Tensor):
         return x
     stride, step = [], 1

@@ -1,0 +1,90 @@
+"""This rank's view of the device mesh, and the one that is active: the emitted program names mesh
+axes by index, and the process groups and coordinates behind them come from the ``RankMesh`` the
+parallel module activates around each call (``active``). The active mesh lives here alone, in a
+thread-local, read through ``_mesh()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_state = threading.local()   # .mesh: the RankMesh ``active`` set on this thread
+
+
+class RankMesh:
+    """This rank's view of the device mesh: a process group and a coordinate per axis, and the
+    generator every rank shares for random ops."""
+
+    def __init__(self, device_mesh, generator: torch.Generator, joint: Optional[dict] = None):
+        self.device_mesh = device_mesh
+        self.shape = tuple(device_mesh.shape)
+        self.groups = [device_mesh.get_group(a) for a in range(len(self.shape))]
+        self.coords = list(device_mesh.get_coordinate())
+        self.generator = generator
+        self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
+        self.hybrid: list = []  # backward: hybrid gather buckets reduce-scattered, their all-reduces not started
+        self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
+        self.reduce_dtype = None  # a mixed-precision policy's: parameter gradients all-reduced in it
+        # axes -> the group spanning them; ``joint`` shares them between modules on one mesh
+        self._joint: dict = {} if joint is None else joint
+
+    def all_groups(self) -> list:
+        """Every process group this rank's collectives may run on: one per axis, and those made
+        for several axes at once."""
+        return [*self.groups, *self._joint.values()]
+
+    def group(self, axes):
+        """The process group of this rank's devices along ``axes`` together (one axis: its own)."""
+        if isinstance(axes, int) or len(axes) == 1:
+            return self.groups[axes if isinstance(axes, int) else axes[0]]
+        if tuple(axes) not in self._joint:
+            raise RuntimeError(f"the group spanning mesh axes {tuple(axes)} was not created: the program's "
+                               "meta['joint_axes'] must list it (passes.rewrite)")
+        return self._joint[tuple(axes)]
+
+    def size(self, axes) -> int:
+        return self.shape[axes] if isinstance(axes, int) else math.prod(self.shape[a] for a in axes)
+
+    def coord(self, axes) -> int:
+        """This rank's place in the group spanning ``axes``: its coordinates flattened in mesh
+        order, as a dim split over those axes orders its chunks."""
+        if isinstance(axes, int):
+            return self.coords[axes]
+        c = 0
+        for a in axes:
+            c = c * self.shape[a] + self.coords[a]
+        return c
+
+    def prepare_groups(self, axis_sets) -> None:
+        """Create the groups spanning several axes at once. Collective: every rank calls it with
+        the same sets in the same order (the same program gives them)."""
+        for axes in axis_sets:
+            axes = tuple(axes)
+            if len(axes) < 2 or axes in self._joint:
+                continue
+            ranks = self.device_mesh.mesh
+            rest = [a for a in range(ranks.ndim) if a not in axes]
+            lists = ranks.permute(*rest, *axes).reshape(-1, math.prod(self.shape[a] for a in axes)).tolist()
+            self._joint[axes], _ = dist.new_subgroups_by_enumeration(lists)
+
+
+@contextlib.contextmanager
+def active(mesh: RankMesh):
+    prev = getattr(_state, "mesh", None)
+    _state.mesh = mesh
+    try:
+        yield
+    finally:
+        _state.mesh = prev
+
+
+def _mesh() -> RankMesh:
+    m = getattr(_state, "mesh", None)
+    if m is None:
+        raise RuntimeError("an autoshard program ran outside its parallel module")
+    return m

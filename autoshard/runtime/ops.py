@@ -1,0 +1,106 @@
+"""The ops whose local form differs from the global one: dropout drawn from the generator every
+rank shares, a mean cross-entropy over a split batch, and batch norm with the whole batch's
+statistics.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autoshard import placement as pl
+from autoshard.runtime.edges import _convert, _whole
+from autoshard.runtime.mesh import _mesh
+from autoshard.runtime.steps import _slice, all_gather
+
+
+def dropout(x, p: float, train: bool, placement: tuple):
+    """Draw the whole mask from the generator all ranks share and keep this rank's part: replicas
+    agree, and the result equals a single-device draw from the same seed."""
+    if not train or p == 0:
+        return x
+    m = _mesh()
+    pls = tuple(pl.parse(q) for q in placement)
+    shape = list(x.shape)
+    for q, n in zip(pls, m.shape):
+        if isinstance(q, pl.Split):
+            shape[q.dim] *= n
+    if p == 1:
+        return x * 0
+    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=m.generator)
+    noise.div_(1 - p)
+    for a, (q, n) in enumerate(zip(pls, m.shape)):
+        if isinstance(q, pl.Split):
+            noise = _slice(noise, n, m.coords[a], q.dim)
+    return x * noise
+
+
+def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: float, axes: tuple,
+                       whole_target=None):
+    """Mean cross-entropy over a batch split on ``axes``: this rank's sum divided by the count of
+    counted targets over all ranks (weighted, as torch does), so the partial sums add up to the
+    single-device mean. Given ``whole_target`` (the targets of the whole batch, unweighted), the
+    count is taken there, with no all-reduce."""
+    m = _mesh()
+    total = F.cross_entropy(x, target, weight=weight, reduction="sum", ignore_index=ignore_index,
+                            label_smoothing=label_smoothing)
+    if whole_target is not None and weight is None:
+        with torch.no_grad():
+            denom = (whole_target != ignore_index).sum().to(torch.float64)
+        return total / denom.to(total.dtype)
+    with torch.no_grad():
+        counted = target != ignore_index
+        if weight is not None:
+            denom = weight[target.clamp(min=0)].masked_fill(~counted, 0).sum().to(torch.float64)
+        else:
+            denom = counted.sum().to(torch.float64)
+        for a in axes:
+            dist.all_reduce(denom, group=m.groups[a])
+    return total / denom.to(total.dtype)
+
+
+def batch_norm_train(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                     placement: tuple):
+    """Batch norm in training mode on this rank's share ``placement`` of the input, with the
+    statistics of the whole batch, as single-device batch norm computes them.
+
+    Each rank takes the mean and the sum of squared deviations (M2) of its share per channel.
+    On each axis that splits a dim the statistics run over, the ranks gather each other's
+    (mean, M2) and combine them (Chan et al.): mean = the mean of the means (the shares are
+    equal), M2 = sum of M2 + n * sum of (mean_i - mean)^2. Unlike sum and sum of squares this
+    does not cancel when the mean is large. Everything is differentiable local ops and the
+    gather, whose backward is the dual reduce-scatter: each rank gets the gradient that every
+    rank's loss sends to its own statistics, so backward is that of the global batch norm too.
+    Running statistics (whole on every rank) move by the global mean and unbiased variance; on
+    axes that split the channels each rank's update is gathered first, so every rank's buffers
+    stay whole and equal."""
+    m = _mesh()
+    pls = tuple(pl.parse(q) for q in placement)
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    dims = [d for d in range(x.dim()) if d != 1]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    n = x.numel() // max(x.shape[1], 1)
+    mean = xs.mean(dims)
+    m2 = (xs - mean.view(shape)).square().sum(dims)
+    for a, q in enumerate(pls):
+        if isinstance(q, pl.Split) and q.dim != 1 and m.shape[a] > 1:
+            both = all_gather(torch.stack([mean, m2]).unsqueeze(0), a, 0)   # (p, 2, C)
+            means = both[:, 0]
+            mean = means.mean(0)
+            m2 = both[:, 1].sum(0) + n * (means - mean).square().sum(0)
+            n *= m.shape[a]
+    var = m2 / n
+    out = (xs - mean.view(shape)) * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    if running_mean is not None or running_var is not None:
+        with torch.no_grad():
+            update = torch.stack([mean, var * (n / max(n - 1, 1))]).detach()
+            channels = tuple(q if isinstance(q, pl.Split) and q.dim == 1 else pl.B for q in pls)
+            update = _convert(update, channels, _whole(len(pls)), m)
+            for buf, new in ((running_mean, update[0]), (running_var, update[1])):
+                if buf is not None:
+                    buf.mul_(1 - momentum).add_(new.to(buf.dtype), alpha=momentum)
+    return out.to(x.dtype)
