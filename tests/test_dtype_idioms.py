@@ -2,7 +2,9 @@
 torchtitan's RMSNorm (``x.float() ... .type_as(x)``), HuggingFace's (``x.to(torch.float32) ...
 weight * x.to(dt)``), attention scores upcast around the softmax (``.float() ... .to(q.dtype)``)
 and rotary tables built in fp32 (a buffer, which the policy leaves fp32) applied through an
-upcast. Traced in fp32 each upcast is a no-op and each cast back binds to the fp32 value, so the
+upcast; Qwen3's norm of the queries and keys, on a matmul's bf16 output; the probabilities cast
+with ``.bfloat16()`` and ``.half()``. The same under the caller's ``torch.autocast``, where the
+norm of a bf16 matmul output upcasts for real. Traced in fp32 each upcast is a no-op and each cast back binds to the fp32 value, so the
 norm's output met a bf16 weight ("expected m1 and m2 to have the same dtype"); captured as FSDP2
 runs the model (its parameters in param_dtype), the casts do what they say. Each model, split by
 the solver on a slow-compute cluster, against one device under the policy's semantics (the
@@ -24,6 +26,8 @@ BF16 = torch.bfloat16
 POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
 # compute this slow next to the links makes the solver split the work of a model this small
 SLOW = autoshard.Cluster(name="slow-compute", peak_flops=2e9, peak_flops_fp32=1e9, memory_bandwidth=4e9)
+# under autocast the model's parameters stay fp32 and their gradients move in fp32: slower still
+SLOWER = SLOW.with_(name="slower-compute", peak_flops=2e8, peak_flops_fp32=1e8, memory_bandwidth=4e8)
 
 
 class MetaRMSNorm(nn.Module):
@@ -56,10 +60,11 @@ class Attention(nn.Module):
     """Causal attention written out, its scores upcast around the softmax and cast back; rotary
     tables in fp32 buffers, applied through an upcast."""
 
-    def __init__(self, d, heads, seq):
+    def __init__(self, d, heads, seq, norm, cast="to"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.cast = heads, cast
         self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.q_norm, self.k_norm = norm(d // heads), norm(d // heads)   # Qwen3's: on a matmul's (bf16) output
         half = d // heads // 2
         angles = torch.outer(torch.arange(seq, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(half) / half))
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -72,18 +77,24 @@ class Attention(nn.Module):
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
-        q, k = self._rotate(q), self._rotate(k)
+        q, k = self._rotate(self.q_norm(q)), self._rotate(self.k_norm(k))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
-        attn = scores.float().softmax(dim=-1).to(q.dtype)
-        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, c))
+        probs = scores.float().softmax(dim=-1)
+        if self.cast == "to":
+            out = probs.to(q.dtype) @ v
+        elif self.cast == "bfloat16":
+            out = (probs.bfloat16() @ v.bfloat16()).type_as(v)
+        else:   # "half": fp16 probabilities and values
+            out = (probs.half() @ v.half()).type_as(v)
+        return self.proj(out.transpose(1, 2).reshape(b, t, c))
 
 
 class Decoder(nn.Module):
-    def __init__(self, norm, d=32, heads=4, seq=16, vocab=64, layers=2):
+    def __init__(self, norm, d=32, heads=4, seq=16, vocab=64, layers=2, cast="to"):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(n1=norm(d), attn=Attention(d, heads, seq), n2=norm(d),
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(n1=norm(d), attn=Attention(d, heads, seq, norm, cast), n2=norm(d),
                                                        up=nn.Linear(d, 4 * d, bias=False),
                                                        down=nn.Linear(4 * d, d, bias=False)))
                                     for _ in range(layers))
@@ -101,18 +112,24 @@ class Decoder(nn.Module):
 NORMS = {"meta_rmsnorm": MetaRMSNorm, "hf_rmsnorm": HFRMSNorm}
 
 
-def idiom_case(norm, mesh):
+def idiom_case(norm, mesh, how="policy", cast="to"):
+    """``how``: "policy" (MixedPrecisionPolicy) or "autocast" (the caller's torch.autocast)."""
     torch.manual_seed(0)
-    model = Decoder(NORMS[norm])
+    model = Decoder(NORMS[norm], cast=cast)
     idx = torch.randint(0, 64, (8, 16))
     batch = (idx, torch.roll(idx, -1, dims=1))
     ref = copy.deepcopy(model)
     fp32_loss, fp32 = _fp32_run(model, batch)
-    pm = autoshard.parallelize(model, batch, mesh=mesh, mp_policy=POLICY, cluster=SLOW, verbose=False)
-    loss = pm(*batch)
+    if how == "policy":
+        pm = autoshard.parallelize(model, batch, mesh=mesh, mp_policy=POLICY, cluster=SLOW, verbose=False)
+        loss = pm(*batch)
+        copies = {n: p.to(BF16) for n, p in ref.named_parameters()}   # FSDP2's semantics on one device
+        ref_loss = torch.func.functional_call(ref, copies, batch)
+    else:
+        pm = autoshard.parallelize(model, batch, mesh=mesh, cluster=SLOWER, verbose=False)
+        with torch.autocast("cpu", dtype=BF16):
+            loss, ref_loss = pm(*batch), ref(*batch)
     loss.backward()
-    copies = {n: p.to(BF16) for n, p in ref.named_parameters()}   # FSDP2's semantics on one device
-    ref_loss = torch.func.functional_call(ref, copies, batch)
     ref_loss.backward()
     return {"loss": _err(loss, ref_loss), "grads": _grads(pm, ref), "noise": _noise(ref_loss, ref, fp32_loss, fp32),
             "split": any(q.is_shard() for p in pm.parameters() for q in p.placements),
@@ -120,16 +137,19 @@ def idiom_case(norm, mesh):
 
 
 CASES = [(norm, mesh) for norm in NORMS for mesh in ((4,), (2, 2))]
+# the caller's autocast on the same idioms; and the probabilities cast with .bfloat16() and .half()
+AUTOCAST = [(norm, (2, 2), "autocast") for norm in NORMS] + [("meta_rmsnorm", (4,), "autocast")]
+CASTS = [("meta_rmsnorm", (2, 2), how, cast) for how in ("policy", "autocast") for cast in ("bfloat16", "half")]
 
 
 @pytest.fixture(scope="module")
 def results(world4):
-    return {case: world4.run(idiom_case, *case) for case in CASES}
+    return {case: world4.run(idiom_case, *case) for case in CASES + AUTOCAST + CASTS}
 
 
 @pytest.fixture(scope="module")
 def results2(world2):
-    return {norm: world2.run(idiom_case, norm, (2,)) for norm in NORMS}
+    return {(norm, how): world2.run(idiom_case, norm, (2,), how) for norm in NORMS for how in ("policy", "autocast")}
 
 
 def _check(ranks):
@@ -148,4 +168,19 @@ def test_policy_on_the_idiom_at_world_4(results, case):
 
 @pytest.mark.parametrize("norm", list(NORMS))
 def test_policy_on_the_idiom_at_world_2(results2, norm):
-    _check(results2[norm])
+    _check(results2[(norm, "policy")])
+
+
+@pytest.mark.parametrize("case", AUTOCAST, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+def test_callers_autocast_on_the_idiom_at_world_4(results, case):
+    _check(results[case])
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_callers_autocast_on_the_idiom_at_world_2(results2, norm):
+    _check(results2[(norm, "autocast")])
+
+
+@pytest.mark.parametrize("case", CASTS, ids=lambda c: f"{c[2]}-{c[3]}")
+def test_bfloat16_and_half_casts(results, case):
+    _check(results[case])

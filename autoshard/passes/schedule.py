@@ -327,12 +327,20 @@ def _start_steps_early(g, start: _Cursor) -> None:
     only linears take is decomposed: each computes the rows of this rank's own block before the
     wait, and the others' after it (``runtime.linear_local_part`` / ``linear_gathered``)."""
     order = {n: i for i, n in enumerate(g.nodes)}
-    prologue = order[start.anchor] if start.anchor is not None else -1
+
+    def at(node) -> int:
+        """``node``'s position; the positions again when it was inserted since (a step's wait, or
+        a decomposed linear, that a later step reads)."""
+        if node not in order:
+            order.clear()
+            order.update((m, i) for i, m in enumerate(g.nodes))
+        return order[node]
+    anchor = start.anchor   # what is at or before it is ready at the program's start
     for n in list(g.nodes):
         kind = _STEP_KINDS.get(n.target) if n.op == "call_function" else None
         if kind is None or not n.users or any(u.target is runtime.regather for u in n.users):
             continue
-        x, first = n.args[0], min(n.users, key=order.get)
+        x, first = n.args[0], min(n.users, key=at)
         kw = n.kwargs
         args = (kind, kw["axis"], kw.get("dim"), kw.get("dim2"), kw.get("groups", 1), kw.get("sizes"), kw.get("sizes2"))
         cast = x if kind == "all_gather" and _copy(x) and _master(x.args[0]) else None
@@ -340,7 +348,7 @@ def _start_steps_early(g, start: _Cursor) -> None:
             x, kw = x.args[0], {"dtype": cast.kwargs["dtype"]}
         else:
             kw = {}
-        if order[x] > prologue:
+        if anchor is None or at(x) > at(anchor):
             with g.inserting_after(x):
                 h = g.call_function(runtime.pending, ())
             with g.inserting_after(h):
@@ -349,7 +357,7 @@ def _start_steps_early(g, start: _Cursor) -> None:
             h = start.call(runtime.pending, ())
             token = start.call(runtime.step_start, (x, h, *args), kw)
         even = args[4] == 1 and args[5] is None and cast is None   # linear_gathered cuts the gathered rows evenly
-        linears = _gathered_linears(n, first, order) if kind == "all_gather" and even else []
+        linears = _gathered_linears(n, first, at) if kind == "all_gather" and even else []
         with g.inserting_before(first):
             # each linear's rows from this rank's own block, computed while the gather flies
             parts = [g.call_function(runtime.linear_local_part, (x, *_weights(u), args[2])) for u in linears]
@@ -372,15 +380,15 @@ def _weights(linear):
     return args[1], args[2] if len(args) > 2 else linear.kwargs.get("bias")
 
 
-def _gathered_linears(n, first, order) -> list:
+def _gathered_linears(n, first, at) -> list:
     """The linears that take the all-gather ``n`` as their input, when they are all it feeds
     and their weights are ready before the first of them: their rows from this rank's block can
     be computed before the gather completes (a collective matmul)."""
     users = list(n.users)
     if not all(u.target is torch.ops.aten.linear.default and u.args[0] is n and n not in u.args[1:] for u in users):
         return []
-    ready = all(not isinstance(w, fx.Node) or order[w] < order[first] for u in users for w in _weights(u))
-    return sorted(users, key=order.get) if ready else []
+    ready = all(not isinstance(w, fx.Node) or at(w) < at(first) for u in users for w in _weights(u))
+    return sorted(users, key=at) if ready else []
 
 
 def _weight_grads_later(g) -> None:
