@@ -6,12 +6,11 @@ model -> capture (torch.export) -> annotate (SBP rules) -> solve (ILP) -> Plan
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import difflib
-import inspect
 import math
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,18 +20,16 @@ from autoshard import placement as pl
 from autoshard.runtime import agree, optim
 from autoshard import runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
-from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_budget, check_int, check_mesh, check_module,
-                                 check_number, check_options)
+from autoshard.arguments import MAX_AXES, check_bool, check_mesh, check_module, check_number, check_options
 from autoshard import cache
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
-from autoshard.machine.measure import MEASURE, kept_measure, measure, resolve_cluster
-from autoshard.outputs import WHOLE, check_outputs
+from autoshard.machine.measure import MEASURE, kept_measure, resolve_cluster
+from autoshard.options import PLAN_OPTIONS, PlanOptions
+from autoshard.outputs import WHOLE
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture, normalize_inputs
-from autoshard.passes.checkpoint import checkpoint_blocks
-from autoshard.passes.rewrite import rewrite
-from autoshard.passes.schedule import BUCKET_BYTES, batch_casts, fuse_cast_gathers, schedule
+from autoshard.passes.lower import lower
 from autoshard.planner.axonn_start import axonn_start
 from autoshard.planner.search import search
 from autoshard.planner.descend import lifted_starts, solve_mesh
@@ -41,7 +38,7 @@ from autoshard.planner.recompute import AUTO
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan
 from autoshard.planner.make import make_plan
-from autoshard.precision import ambient_autocast, check_policy, policy_from_record, reduce_dtype
+from autoshard.precision import ambient_autocast, policy_from_record, reduce_dtype
 
 
 
@@ -59,31 +56,6 @@ def resolve_mesh(world, mesh) -> tuple:
         raise ValueError(f"mesh {mesh} holds {math.prod(mesh)} devices but world={world}; make the "
                          "product of the axis sizes equal world")
     return mesh
-
-
-def check_plan_options(*, cluster=None, pin=None, training=True, time_limit=60.0, bucket_bytes=None,
-                       memory_budget=None, reshard_after_forward=False, recompute="auto", **others) -> None:
-    """The planning options of ``plan`` and ``parallelize``, each of the right kind and range
-    (the pins' names and placements are checked against the graph when it is planned)."""
-    if cluster is not None and not isinstance(cluster, (str, Cluster)):
-        raise TypeError(f"cluster is an autoshard.Cluster, a preset name (autoshard.PRESETS) or 'measure', "
-                        f"got {type(cluster).__name__}")
-    if pin is not None and (not isinstance(pin, dict) or not all(isinstance(k, str) for k in pin)):
-        raise TypeError(f"pin is a dict {{name: placements}}, e.g. {{'fc1.weight': ('S(0)',)}}, got {pin!r}")
-    check_bool("training", training)
-    check_number("time_limit", time_limit, positive=True, hint="the solver's seconds, such as 60")
-    if bucket_bytes is not None:   # None: chosen from the cluster's links (cost.buckets.bucket_bytes_for)
-        check_int("bucket_bytes", bucket_bytes, low=1, hint="bytes per gradient bucket, or None to choose "
-                  "it from the links")
-    if memory_budget is not None:
-        check_budget(memory_budget)
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward is True or False, got {reshard_after_forward!r}")
-    if not isinstance(recompute, str):
-        raise TypeError(f"recompute is one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {type(recompute).__name__}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute is one of {', '.join(map(repr, RECOMPUTE_MODES))} (the solver chooses, none, every "
-                         f"repeated block, every block's cheap ops), got {recompute!r}")
 
 
 class PresetWarning(UserWarning):
@@ -129,26 +101,23 @@ def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
     return out
 
 
-def resolve_budget(memory_budget, cluster: Cluster) -> float:
-    return cluster.memory if memory_budget is None else check_budget(memory_budget)
+def _budget(options: PlanOptions, cluster: Cluster) -> float:
+    return cluster.memory if options.memory_budget is None else options.memory_budget
 
 
-def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, time_limit=60.0,
-               bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True,
-               recompute=AUTO) -> Plan:
-    cluster = resolve_cluster(cluster)
-    budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
-    pins = resolve_pins(graph, pin, len(mesh_shape))
+def plan_graph(graph: Graph, mesh_shape, options: PlanOptions = PlanOptions()) -> Plan:
+    """The plan of ``graph`` on a mesh of ``mesh_shape`` (its options checked when made)."""
+    cluster = resolve_cluster(options.cluster)
+    budget = _budget(options, cluster)
+    pins = resolve_pins(graph, options.pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
-    costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes, reshard_after_forward)
-    costs.recompute = recompute
+    costs = Costs(graph, mesh_shape, cluster, options.training, options.bucket_bytes, options.reshard_after_forward)
+    costs.recompute = options.recompute
+    time_limit = options.time_limit
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
-    with shown(verbose):   # a long solve's progress on stderr
+    with shown(options.verbose):   # a long solve's progress on stderr
         solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: planner.descend
-    plan = make_plan(graph, strategies, solution, costs)
-    plan.memory["budget"] = budget
-    plan.schedule["precision"] = graph.precision
-    return plan
+    return make_plan(graph, strategies, solution, costs, budget=budget)
 
 
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
@@ -187,20 +156,21 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     activations for backward or only their inputs, running their forward again in backward
     (``torch.utils.checkpoint``): ``"auto"`` lets the solver choose per block, against the memory
     budget, ``"blocks"`` recomputes every one, ``"none"`` none (``plan.recompute`` and
-    ``str(plan)`` say which blocks and what it costs)."""
+    ``str(plan)`` say which blocks and what it costs).
+
+    The options travel on as one ``autoshard.options.PlanOptions``, checked here."""
     check_module("model", model)
     normalize_inputs(example_inputs)
-    check_plan_options(cluster=cluster, pin=pin, training=training, time_limit=time_limit, bucket_bytes=bucket_bytes,
-                       memory_budget=memory_budget, reshard_after_forward=reshard_after_forward, recompute=recompute)
-    check_outputs(outputs)
-    mesh_shape = resolve_mesh(world, mesh)
-    check_policy(mp_policy)
-    graph = capture(model, example_inputs, outputs=outputs, mp_policy=mp_policy,
+    options = PlanOptions(mesh=mesh, cluster=cluster, pin=pin, training=training, time_limit=time_limit,
+                          bucket_bytes=bucket_bytes, memory_budget=memory_budget,
+                          reshard_after_forward=reshard_after_forward, outputs=outputs, verbose=verbose,
+                          recompute=recompute, mp_policy=mp_policy)
+    mesh_shape = resolve_mesh(world, options.mesh)
+    graph = capture(model, example_inputs, outputs=options.outputs, mp_policy=options.mp_policy,
                     autocast=ambient_autocast(_device_type(model)))
-    args = (cluster, pin, training, time_limit, bucket_bytes, memory_budget, reshard_after_forward, verbose)
-    if mesh is None and world > 1:
-        return search_mesh(graph, world, *args, recompute=recompute)
-    return plan_graph(graph, mesh_shape, *args, recompute=recompute)
+    if options.mesh is None and world > 1:
+        return search_mesh(graph, world, options)
+    return plan_graph(graph, mesh_shape, options)
 
 
 def _axonn_start(graph: Graph, world: int, cluster: Cluster, budget: float):
@@ -210,16 +180,11 @@ def _axonn_start(graph: Graph, world: int, cluster: Cluster, budget: float):
     return None if got is None else (got[0], resolve_pins(graph, got[1], len(got[0])))
 
 
-# what parallelize passes on to the planner: plan's keyword options
-PLAN_OPTIONS = [n for n, p in inspect.signature(plan).parameters.items() if p.kind is p.KEYWORD_ONLY and n != "world"]
-
-
-def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True, time_limit=60.0,
-                bucket_bytes=None, memory_budget=None, reshard_after_forward=False, verbose=True,
-                recompute=AUTO) -> Plan:
+def search_mesh(graph: Graph, world: int, options: PlanOptions = PlanOptions()) -> Plan:
     """The best plan over the mesh shapes ``world`` factors into (planner.search)."""
-    cluster = resolve_cluster(cluster)
-    budget = resolve_budget(memory_budget, cluster)   # the other options: checked by plan and parallelize
+    cluster = resolve_cluster(options.cluster)
+    budget = _budget(options, cluster)
+    pin = options.pin
     arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}
     if len(arity) > 1:
         raise ValueError(f"the pins name different numbers of mesh axes ({sorted(arity)}); give every pin "
@@ -231,12 +196,12 @@ def search_mesh(graph: Graph, world: int, cluster=None, pin=None, training=True,
             return None
         return resolve_pins(graph, pin, len(mesh_shape))
 
-    with shown(verbose):   # the search's progress on stderr
-        plan = search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-                      reshard=reshard_after_forward, recompute=recompute,
+    with shown(options.verbose):   # the search's progress on stderr
+        plan = search(graph, world, cluster, pins_for, options.training, options.time_limit, options.bucket_bytes,
+                      budget, reshard=options.reshard_after_forward, recompute=options.recompute,
                       seed=None if pin else lambda: _axonn_start(graph, world, cluster, budget))
+    # planner.search makes its plan without the budget; once it passes make_plan's budget=, this goes
     plan.memory["budget"] = budget
-    plan.schedule["precision"] = graph.precision
     return plan
 
 
@@ -275,16 +240,14 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if timeout is not None:
         timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
-    check_plan_options(**plan_kwargs)
-    check_policy(plan_kwargs.get("mp_policy"))
-    _check_outputs_of(plan, plan_kwargs)
+    options = _options_of(plan, plan_kwargs)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
                            "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
     size = dist.get_world_size()
     if world is None:
         world = plan.world if plan is not None else size
-    mesh_shape = resolve_mesh(world, plan_kwargs.get("mesh"))
+    mesh_shape = resolve_mesh(world, options.mesh)
     if math.prod(mesh_shape) != size:
         raise ValueError(f"planned for {math.prod(mesh_shape)} devices but the process group has {size}; "
                          f"pass world={size} or launch {math.prod(mesh_shape)} processes")
@@ -292,24 +255,29 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, not {mesh_shape}")
     if plan is not None:
         mesh_shape = tuple(plan.mesh_shape)
-    plan_kwargs.pop("mesh", None)
-    agree.check_call(model, plan, mesh_shape, overlap, plan_kwargs, timeout, inputs)   # before any collective
-    pm = ParallelModule(model, mesh_shape, plan, plan_kwargs, overlap)
-    pm.__dict__["_local"] = inputs == "local"
-    if timeout is not None:
-        pm.__dict__["_timeout"] = timeout
-        pm._bound_collectives()
+    given = {k: v for k, v in plan_kwargs.items() if k != "mesh"}
+    agree.check_call(model, plan, mesh_shape, overlap, given, timeout, inputs)   # before any collective
+    pm = ParallelModule(model, mesh_shape, plan, options, overlap=overlap, training_given="training" in plan_kwargs,
+                        local=inputs == "local", timeout=timeout)
     if example_inputs is not None:
         pm.prepare(example_inputs)
     return pm
 
 
-def _check_outputs_of(plan: Optional[Plan], plan_kwargs: dict) -> None:
-    outputs = check_outputs(plan_kwargs.get("outputs", WHOLE))
-    planned = plan.schedule.get("outputs", WHOLE) if plan is not None else outputs
-    if "outputs" in plan_kwargs and planned != outputs:
-        raise ValueError(f"outputs={outputs!r} but the plan was made for outputs={planned!r}, which it priced; "
-                         f"plan again with outputs={outputs!r}, or leave outputs out to take the plan's")
+def _options_of(plan: Optional[Plan], plan_kwargs: dict) -> PlanOptions:
+    """The options given, checked; with a ``plan``, its outputs and precision policy where they
+    are not given (the graph is captured with them again)."""
+    options = PlanOptions(**plan_kwargs)
+    if plan is None:
+        return options
+    planned = plan.schedule.get("outputs", WHOLE)
+    if "outputs" in plan_kwargs and planned != options.outputs:
+        raise ValueError(f"outputs={options.outputs!r} but the plan was made for outputs={planned!r}, which it "
+                         f"priced; plan again with outputs={options.outputs!r}, or leave outputs out to take the "
+                         "plan's")
+    policy = options.mp_policy if "mp_policy" in plan_kwargs else \
+        policy_from_record((plan.schedule.get("precision") or {}).get("policy"))
+    return dataclasses.replace(options, outputs=planned, mp_policy=policy)
 
 
 _MESHES: dict = {}   # (rank, device type, mesh shape) -> (default group, DeviceMesh, groups spanning axes)
@@ -332,33 +300,33 @@ def _mesh_for(device_type: str, shape: tuple):
 class ParallelModule(nn.Module):
     """The model as one rank runs it: same names, same call signature, same results."""
 
-    def __init__(self, model: nn.Module, mesh_shape, plan: Optional[Plan], plan_kwargs: dict, overlap: bool = True):
+    def __init__(self, model: nn.Module, mesh_shape, plan: Optional[Plan], options: PlanOptions, *,
+                 overlap: bool = True, training_given: bool = False, local: bool = False,
+                 timeout: Optional[float] = None):
         super().__init__()
         # share the model's registries so names, state_dict and tying stay the model's own
         self._modules = model._modules
         self._parameters = model._parameters
         self._buffers = model._buffers
-        self.__dict__["_model"] = model
-        self.__dict__["_plan"] = plan
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if plan is None:
-            _warn_preset_on_cpu(plan_kwargs.get("cluster"), device)
-        if plan_kwargs.get("cluster") == MEASURE:   # collective: measured here, on every rank, once
-            plan_kwargs = dict(plan_kwargs, cluster=kept_measure())
-        self.__dict__["_plan_kwargs"] = plan_kwargs
-        self.__dict__["_overlap"] = overlap
-        self.__dict__["_programs"] = {}   # (training, shapes, constants) -> (program, graph, plan, feed)
-        self.__dict__["_distributed"] = False
-        self.__dict__["_planned_shapes"] = None
-        self.__dict__["_planned_consts"] = None
-        self.__dict__["_device"] = device
+            _warn_preset_on_cpu(options.cluster, device)
+        if options.cluster == MEASURE:   # collective: measured here (or read back, kept), on every rank, once
+            options = dataclasses.replace(options, cluster=kept_measure())
         mesh, joint = _mesh_for(device.type, tuple(mesh_shape))
-        self.__dict__["device_mesh"] = mesh
         seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(seed, src=0)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
-        self.__dict__["_rank_mesh"] = runtime.RankMesh(self.device_mesh, gen, joint)
+        # kept out of nn.Module's registries, which are the model's
+        self.__dict__.update(
+            _model=model, _plan=plan, _options=options, _overlap=overlap, _device=device, device_mesh=mesh,
+            _training_given=training_given,   # else each plan is for the model's mode when it is made
+            _local=local, _timeout=timeout,
+            _programs={},   # (training, shapes, constants) -> _Program
+            _distributed=False,
+            _rank_mesh=runtime.RankMesh(mesh, gen, joint))
+        self._bound_collectives()
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -395,13 +363,13 @@ class ParallelModule(nn.Module):
         """The per-rank program of the most recent call, as Python."""
         if not self._programs:
             raise RuntimeError("no program yet: call the module once, or parallelize with example_inputs")
-        program = next(reversed(self._programs.values()))[0]
+        program = next(reversed(self._programs.values())).program
         return f"# autoshard per-rank program, built by: {', '.join(program.meta['passes'])}\n" + program.code
 
     # -- planning --------------------------------------------------------------------------------
     def prepare(self, example_inputs):
         args, kwargs = normalize_inputs(example_inputs)
-        if self.__dict__.get("_local"):
+        if self._local:
             args, kwargs, _ = _gathered(args, kwargs)
         self._program_for(args, kwargs)
 
@@ -409,14 +377,14 @@ class ParallelModule(nn.Module):
     def data_shards(self) -> int:
         """How many different batches the ranks pass: the world under ``inputs="local"``, else 1
         (every rank the same whole batch)."""
-        return dist.get_world_size() if self.__dict__.get("_local") else 1
+        return dist.get_world_size() if self._local else 1
 
     @property
     def data_rank(self) -> int:
         """Which of them this rank passes (a DistributedSampler's ``rank``)."""
-        return dist.get_rank() if self.__dict__.get("_local") else 0
+        return dist.get_rank() if self._local else 0
 
-    def _program_for(self, args, kwargs, leaves=None):
+    def _program_for(self, args, kwargs, leaves=None) -> "_Program":
         if leaves is None:
             leaves, _ = tree_flatten((args, kwargs))
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
@@ -426,42 +394,30 @@ class ParallelModule(nn.Module):
         key = (self._model.training, shapes, consts, autocast)
         if key in self._programs:
             return self._programs[key]
-        if self._planned_consts is not None and consts != self._planned_consts:
+        planned = next(iter(self._programs), None)   # every program's key holds the same constants
+        if planned is not None and consts != planned[2]:
             raise ValueError(
                 f"non-tensor arguments {list(consts)} differ from those the program was captured with "
-                f"{list(self._planned_consts)}: they are constants of the traced graph. Call with the same "
+                f"{list(planned[2])}: they are constants of the traced graph. Call with the same "
                 "values, or parallelize a fresh copy of the model for these.")
         # other shapes (a ragged last batch, an eval batch) are captured and planned again, once
         # each, with the parameters pinned where they are (_agree_on_plan), as a later mode is
-        agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self.__dict__.get("_timeout"))
-        outputs = self._plan.schedule.get("outputs", WHOLE) if self._plan is not None else \
-            self._plan_kwargs.get("outputs", WHOLE)
-        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None, outputs,
-                        mp_policy=self._policy(), autocast=autocast)
+        agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self._timeout)
+        # the outputs and precision policy given, else those of the plan given (_options_of)
+        graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None,
+                        self._options.outputs, mp_policy=self._options.mp_policy, autocast=autocast)
         plan = self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
-        program = checkpoint_blocks(rewrite(graph, plan, device=self._device, coords=self._rank_mesh.coords), graph, plan)
-        if self._overlap:
-            program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES),
-                               chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1))
-        program = batch_casts(fuse_cast_gathers(program))
+        program = lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap)
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))
         self._bound_collectives()
-        self.__dict__["_planned_shapes"] = shapes
-        self.__dict__["_planned_consts"] = consts
-        self._programs[key] = (program, graph, plan, _Feed(self._model, graph, plan, self._device))
+        self._programs[key] = _Program(program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
 
-    def _policy(self):
-        """The mixed-precision policy: the one given, else the one the given plan was made with."""
-        if "mp_policy" in self._plan_kwargs or self._plan is None:
-            return self._plan_kwargs.get("mp_policy")
-        return policy_from_record((self._plan.schedule.get("precision") or {}).get("policy"))
-
     def _bound_collectives(self):
-        if self.__dict__.get("_timeout") is not None:
+        if self._timeout is not None:
             set_collective_timeout(self._rank_mesh.all_groups(), self._timeout)
 
     def _agree_on_plan(self, graph: Graph) -> Plan:
@@ -472,22 +428,20 @@ class ParallelModule(nn.Module):
         msg = [None]
         if dist.get_rank() == 0:
             try:
-                kwargs = dict(self._plan_kwargs)
-                kwargs.pop("outputs", None)   # the graph carries it (capture)
-                kwargs.pop("mp_policy", None)   # the graph carries it (capture)
-                kwargs.setdefault("training", training)
+                options = self._options
                 if self._distributed:  # a later plan (eval mode) keeps the parameters where they are
-                    pins = dict(kwargs.get("pin") or {})
+                    pins = dict(options.pin or {})
                     for n in graph.nodes:
                         if n.kind == "param":
                             pins[n.fqn] = self._plan.params[n.fqn]
-                    kwargs["pin"] = pins
-                    kwargs["training"] = training
+                    options = dataclasses.replace(options, pin=pins, training=training)
+                elif not self._training_given:
+                    options = dataclasses.replace(options, training=training)
                 mesh = tuple(self.device_mesh.shape)
-                name = cache.key(graph, mesh, kwargs) if cache.directory() is not None else None
+                name = cache.key(graph, mesh, options) if cache.directory() is not None else None
                 text = cache.load(name) if name else None
                 if text is None:   # planned here, and kept for the next start (autoshard.cache)
-                    text = plan_graph(graph, mesh, **kwargs).to_json()
+                    text = plan_graph(graph, mesh, options).to_json()
                     if name:
                         cache.save(name, text)
                 msg[0] = ("ok", text)
@@ -533,7 +487,7 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
         rows = None
-        if self.__dict__.get("_local"):
+        if self._local:
             args, kwargs, rows = _gathered(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         program, _, _, feed = self._program_for(args, kwargs, leaves)
@@ -594,6 +548,15 @@ class _Rows(torch.autograd.Function):
         whole[first:first + count] = g
         dist.all_reduce(whole)
         return whole, None, None
+
+
+class _Program(NamedTuple):
+    """What one call's shapes, constants and mode run: the lowered program, the graph and plan it
+    was made from, and how the module's tensors feed it."""
+    program: torch.fx.GraphModule
+    graph: Graph
+    plan: Plan
+    feed: "_Feed"
 
 
 class _Feed:

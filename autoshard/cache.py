@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from autoshard.ir import Graph
+from autoshard.options import PlanOptions
 
 ENV = "AUTOSHARD_PLAN_CACHE"
 _OFF = ("", "0", "off", "no", "false")
@@ -61,8 +62,14 @@ def _plain(x):
     return repr(x)
 
 
-def key(graph: Graph, mesh_shape, options: dict) -> str:
+# options the key leaves out: the mesh shape is hashed itself, the graph carries the outputs and
+# the precision policy (capture), and verbose only prints the planner's progress
+_UNREAD = ("mesh", "outputs", "mp_policy", "verbose")
+
+
+def key(graph: Graph, mesh_shape, options: PlanOptions) -> str:
     """The plan's key: what the planner reads, hashed (module docstring)."""
+    options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _UNREAD}
     h = hashlib.sha256(_code_digest().encode())
     h.update(graph.exported.graph_module.code.encode())
     h.update(repr([(n.name, n.kind, n.fqn, n.region, n.recomputed, [(tuple(m.shape), str(m.dtype)) for m in n.outputs])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import os
 import sys
 
@@ -151,11 +150,9 @@ def main(argv=None, out=None) -> int:
         model, inputs = build(args.factory, args.device)
         kwargs = dict(world=args.world, mesh=args.mesh, cluster=_cluster(args.cluster), training=not args.inference,
                       time_limit=args.time_limit, reshard_after_forward=args.reshard_after_forward,
-                      outputs=args.outputs)
+                      outputs=args.outputs, verbose=not args.quiet)
         if args.memory_budget is not None:
             kwargs["memory_budget"] = args.memory_budget * 1e9
-        if "verbose" in inspect.signature(autoshard.plan).parameters:
-            kwargs["verbose"] = not args.quiet
         plan = autoshard.plan(model, inputs, **kwargs)
         if args.json:
             with open(args.json, "w") as f:

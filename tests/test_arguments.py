@@ -111,3 +111,26 @@ BAD = [
 def test_a_bad_argument_is_named_with_what_to_pass(call, kind, says):
     with pytest.raises(kind, match=says):
         call()
+
+
+def test_plan_takes_the_options_one_by_one_with_their_defaults():
+    """``plan``'s keyword options (but ``world``) are ``PlanOptions``'s fields, with its defaults:
+    what a user writes is what travels to the planner, and ``parallelize`` takes the same names."""
+    import dataclasses
+    import inspect
+
+    from autoshard.options import PLAN_OPTIONS, PlanOptions
+    given = {n: p.default for n, p in inspect.signature(autoshard.plan).parameters.items()
+             if p.kind is p.KEYWORD_ONLY and n != "world"}
+    assert given == {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+    assert PLAN_OPTIONS == tuple(given)
+
+
+def test_plan_options_are_checked_when_made():
+    from autoshard.options import PlanOptions
+    with pytest.raises(TypeError, match="training is True or False"):
+        PlanOptions(training="yes")
+    with pytest.raises(TypeError):
+        PlanOptions(True)   # keyword-only
+    assert PlanOptions(mesh=4, memory_budget=10).mesh == (4,)
+    assert PlanOptions(memory_budget=10).memory_budget == 10.0

@@ -16,6 +16,7 @@ import torch
 
 import autoshard
 from autoshard.api import plan_graph
+from autoshard.options import PlanOptions
 from autoshard.testing.launch import LocalWorld
 from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.ir import TensorMeta
@@ -127,7 +128,7 @@ def prepare_share(cases):
             pin = megatron_pins(model, inputs, mesh, graph=graph) if kind == "megatron" else None
             planned = None
             if len(mesh) > 1:
-                planned = plan_graph(graph, mesh, cluster=SLOW, pin=pin, time_limit=TIME_LIMIT).to_json()
+                planned = plan_graph(graph, mesh, PlanOptions(cluster=SLOW, pin=pin, time_limit=TIME_LIMIT)).to_json()
             else:
                 annotate(graph, mesh)
         unknown = sorted({str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)})

@@ -205,12 +205,12 @@ FLOORS = [
      "planner.repeat"),
     ("rules",),
     ("passes.functionalize", "passes.capture", "passes.annotate"),
-    ("machine.cluster",),
+    ("machine.cluster", "options"),  # a cluster, and the planning options that name one
     ("cost",),
     ("runtime",),
     ("report.summary", "report.explain", "report.formula", "report.html"),
     ("plan", "cache"),              # a plan as data, and plans kept on disk
-    ("passes",),                     # rewrite, schedule, checkpoint, interleave, overdecompose
+    ("passes",),                     # rewrite, schedule, checkpoint, interleave, overdecompose; lower lists them
     ("schemes",),
     ("planner",),
     ("api", "machine.measure"),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import schemes
 from autoshard.api import plan_graph
+from autoshard.options import PlanOptions
 from autoshard.testing.launch import LocalWorld
 from autoshard.passes.capture import capture
 from cases import run_each
@@ -127,7 +128,7 @@ def test_scheme_plans_with_its_pins(captured, name, scheme):
     if scheme == "megatron":   # as a user calls it: the plan captures the model itself
         plan = autoshard.plan(model, inputs, mesh=(2,), pin=pins)
     else:
-        plan = plan_graph(graph, (2,), pin=pins)
+        plan = plan_graph(graph, (2,), PlanOptions(pin=pins))
     assert {k: plan.placement(k) for k in pins} == {k: tuple(v) for k, v in pins.items()}
     split = {n for n, p in plan.params.items() if any(q.startswith("S") for q in p)}
     if scheme == "data_parallel":
@@ -152,7 +153,7 @@ def test_megatron_keeps_the_stream_whole_on_any_cluster(captured, name):
                  for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
     skewed = autoshard.Cluster.preset("a100-80gb-nvlink-ib").with_(collectives=rows)
     pins = schemes.megatron(model, inputs, (2,), graph=graph)
-    plan = plan_graph(graph, (2,), pin=pins, cluster=skewed)
+    plan = plan_graph(graph, (2,), PlanOptions(pin=pins, cluster=skewed))
     forward = {c.kind for c in plan.collectives if c.phase == "forward" and c.axes == (0,)}
     assert forward == {"all_reduce"}, forward
     rows_ = sum(r == "row" for r in schemes.roles(model, inputs).values())

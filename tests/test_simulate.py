@@ -25,6 +25,7 @@ import torch.distributed as dist
 import autoshard
 from autoshard import schemes
 from autoshard.api import plan_graph
+from autoshard.options import PlanOptions
 from autoshard.testing.launch import LocalWorld
 from autoshard.passes.capture import capture
 from autoshard.testing.simulate import SimWorld
@@ -60,11 +61,11 @@ def plan_by_axis(graph, mesh, axis_pins) -> autoshard.Plan:
     legal and plans the conversions. An nd strategy is any combination of one-axis signatures
     that divides evenly (passes/annotate.py), so the combination is a plan; not always the
     cheapest, as the cost of a conversion on one axis depends on the others' splits."""
-    per_axis = [plan_graph(graph, (n,), pin=pins) for n, pins in zip(mesh, axis_pins)]
+    per_axis = [plan_graph(graph, (n,), PlanOptions(pin=pins)) for n, pins in zip(mesh, axis_pins)]
     full = {name: tuple(p.nodes[name].outputs[0][0] for p in per_axis)
             for name, choice in per_axis[0].nodes.items() if choice.kind in ("op", "input") and choice.outputs}
     full.update({fqn: tuple(p.params[fqn][0] for p in per_axis) for fqn in per_axis[0].params})
-    return plan_graph(graph, mesh, pin=full)
+    return plan_graph(graph, mesh, PlanOptions(pin=full))
 
 
 def train_case(sizes, plan_json):

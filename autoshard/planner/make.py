@@ -67,9 +67,10 @@ def own_collectives(graph, costs, n, strat) -> list:
     return out
 
 
-def make_plan(graph, strategies, solution, costs) -> Plan:
-    """The chosen strategy of every node, with the collectives and costs it implies. What
-    ``Plan.explain`` needs (each node's alternatives, priced) is worked out when first asked for."""
+def make_plan(graph, strategies, solution, costs, *, budget: Optional[float] = None) -> Plan:
+    """The chosen strategy of every node, with the collectives and costs it implies, and the
+    memory ``budget`` it was solved within. What ``Plan.explain`` needs (each node's alternatives,
+    priced) is worked out when first asked for."""
     mesh = costs.mesh_shape
     nodes, params = {}, {}
     # recomputed blocks: their forward again in backward, their activations freed but one block's;
@@ -94,6 +95,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     memory = rank_memory(graph, strategies, solution.choice, mesh, costs.training, costs.reshard)
     memory["activations"] += peak - freed
     memory["total"] += peak - freed
+    memory["budget"] = budget
     # the conversions the schedule chunks: none made in a recomputed block's submodule
     chunks = [[o.producer, o.consumer, o.chunks, o.dim] for o in overlaps if o.chunks > 1 and o.producer not in rerun]
     # the batch cut into k interleaved chunks where that hides more than it costs (cost.interleave):
@@ -104,7 +106,7 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
     plan = Plan(tuple(mesh), nodes, params, colls, total.step - saved, costs.training, costs.cluster, solver,
                 input_shapes, memory, parts,
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
-                 "chunks": chunks, "interleave": k},
+                 "chunks": chunks, "interleave": k, "precision": graph.precision},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
     plan._priced = Priced(graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
     return plan

@@ -1,0 +1,68 @@
+"""The planning options of ``plan`` and ``parallelize``, as one value checked once.
+
+``autoshard.plan(model, inputs, world=..., **options)`` takes them one by one, as a user writes
+them; ``PlanOptions`` is what travels from there to the planner (``api.plan_graph``,
+``api.search_mesh``), to a parallel module that plans at its first call, and into the key of a
+plan kept on disk (``autoshard.cache``). The pins' names and placements are checked against the
+graph when it is planned; everything else here, when the options are made.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_budget, check_int, check_mesh,
+                                 check_number)
+from autoshard.machine.cluster import Cluster
+from autoshard.outputs import WHOLE, check_outputs
+from autoshard.precision import check_policy
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What ``plan`` documents, option by option; the defaults are its defaults."""
+
+    mesh: Optional[tuple] = None              # None: searched over the shapes ``world`` factors into
+    cluster: Union[None, str, Cluster] = None   # None: the default preset; a preset's name; "measure"
+    pin: Optional[dict] = None                # {name: placements}
+    training: bool = True
+    time_limit: float = 60.0                  # the solver's seconds per mesh
+    bucket_bytes: Optional[int] = None        # None: chosen from the cluster's links (cost.buckets)
+    memory_budget: Optional[float] = None     # bytes per device; None: the cluster's device memory
+    reshard_after_forward: bool = False
+    outputs: str = WHOLE
+    verbose: bool = True
+    recompute: str = "auto"                   # planner.recompute.AUTO: the solver chooses per block
+    mp_policy: object = None                  # a torch.distributed.fsdp.MixedPrecisionPolicy
+
+    def __post_init__(self):
+        if self.cluster is not None and not isinstance(self.cluster, (str, Cluster)):
+            raise TypeError(f"cluster is an autoshard.Cluster, a preset name (autoshard.PRESETS) or 'measure', "
+                            f"got {type(self.cluster).__name__}")
+        pin = self.pin
+        if pin is not None and (not isinstance(pin, dict) or not all(isinstance(k, str) for k in pin)):
+            raise TypeError(f"pin is a dict {{name: placements}}, e.g. {{'fc1.weight': ('S(0)',)}}, got {pin!r}")
+        check_bool("training", self.training)
+        check_number("time_limit", self.time_limit, positive=True, hint="the solver's seconds, such as 60")
+        if self.bucket_bytes is not None:
+            check_int("bucket_bytes", self.bucket_bytes, low=1, hint="bytes per gradient bucket, or None to "
+                      "choose it from the links")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", check_budget(self.memory_budget))
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward is True or False, got {self.reshard_after_forward!r}")
+        modes = ", ".join(map(repr, RECOMPUTE_MODES))
+        if not isinstance(self.recompute, str):
+            raise TypeError(f"recompute is one of {modes}, got {type(self.recompute).__name__}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute is one of {modes} (the solver chooses, none, every repeated block, every "
+                             f"block's cheap ops), got {self.recompute!r}")
+        check_outputs(self.outputs)
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", check_mesh(self.mesh, MAX_AXES))
+        check_policy(self.mp_policy)
+
+
+# the names ``parallelize`` passes on to the planner (``plan``'s keyword options but ``world``)
+PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(PlanOptions))
