@@ -265,9 +265,10 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
 class MeshSearch:
     """One search's state, and its steps; ``run`` takes them in order.
 
-    ``bound``, ``raise_bound``, ``solve`` and ``refine`` run in the process that owns the mesh
-    (``planner.fanout``; ``owner``), a forked copy or this one, and send back what they found.
-    The other steps run in the planning process, which takes those answers in its own order."""
+    ``bound`` (``bound_all``), ``raise_bound``, ``solve`` and ``refine`` run in the process that
+    owns the mesh (``planner.fanout``; ``owner``), a forked copy or this one, and ``axonn_seed``
+    in a copy where there is one; they send back what they found. The other steps run in the
+    planning process, which takes those answers in its own order."""
 
     def __init__(self, graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
                  reshard, recompute, seed):
@@ -277,7 +278,7 @@ class MeshSearch:
         self.cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard,
                                  recompute)
         self.progress = Progress(f"mesh search over {len(self.cands.entries)} meshes of {world} devices")
-        self.errors: list = []
+        self.errors: list = []    # the memory budget's errors met: the first is raised where no mesh has a plan
         self.results: list = []   # (plan, mesh, choice) of every mesh solved or refined
         self.owner: dict = {}     # mesh -> the process that bounds, solves or refines it (planner.fanout); 0: this one
         self.coarse_pays = True   # whether a two-axis mesh is bounded coarsely first (``_coarse_pays``)
