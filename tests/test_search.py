@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.planner.search import TIE, _simplest, factorizations, simpler
+from autoshard.planner.search import TIE, Candidate, Note, Status, _simplest, factorizations, simpler
 from autoshard.planner.solve import MemoryBudgetError
 from models import GPT, TwoLayer
 
@@ -23,6 +23,32 @@ def test_factorizations_are_ordered_and_complete():
     assert set(factorizations(8, 3)) == {(8,), (2, 4), (4, 2), (2, 2, 2)}
     assert len(factorizations(256, 4)) == 1 + 7 + 21 + 35   # compositions of 2^8 into up to 4 parts
     assert factorizations(7, 3) == [(7,)]
+
+
+def test_a_candidate_is_a_typed_value_that_prints_as_its_entry():
+    # the search decides on Status; plan.mesh_candidates keeps the words, as it always has
+    import pickle
+    c = Candidate((4, 2))
+    assert c.as_dict() == {"mesh": [4, 2], "bound": None, "cost": None,
+                           "status": "not tried: refines none of the meshes chosen so far"}
+    c.bound, c.cost = 1.5, 2.5
+    c.becomes(Status.SOLVED_UNPROVEN, gap=0.0123)
+    assert c.text() == "solved (1.23% from its bound)" and not c.proven
+    c.note(Note.NO_BETTER_IN_EFFORT)
+    assert c.text() == "solved (1.23% from its bound); no better plan in 5 deterministic s"
+    c.becomes(Status.SOLVED)   # a new status drops the old one's gap and notes
+    assert c.text() == "solved" and c.proven
+    c.becomes(Status.REFINED, "local_optimum (2 one-axis solves)")
+    c.note(Note.FROM_AXONN)
+    assert c.text() == "refined (local_optimum (2 one-axis solves)), descended from AxoNN's layout"
+    assert pickle.loads(pickle.dumps(c)) == c   # as a forked copy of the search sends it back
+    assert Candidate((8,), status=Status.TIMED_OUT).text() == \
+        "pruned: no plan on it beats the best plan's by 0.1% (none found in 5 deterministic s)"
+    assert Candidate((8,), status=Status.CHOSEN_SIMPLER, detail="why").text() == "chosen: why"
+    for status in Status:
+        assert "{" not in Candidate((8,), status=status, detail="x", gap=0.5).text()
+    assert {s for s in Status if s.pruned} == {Status.COARSE_BOUNDED_OUT, Status.BOUNDED_OUT,
+                                               Status.NO_BETTER_PLAN, Status.TIMED_OUT}
 
 
 def test_search_is_no_worse_than_any_mesh_it_considers():

@@ -7,9 +7,10 @@ the search asks of that mesh. The meshes of a round go out as jobs that each pro
 turn as it becomes free (``Fanout.share``), the one that takes a mesh its owner from then on: the
 processes end a round together, not one mesh's time apart. The copies are forked once the work
 common to every mesh is done (the capture, the one-axis plan); what they send back is small: a
-bound, a status, a solution's choices. Whichever process owns a mesh, it gives the same answer,
-and the search consumes the answers in its own order, so the plan, the candidates and their
-statuses are those of the search run in one process; only the wall time differs.
+mesh's candidate (its bound and status, ``search.Candidate``), a solution's choices. Whichever
+process owns a mesh, it gives the same answer, and the search consumes the answers in its own
+order, so the plan, the candidates and their statuses are those of the search run in one
+process; only the wall time differs.
 
 No hang, no loss: a copy that dies, or that has used no CPU for ``STALL`` seconds while it owes
 an answer (a copy deadlocked on a lock some thread of the planning process held when it was

@@ -33,12 +33,19 @@ Three- and four-axis meshes have too many layouts to bound or solve whole in sec
 that refines none of the chosen meshes is not tried; its entry in ``plan.mesh_candidates`` says
 so. When the pins name three or four axes, phase 1 has nothing to solve: every mesh of that many
 axes descends from the pins' own layout.
+
+In the code: ``MeshSearch.run`` takes the steps in order; each mesh is a ``Candidate`` whose
+``Status`` says what became of it, kept in ``plan.mesh_candidates`` as a dict with the status in
+words (``Candidate.as_dict``).
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import time
 import warnings
+from typing import Optional
 
 from autoshard.passes.annotate import annotate
 from autoshard.planner.coarse import coarse_bound
@@ -95,16 +102,86 @@ def splits(mesh: tuple) -> list:
     return out
 
 
+class Status(enum.Enum):
+    """What became of a candidate mesh, as far as the search took it; its value is its words in
+    ``plan.mesh_candidates`` (``Candidate.text`` fills them in)."""
+    NOT_TRIED = "not tried: refines none of the meshes chosen so far"
+    NOT_WORTH_TRYING = "not tried: no two-axis mesh beat the one-axis plan by more than {tie:g}%"
+    PINS_OTHER_AXES = "pins name another number of axes"
+    PINS_CANNOT_HOLD = "pins cannot hold: {detail}"   # detail: the first words of the pins' error
+    BOUNDED = "bounded"   # its quick bound priced, its program not solved yet
+    NO_FIT = "does not fit in memory"
+    COARSE_BOUNDED_OUT = "pruned: its coarse bound is no better than the best plan's (within {tie:g}%)"
+    BOUNDED_OUT = "pruned: its lower bound is no better than the best plan's (within {tie:g}%)"
+    NO_BETTER_PLAN = "pruned: no plan on it beats the best plan's by {tie:g}% (proven)"
+    TIMED_OUT = ("pruned: no plan on it beats the best plan's by {tie:g}% "
+                 "(none found in {effort:g} deterministic s)")
+    SOLVED = "solved"   # its whole program: within GAP_LIMIT of its bound, but where the time limit stopped it
+    SOLVED_UNPROVEN = "solved ({gap:.2f}% from its bound)"   # by its LP's support, beyond GAP_LIMIT
+    SOLVED_AFTER_EFFORT = "solved ({gap:.2f}% from its bound after {effort:g} deterministic s)"
+    REFINED = "refined ({detail})"   # a descent's local optimum (planner.descend); detail: how it ended
+    CHOSEN = "chosen"   # the shortest estimated step
+    CHOSEN_SIMPLER = "chosen: {detail}"   # within TIE of the shortest, and simpler (``_simplest``); detail: why
+
+    @property
+    def pruned(self) -> bool:
+        """Whether the search let the mesh go without a plan: it could not beat the best one."""
+        return self in (Status.COARSE_BOUNDED_OUT, Status.BOUNDED_OUT, Status.NO_BETTER_PLAN, Status.TIMED_OUT)
+
+
+class Note(enum.Enum):
+    """What a later attempt at a mesh already planned adds to its status's words."""
+    NO_BETTER_IN_EFFORT = "; no better plan in {effort:g} deterministic s"
+    WHOLE_SOLVE_NO_BETTER = "; the whole solve found no better plan"
+    FROM_AXONN = ", descended from AxoNN's layout"
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A candidate mesh: its lower bound and its plan's estimated step (seconds) once known, and
+    what became of it. Forked copies of the search send it back as it is (planner.fanout);
+    ``plan.mesh_candidates`` keeps it as a dict (``as_dict``)."""
+    mesh: tuple
+    bound: Optional[float] = None
+    cost: Optional[float] = None
+    status: Status = Status.NOT_TRIED
+    detail: str = ""              # the words the status takes from elsewhere: PINS_CANNOT_HOLD, REFINED, CHOSEN_SIMPLER
+    gap: Optional[float] = None   # its plan's distance from its bound, a fraction: SOLVED_UNPROVEN, SOLVED_AFTER_EFFORT
+    notes: tuple = ()             # Note, in the order added
+
+    def becomes(self, status: Status, detail: str = "", gap: Optional[float] = None) -> None:
+        """A new status, its words its own: the old one's detail, gap and notes go with it."""
+        self.status, self.detail, self.gap, self.notes = status, detail, gap, ()
+
+    def note(self, note: Note) -> None:
+        self.notes += (note,)
+
+    @property
+    def proven(self) -> bool:
+        """Whether its plan is a whole solve's (``Status.SOLVED``, nothing noted since), not a
+        descent's local optimum: a refinement of it skips the axes not split first."""
+        return self.status is Status.SOLVED and not self.notes
+
+    def text(self) -> str:
+        """Its status in words, as ``plan.mesh_candidates`` shows it."""
+        words = self.status.value.format(detail=self.detail, tie=100 * TIE, effort=EFFORT,
+                                         gap=None if self.gap is None else 100 * self.gap)
+        return words + "".join(n.value.format(effort=EFFORT) for n in self.notes)
+
+    def as_dict(self) -> dict:
+        return {"mesh": list(self.mesh), "bound": self.bound, "cost": self.cost, "status": self.text()}
+
+
 class _Candidates:
-    """Every candidate mesh's entry (mesh, bound, cost, status) and its annotated work."""
+    """Every candidate mesh (``Candidate``) and its annotated work."""
 
     def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard=False,
                  recompute="none"):
         self.graph, self.cluster, self.training, self.bucket_bytes = graph, cluster, training, bucket_bytes
         self.reshard, self.recompute = reshard, recompute
         self.pins_for = pins_for
-        self.entries = {m: {"mesh": list(m), "bound": None, "cost": None, "status": "not tried: refines none "
-                            "of the meshes chosen so far"} for m in factorizations(world, max_axes)}
+        self.entries = {m: Candidate(m) for m in factorizations(world, max_axes)}
+        self.works: dict = {}   # mesh -> (strategies, costs), made by ``work`` in this process
         self.pin_errors, self.warned = [], {}
         self.worked = []   # the meshes whose work was made, in any process, in the search's order
 
@@ -123,16 +200,15 @@ class _Candidates:
         if not self._twinnable(mesh):
             return None
         return next((m for m, e in self.entries.items() if m != mesh and sorted(m) == sorted(mesh)
-                     and e["bound"] is not None), None)
+                     and e.bound is not None), None)
 
     def work(self, mesh):
         """(strategies, costs) of the mesh, or None when the pins do not fit it."""
-        entry = self.entries[mesh]
-        if "_work" in entry:
-            return entry["_work"]
+        if mesh in self.works:
+            return self.works[mesh]
         pins = self.pins_for(mesh)
         if pins is None:
-            entry["status"] = "pins name another number of axes"
+            self.entries[mesh].becomes(Status.PINS_OTHER_AXES)
             return None
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -141,13 +217,13 @@ class _Candidates:
             for w in caught:   # once per search, not once per mesh
                 self.warned.setdefault(str(w.message), w)
         except ValueError as e:
-            entry["status"] = f"pins cannot hold: {str(e).split(':')[0]}"
+            self.entries[mesh].becomes(Status.PINS_CANNOT_HOLD, str(e).split(':')[0])
             self.pin_errors.append(e)
             return None
         costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard)
         costs.recompute = self.recompute   # planner.recompute
-        entry["_work"] = (strategies, costs)
-        return entry["_work"]
+        self.works[mesh] = (strategies, costs)
+        return self.works[mesh]
 
 
 def simpler(a: tuple, b: tuple, cluster) -> bool:
@@ -182,283 +258,405 @@ def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_by
     pins for a mesh (None: the pins do not fit that mesh). ``seed()``: (mesh, pins by node) of
     a layout to descend from as well (``planner.axonn_start``), or None."""
     with uncollected():
-        return _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
-                       reshard, recompute, seed)
+        return MeshSearch(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
+                          reshard, recompute, seed).run()
 
 
-def _search(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes, reshard,
-            recompute, seed):
-    start = time.perf_counter()
-    cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard, recompute)
-    progress = Progress(f"mesh search over {len(cands.entries)} meshes of {world} devices")
-    errors: list = []
-    results: list = []   # (plan, mesh, choice) of every mesh solved or refined
-    owner: dict = {}     # mesh -> the process that bounds, solves or refines it (planner.fanout); 0: this one
-    coarse_pays = [True]   # whether a two-axis mesh is bounded coarsely first (``_coarse_pays``)
+class MeshSearch:
+    """One search's state, and its steps; ``run`` takes them in order.
 
-    def report(step):
-        done = sum(e["cost"] is not None or e["status"].startswith(("pruned", "does not")) for e in cands.entries.values())
-        best = min(results, key=lambda r: r[0].cost) if results else None
-        progress.update(f"{step}; {done} of {len(cands.entries)} meshes done"
-                        + (f", best {best[1]} {best[0].cost * 1e3:.3f} ms per step" if best else ""))
+    ``bound`` (``bound_all``), ``raise_bound``, ``solve`` and ``refine`` run in the process that
+    owns the mesh (``planner.fanout``; ``owner``), a forked copy or this one, and ``axonn_seed``
+    in a copy where there is one; they send back what they found. The other steps run in the
+    planning process, which takes those answers in its own order."""
 
-    def bound(mesh):
-        """The mesh's lower bound in its entry: a mesh that refines the best plan's must beat it
-        by TIE, and its coarse bound (planner.coarse, a fraction of the program) may say that
-        it cannot before its own relaxation is priced and built. What the entry and the
-        search's warnings and pin errors gained, for the process that asked."""
-        entry = cands.entries[mesh]
-        warned, pin_errors = len(cands.warned), len(cands.pin_errors)
-        work = cands.work(mesh)
-        twin = cands.twin(mesh) if work is not None else None
+    def __init__(self, graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
+                 reshard, recompute, seed):
+        self.start = time.perf_counter()
+        self.graph, self.world, self.cluster, self.max_axes = graph, world, cluster, max_axes
+        self.time_limit, self.budget, self.seed = time_limit, budget, seed
+        self.cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard,
+                                 recompute)
+        self.progress = Progress(f"mesh search over {len(self.cands.entries)} meshes of {world} devices")
+        self.errors: list = []    # the memory budget's errors met: the first is raised where no mesh has a plan
+        self.results: list = []   # (plan, mesh, choice) of every mesh solved or refined
+        self.owner: dict = {}     # mesh -> the process that bounds, solves or refines it (planner.fanout); 0: this one
+        self.coarse_pays = True   # whether a two-axis mesh is bounded coarsely first (``_coarse_pays``)
+        self.twin_of: dict = {}   # mesh -> the mesh whose bound it took, its axes reordered (``_Candidates.twin``)
+        self.exact: set = set()   # the meshes whose bounds are not quick
+        self.unproven: list = []  # the meshes the first round of solves left unproven
+        self.small = [m for m in self.cands.entries if len(m) <= EXACT_AXES]   # phase 1's meshes
+        self.fan = Fanout(1, {"bounds": self.bound_all, "raise": self.raise_bound, "solve": self.solve,
+                              "refine": self.refine, "seed": self.axonn_seed})
+
+    def run(self):
+        """The search's spine: its chosen plan."""
+        try:
+            self.solve_exactly()   # phase 1
+            frontier = self.first_frontier()
+            # AxoNN's own best-ranked grid (descended from after the search), worked out by a copy
+            seeded = self.fan.ask(1 if self.fan.count > 1 else 0, "seed")
+            while frontier:   # phase 2
+                frontier = self.refine_round(frontier)
+            seeded = self.fan.answer(seeded)
+        finally:
+            self.fan.close()
+        self.descend_from_seed(seeded)
+        return self.choose()
+
+    def report(self, step: str) -> None:
+        done = sum(c.cost is not None or c.status.pruned or c.status is Status.NO_FIT
+                   for c in self.cands.entries.values())
+        best = min(self.results, key=lambda r: r[0].cost) if self.results else None
+        self.progress.update(f"{step}; {done} of {len(self.cands.entries)} meshes done"
+                             + (f", best {best[1]} {best[0].cost * 1e3:.3f} ms per step" if best else ""))
+
+    # ---- phase 1: one and two axes, solved whole -----------------------------------------------
+
+    def solve_exactly(self) -> None:
+        """Phase 1: one and two axes, bounded and solved whole, best bound first: the one-axis
+        mesh first, so that its plan can prune a two-axis mesh by its coarse bound; then the
+        meshes the first round left unproven. The two-axis meshes are shared out among forked
+        copies of this process (planner.fanout) once the one-axis mesh has taken long enough
+        for the copies to pay."""
+        entries = self.cands.entries
+        for axes in range(1, EXACT_AXES + 1):
+            meshes = [m for m in self.small if len(m) == axes]
+            groups = len({self.cands.twin_key(m) for m in meshes})
+            if axes == EXACT_AXES:
+                self.coarse_pays = _coarse_pays(self.graph, self.cands, self.results)
+            if axes > 1 and groups > 1 and time.perf_counter() - self.start > FANOUT_AFTER:
+                self.fan = Fanout(min(available(), groups), self.fan.handlers)
+            self.take_bounds(meshes)
+            for mesh in sorted((m for m in meshes if entries[m].status is Status.BOUNDED),
+                               key=lambda m: entries[m].bound):
+                self.attempt(mesh, True)
+        while self.unproven:
+            # the meshes that only might win first, each for a plan that beats the best one's with
+            # a bounded effort; the best last, solved whole: one of them may take its place (the
+            # 96-layer GPT's (256, 4) did, once (512, 2) had been solved whole first, to gain 0.01%)
+            lead = min(self.results, key=lambda r: r[0].cost)[1] if self.results else None
+            mesh = next((m for m in self.unproven if m != lead), self.unproven[0])
+            self.unproven.remove(mesh)
+            self.attempt(mesh, False)
+
+    def bound_all(self, meshes) -> list:
+        """``bound`` of each mesh, in order (a job of ``take_bounds``)."""
+        return [self.bound(m) for m in meshes]
+
+    def bound(self, mesh):
+        """The mesh's lower bound in its candidate: a mesh that refines the best plan's must beat
+        it by TIE, and its coarse bound (planner.coarse, a fraction of the program) may say that
+        it cannot before its own relaxation is priced and built. For the process that asked:
+        the candidate, the twin whose bound it took (or None), whether its work was made, and
+        the search's warnings and pin errors it added."""
+        entry = self.cands.entries[mesh]
+        warned, pin_errors = len(self.cands.warned), len(self.cands.pin_errors)
+        work = self.cands.work(mesh)
+        twin = self.cands.twin(mesh) if work is not None else None
         if twin:
-            entry["bound"], entry["status"] = cands.entries[twin]["bound"], cands.entries[twin]["status"]
-            entry["twin"] = twin
+            other = self.cands.entries[twin]
+            entry.bound, entry.status, entry.detail, entry.gap, entry.notes = (
+                other.bound, other.status, other.detail, other.gap, other.notes)
         elif work is not None:
-            below = _to_beat(results, mesh, cluster) if coarse_pays[0] else None
+            below = _to_beat(self.results, mesh, self.cluster) if self.coarse_pays else None
             if below is not None:
-                entry["bound"] = coarse_bound(graph, *work)
-                if entry["bound"] >= below * (1 - 1e-9):
-                    entry["status"] = f"pruned: its coarse bound is no better than the best plan's (within {100 * TIE:g}%)"
-            if not entry["status"].startswith("pruned"):
-                entry["bound"] = lower_bound(graph, *work, budget, quick=True)   # raised before a solve
-                entry["status"] = "does not fit in memory" if math.isinf(entry["bound"]) else "bounded"
-        return ({k: v for k, v in entry.items() if k != "_work"}, work is not None,
-                [(w.message, w.category, w.filename, w.lineno) for w in list(cands.warned.values())[warned:]],
-                cands.pin_errors[pin_errors:])
+                entry.bound = coarse_bound(self.graph, *work)
+                if entry.bound >= below * (1 - 1e-9):
+                    entry.becomes(Status.COARSE_BOUNDED_OUT)
+            if not entry.status.pruned:
+                entry.bound = lower_bound(self.graph, *work, self.budget, quick=True)   # raised before a solve
+                entry.becomes(Status.NO_FIT if math.isinf(entry.bound) else Status.BOUNDED)
+        return (entry, twin, work is not None,
+                [(w.message, w.category, w.filename, w.lineno) for w in list(self.cands.warned.values())[warned:]],
+                self.cands.pin_errors[pin_errors:])
 
-    def solved(mesh, below, effort, support):
-        """The mesh's solution and the estimated step of its plan (``solve``)."""
-        strategies, costs = cands.work(mesh)
-        solution = solve(graph, strategies, costs, time_limit, budget, below=below, effort=effort, support=support)
-        return solution, plan_cost(graph, strategies, solution, costs)
-
-    def refined(fine, coarse, choice, groups, proven):
-        """The plan of ``fine`` descended from ``coarse``'s plan (its ``choice``) lifted onto it,
-        and its estimated step; None when the pins do not fit it. ``proven``: the coarse plan is
-        a whole solve's within the solver's gap, so the descent skips the axes not split first
-        (``descend.unsplit``)."""
-        work = cands.work(fine)
-        if work is None:
-            return None
-        strategies, costs = work
-        lifted = lift(graph, cands.work(coarse)[0], choice, groups, strategies)
-        solution = solve_mesh(graph, strategies, costs, time_limit, budget, lambda: [lifted],
-                              unsplit(groups) if proven else frozenset())
-        return solution, plan_cost(graph, strategies, solution, costs)
-
-    def raised(mesh):
-        """The mesh's bound, not quick (``lower_bound``): before it is solved."""
-        return lower_bound(graph, *cands.work(mesh), budget)
-
-    fan = Fanout(1, {"bounds": lambda meshes: [bound(m) for m in meshes], "raise": raised, "solve": solved,
-                     "refine": refined, "seed": lambda: seed() if seed else None})
-    twin_of: dict = {}   # mesh -> the mesh whose bound it took, its axes reordered (``_Candidates.twin``)
-    exact: set = set()   # the meshes whose bounds are not quick
-
-    def bounded(meshes):
+    def take_bounds(self, meshes) -> None:
         """Bound the meshes, each twin group (``_Candidates.twin_key``) in order by whichever
         process takes it first (``Fanout.share``), its owner from then on, and take in their
-        entries in order."""
+        candidates in order."""
         groups: dict = {}
         for mesh in meshes:
-            groups.setdefault(cands.twin_key(mesh), []).append(mesh)
+            groups.setdefault(self.cands.twin_key(mesh), []).append(mesh)
         # the lopsided meshes first: their programs are the largest (the 96-layer GPT's (2, 512)
         # and (512, 2): 0.6-0.9 s against 0.45-0.55 s), and the last jobs taken decide when the
         # processes all end
         order = sorted(groups.values(), key=lambda g: -max(g[0]) / min(g[0]))
         answers = {}
-        for group, (who, ticket) in zip(order, fan.share("bounds", [(tuple(g),) for g in order])):
-            answers.update(zip(group, fan.answer(ticket)))
-            owner.update(dict.fromkeys(group, who))
+        for group, (who, ticket) in zip(order, self.fan.share("bounds", [(tuple(g),) for g in order])):
+            answers.update(zip(group, self.fan.answer(ticket)))
+            self.owner.update(dict.fromkeys(group, who))
         for mesh in meshes:
-            fields, worked, warned, pin_errors = answers[mesh]
-            if owner.get(mesh, 0):
-                cands.entries[mesh].update(fields)
-                for message, category, filename, lineno in warned:
-                    cands.warned.setdefault(str(message), warnings.WarningMessage(message, category, filename, lineno))
-                cands.pin_errors.extend(pin_errors)
-            if worked:
-                cands.worked.append(mesh)
-            entry = cands.entries[mesh]
-            twin = entry.pop("twin", None)
-            twin_of[mesh] = twin or mesh
-            if entry["status"] == "pins name another number of axes" or entry["status"].startswith("pins cannot"):
-                continue
-            report(f"bounded {mesh} (as {twin}, its axes reordered)" if twin else
-                   f"pruned {mesh}" if entry["status"].startswith("pruned") else f"bounded {mesh}")
+            self.take_bound(mesh, *answers[mesh])
 
-    def attempt(mesh, first):
+    def take_bound(self, mesh, entry, twin, worked, warned, pin_errors) -> None:
+        """One mesh's answer to ``bound``, taken in."""
+        if self.owner.get(mesh, 0):   # bounded by a copy: its candidate, warnings and pin errors here too
+            self.cands.entries[mesh] = entry
+            for message, category, filename, lineno in warned:
+                self.cands.warned.setdefault(str(message), warnings.WarningMessage(message, category, filename, lineno))
+            self.cands.pin_errors.extend(pin_errors)
+        if worked:
+            self.cands.worked.append(mesh)
+        self.twin_of[mesh] = twin or mesh
+        status = self.cands.entries[mesh].status
+        if status in (Status.PINS_OTHER_AXES, Status.PINS_CANNOT_HOLD):
+            return
+        self.report(f"bounded {mesh} (as {twin}, its axes reordered)" if twin else
+                    f"pruned {mesh}" if status.pruned else f"bounded {mesh}")
+
+    def raise_bound(self, mesh) -> float:
+        """The mesh's bound, not quick (``lower_bound``): before it is solved."""
+        return lower_bound(self.graph, *self.cands.work(mesh), self.budget)
+
+    def take_exact_bound(self, mesh, below) -> None:
+        """The mesh's exact bound in its candidate, where its quick one does not prune it (raised
+        once per twin group by the owner of its first mesh, which keeps its relaxations)."""
+        entry, source = self.cands.entries[mesh], self.twin_of.get(mesh, mesh)
+        if below is not None and entry.bound < below * (1 - 1e-9) and source not in self.exact:
+            self.exact.add(source)
+            self.cands.entries[source].bound = self.fan.answer(self.fan.ask(self.owner.get(source, 0), "raise", source))
+        if source in self.exact:
+            entry.bound = self.cands.entries[source].bound
+
+    def solve(self, mesh, below, effort, support):
+        """The mesh's solution and the estimated step of its plan (``solve``)."""
+        strategies, costs = self.cands.work(mesh)
+        solution = solve(self.graph, strategies, costs, self.time_limit, self.budget, below=below, effort=effort,
+                         support=support)
+        return solution, plan_cost(self.graph, strategies, solution, costs)
+
+    def attempt(self, mesh, first: bool) -> None:
         """Solve the mesh: in the first round, its plan among its LP's support (a blink; it
         proves most meshes within GAP_LIMIT); in the second, the whole program of a mesh left
         unproven, the best of them as any solve, the others that might still win for at most
         EFFORT deterministic seconds each."""
-        entry = cands.entries[mesh]
+        entry = self.cands.entries[mesh]
         # the best plan so far, unproven, is solved whole as the mesh to refine; the others
         # only for a plan that beats it, with a bounded effort
-        best = not first and (not results or min(results, key=lambda r: r[0].cost)[1] == mesh)
-        below = None if best else _to_beat(results, mesh, cluster)
+        best = not first and (not self.results or min(self.results, key=lambda r: r[0].cost)[1] == mesh)
+        below = None if best else _to_beat(self.results, mesh, self.cluster)
         effort = 0 if first else None if best else EFFORT
-        source = twin_of.get(mesh, mesh)
-        if below is not None and entry["bound"] < below * (1 - 1e-9) and source not in exact:
-            # its quick bound does not prune it: its exact one may (the mesh's owner keeps its relaxations)
-            exact.add(source)
-            cands.entries[source]["bound"] = fan.answer(fan.ask(owner.get(source, 0), "raise", source))
-        if source in exact:
-            entry["bound"] = cands.entries[source]["bound"]
-        if below is not None and entry["bound"] >= below * (1 - 1e-9):
-            entry["status"] = f"pruned: its lower bound is no better than the best plan's (within {100 * TIE:g}%)"
+        self.take_exact_bound(mesh, below)
+        if below is not None and entry.bound >= below * (1 - 1e-9):
+            entry.becomes(Status.BOUNDED_OUT)
             return
         try:   # time_limit: per solve
-            solution, cost = fan.answer(fan.ask(owner.get(mesh, 0), "solve", mesh, below, effort, first))
+            solution, cost = self.fan.answer(self.fan.ask(self.owner.get(mesh, 0), "solve", mesh, below, effort, first))
         except MemoryBudgetError as e:
-            entry["status"] = "does not fit in memory"
-            errors.append(e)
+            entry.becomes(Status.NO_FIT)
+            self.errors.append(e)
             return
         except NoBetterPlan as e:
-            if first:
-                unproven.append(mesh)
-                return
-            if entry["cost"] is not None:   # its plan of the first round stands
-                entry["status"] += f"; no better plan in {EFFORT:g} deterministic s"
-                return
-            entry["status"] = (f"pruned: no plan on it beats the best plan's by {100 * TIE:g}% "
-                               + ("(proven)" if e.proven else f"(none found in {EFFORT:g} deterministic s)"))
+            self.no_better(mesh, first, e)
             return
-        before = next((r for r in results if r[1] == mesh), None)
+        self.take_solution(mesh, solution, cost, first, effort)
+
+    def no_better(self, mesh, first: bool, e: NoBetterPlan) -> None:
+        """A solve found no plan that beats the best one's: left unproven in the first round."""
+        entry = self.cands.entries[mesh]
+        if first:
+            self.unproven.append(mesh)
+        elif entry.cost is not None:   # its plan of the first round stands
+            entry.note(Note.NO_BETTER_IN_EFFORT)
+        else:
+            entry.becomes(Status.NO_BETTER_PLAN if e.proven else Status.TIMED_OUT)
+
+    def take_solution(self, mesh, solution, cost: float, first: bool, effort) -> None:
+        """A solve's plan, recorded where it betters the mesh's plan of the first round."""
+        entry = self.cands.entries[mesh]
+        before = next((r for r in self.results if r[1] == mesh), None)
         if before is not None and before[0].cost <= solution.objective:
             # its plan of the first round stands: a whole solve stopped by the time limit
             # may end above it (GPT-3 175B's search lost its (128, 8) plan of 60.66 s so)
-            entry["status"] += "; the whole solve found no better plan"
+            entry.note(Note.WHOLE_SOLVE_NO_BETTER)
             return
-        results[:] = [r for r in results if r[1] != mesh]   # its plan of the first round, bettered
-        results.append(_record(cands, graph, mesh, solution, cost))
+        self.results[:] = [r for r in self.results if r[1] != mesh]   # its plan of the first round, bettered
+        self.results.append(self.record(mesh, solution, cost))
         if first and solution.gap is not None and solution.gap > GAP_LIMIT:
-            unproven.append(mesh)
-            entry["status"] = f"solved ({100 * solution.gap:.2f}% from its bound)"
+            self.unproven.append(mesh)
+            entry.becomes(Status.SOLVED_UNPROVEN, gap=solution.gap)
         elif effort:
-            entry["status"] = ("solved" if solution.gap is not None and solution.gap <= GAP_LIMIT else
-                               f"solved ({100 * solution.gap:.2f}% from its bound after {EFFORT:g} deterministic s)")
-        report(f"solved {mesh}")
+            if solution.gap is not None and solution.gap <= GAP_LIMIT:
+                entry.becomes(Status.SOLVED)
+            else:
+                entry.becomes(Status.SOLVED_AFTER_EFFORT, gap=solution.gap)
+        self.report(f"solved {mesh}")
 
-    try:
-        # phase 1: one and two axes, bounded and solved whole, best bound first: the one-axis
-        # mesh first, so that its plan can prune a two-axis mesh by its coarse bound; then the
-        # meshes the first round left unproven. The two-axis meshes are shared out among forked
-        # copies of this process (planner.fanout) once the one-axis mesh has taken long enough
-        # for the copies to pay
-        unproven: list = []
-        small = [m for m in cands.entries if len(m) <= EXACT_AXES]
-        for axes in range(1, EXACT_AXES + 1):
-            meshes = [m for m in small if len(m) == axes]
-            groups = len({cands.twin_key(m) for m in meshes})
-            if axes == EXACT_AXES:
-                coarse_pays[0] = _coarse_pays(graph, cands, results)
-            if axes > 1 and groups > 1 and time.perf_counter() - start > FANOUT_AFTER:
-                fan = Fanout(min(available(), groups), fan.handlers)
-            bounded(meshes)
-            for mesh in sorted((m for m in meshes if cands.entries[m]["status"] == "bounded"),
-                               key=lambda m: cands.entries[m]["bound"]):
-                attempt(mesh, True)
-        while unproven:
-            # the meshes that only might win first, each for a plan that beats the best one's with
-            # a bounded effort; the best last, solved whole: one of them may take its place (the
-            # 96-layer GPT's (256, 4) did, once (512, 2) had been solved whole first, to gain 0.01%)
-            lead = min(results, key=lambda r: r[0].cost)[1] if results else None
-            mesh = next((m for m in unproven if m != lead), unproven[0])
-            unproven.remove(mesh)
-            attempt(mesh, False)
+    def record(self, mesh, solution, cost: float):
+        """A solved candidate's plan in its candidate; (plan, mesh, choice)."""
+        entry = self.cands.entries[mesh]
+        entry.cost = cost
+        if solution.status.startswith("LOCAL"):   # a descent's (planner.descend)
+            entry.becomes(Status.REFINED, solution.status.lower())
+        else:
+            entry.becomes(Status.SOLVED)
+        return _Unmade(self.cands, self.graph, mesh, solution, cost), mesh, solution.choice
 
-        # phase 2: refine the best two-axis mesh (one axis is refined by the two-axis meshes
-        # already), one axis split at a time, while refining pays. Only where a second axis paid:
-        # when no two-axis mesh beat the best one-axis plan by more than TIE, more axes are not tried
-        best = _simplest(results, cluster)[0] if results else None
-        one = [r for r in results if len(r[1]) == 1]
-        widest = min((r for r in results if len(r[1]) == EXACT_AXES), key=lambda r: r[0].cost, default=None)
+    # ---- phase 2: refinement, up to 4 axes ------------------------------------------------------
+
+    def first_frontier(self) -> list:
+        """Phase 2's first round: the best two-axis mesh's plan (one axis is refined by the
+        two-axis meshes already), where a second axis paid: when no two-axis mesh beat the best
+        one-axis plan by more than TIE, more axes are not tried. Where phase 1 found no plan,
+        descents on the meshes of more axes (``_untried_starts``) instead."""
+        one = [r for r in self.results if len(r[1]) == 1]
+        widest = min((r for r in self.results if len(r[1]) == EXACT_AXES), key=lambda r: r[0].cost, default=None)
         paid = widest is not None and (not one or widest[0].cost < min(r[0].cost for r in one) * (1 - TIE))
-        frontier = [widest] if paid and max_axes > EXACT_AXES else []
         if widest is not None and not paid:
-            for e in cands.entries.values():
-                if len(e["mesh"]) > EXACT_AXES and e["status"].startswith("not tried"):
-                    e["status"] = f"not tried: no two-axis mesh beat the one-axis plan by more than {100 * TIE:g}%"
-        if best is None:
-            for mesh in _untried_starts(cands, small):
-                got = _descend_from(cands, graph, mesh, time_limit, budget, errors)
-                if got is not None:
-                    results.append(got)
-                report(f"descended on {mesh}")
-        # AxoNN's own best-ranked grid (descended from after the search), worked out by a copy
-        seeded = fan.ask(1 if fan.count > 1 else 0, "seed")
+            for c in self.cands.entries.values():
+                if len(c.mesh) > EXACT_AXES and c.status is Status.NOT_TRIED:
+                    c.becomes(Status.NOT_WORTH_TRYING)
+        if not self.results:
+            for mesh in _untried_starts(self.cands, self.small):
+                self.descend(mesh)
+        return [widest] if paid and self.max_axes > EXACT_AXES else []
 
-        def unpruned():
-            """Let go of the pruned meshes' programs, which nothing reads again: once the copies
-            have the first refinements (0.06-0.14 s of the 96-layer GPT's search, alone before)."""
-            for e in cands.entries.values():
-                if e["status"].startswith("pruned"):
-                    e.pop("_work", None)
+    def refine_round(self, frontier: list) -> list:
+        """One round of a beam: each axis of each plan of ``frontier`` split in two, every
+        refinement not refined yet descended once; the ``BEAM`` best that improve on their
+        parent, the next round's frontier."""
+        entries = self.cands.entries
+        # a parent solved whole within GAP_LIMIT (``Candidate.proven``; not a descent's local optimum)
+        round_ = [(plan, fine, (fine, mesh, choice, groups, entries[mesh].proven))
+                  for plan, mesh, choice in frontier
+                  for fine, groups in splits(mesh)
+                  if len(fine) <= self.max_axes and fine in entries and entries[fine].cost is None]
+        firsts: dict = {}   # each fine mesh's first refinement of the round, by whichever process is free
+        for i, (_, fine, _) in enumerate(round_):
+            firsts.setdefault(fine, i)
+        tickets = {}
+        shared = self.fan.share("refine", [round_[i][2] for i in firsts.values()], self.let_go_of_pruned)
+        for (fine, i), (who, ticket) in zip(firsts.items(), shared):
+            tickets[i], self.owner[fine] = ticket, who
+        grown = []
+        for i, (parent, fine, args) in enumerate(round_):
+            if entries[fine].cost is not None:
+                continue   # refined already this round, from the other plan of the beam
+            ticket = tickets[i] if i in tickets else self.fan.ask(0, "refine", *args)
+            got = self.take_refined(fine, ticket)
+            self.report(f"refined {fine}")
+            if got is not None:
+                self.results.append(got)
+                if got[0].cost < parent.cost * (1 - TIE):
+                    grown.append(got)
+        return sorted(grown, key=lambda r: r[0].cost)[:BEAM]
 
-        while frontier:   # a beam: the BEAM best refinements of a round that improve on their parent
-            grown = []
-            # a parent solved whole within GAP_LIMIT ("solved"; not a descent's local optimum)
-            round_ = [(plan, fine, (fine, mesh, choice, groups, cands.entries[mesh]["status"] == "solved"))
-                      for plan, mesh, choice in frontier
-                      for fine, groups in splits(mesh)
-                      if len(fine) <= max_axes and fine in cands.entries and cands.entries[fine]["cost"] is None]
-            firsts: dict = {}   # each fine mesh's first refinement of the round, by whichever process is free
-            for i, (_, fine, _) in enumerate(round_):
-                firsts.setdefault(fine, i)
-            tickets = {}
-            shared = fan.share("refine", [round_[i][2] for i in firsts.values()], unpruned)
-            for (fine, i), (who, ticket) in zip(firsts.items(), shared):
-                tickets[i], owner[fine] = ticket, who
-            for i, (parent, fine, args) in enumerate(round_):
-                if cands.entries[fine]["cost"] is not None:
-                    continue   # refined already this round, from the other plan of the beam
-                ticket = tickets[i] if i in tickets else fan.ask(0, "refine", *args)
-                got = _recorded(cands, graph, fine, fan, ticket, errors)
-                report(f"refined {fine}")
-                if got is not None:
-                    results.append(got)
-                    if got[0].cost < parent.cost * (1 - TIE):
-                        grown.append(got)
-            frontier = sorted(grown, key=lambda r: r[0].cost)[:BEAM]
-        seeded = fan.answer(seeded)
-    finally:
-        fan.close()
+    def let_go_of_pruned(self) -> None:
+        """Let go of the pruned meshes' programs, which nothing reads again: once the copies
+        have the first refinements (0.06-0.14 s of the 96-layer GPT's search, alone before)."""
+        for mesh, c in self.cands.entries.items():
+            if c.status.pruned:
+                self.cands.works.pop(mesh, None)
 
-    # AxoNN's own best-ranked grid, which no refinement reaches (planner.axonn_start)
-    got = _descend_from_seed(cands, graph, seeded, time_limit, budget, results)
-    if got is not None:
-        results[:] = [r for r in results if r[1] != got[1]] + [got]
-        report(f"descended on {got[1]} from AxoNN's layout")
+    def refine(self, fine, coarse, choice, groups, proven):
+        """The plan of ``fine`` descended from ``coarse``'s plan (its ``choice``) lifted onto it,
+        and its estimated step; None when the pins do not fit it. ``proven``: the coarse plan is
+        a whole solve's within the solver's gap, so the descent skips the axes not split first
+        (``descend.unsplit``)."""
+        work = self.cands.work(fine)
+        if work is None:
+            return None
+        strategies, costs = work
+        lifted = lift(self.graph, self.cands.work(coarse)[0], choice, groups, strategies)
+        solution = solve_mesh(self.graph, strategies, costs, self.time_limit, self.budget, lambda: [lifted],
+                              unsplit(groups) if proven else frozenset())
+        return solution, plan_cost(self.graph, strategies, solution, costs)
 
-    for w in cands.warned.values():
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    candidates = list(cands.entries.values())
-    if not results and cands.pin_errors and all(e["bound"] is None and e["cost"] is None for e in candidates):
-        raise cands.pin_errors[0]
-    if not results:
-        for e in candidates:
-            e.pop("_work", None)
-        if errors:
-            raise errors[0]
-        if cands.worked:
+    def take_refined(self, mesh, ticket):
+        """The result of a descent asked of the fanout (its ``ticket``), recorded; None when the
+        pins do not fit the mesh or its plans break the memory budget (the error kept)."""
+        try:
+            got = self.fan.answer(ticket)
+        except MemoryBudgetError as e:
+            self.cands.entries[mesh].becomes(Status.NO_FIT)
+            self.errors.append(e)
+            return None
+        if got is None:
+            return None
+        self.cands.worked.append(mesh)
+        return self.record(mesh, *got)
+
+    # ---- descents from a layout given --------------------------------------------------------------
+
+    def descend(self, mesh) -> None:
+        """Descend on ``mesh`` from the pins' layout (phase 1 found no plan), its result kept."""
+        work = self.cands.work(mesh)
+        if work is not None:
+            strategies, costs = work
+            try:
+                solution = solve_mesh(self.graph, strategies, costs, self.time_limit, self.budget)
+            except MemoryBudgetError as e:
+                self.cands.entries[mesh].becomes(Status.NO_FIT)
+                self.errors.append(e)
+            else:
+                self.cands.worked.append(mesh)
+                self.results.append(self.record(mesh, solution, plan_cost(self.graph, strategies, solution, costs)))
+        self.report(f"descended on {mesh}")
+
+    def axonn_seed(self):
+        """(mesh, pins by node) of AxoNN's own best-ranked grid (``planner.axonn_start``), or None."""
+        return self.seed() if self.seed else None
+
+    def descend_from_seed(self, seed) -> None:
+        """The plan descended from ``seed`` (mesh, pins by node) on its mesh, unpinned, kept where
+        it beats the mesh's plan so far: AxoNN's own best-ranked grid, which no refinement
+        reaches. A mesh of up to ``EXACT_AXES`` axes was solved whole already."""
+        if seed is None or seed[0] not in self.cands.entries or len(seed[0]) <= EXACT_AXES:
+            return
+        mesh, pins = seed
+        work = self.cands.work(mesh)
+        if work is None or self.cands.pins_for(mesh):   # the user's pins lay out the plan
+            return
+        strategies, costs = work
+        try:
+            solution = descend_from_pins(self.graph, strategies, costs, pins, self.time_limit, self.budget)
+        except (ValueError, RuntimeError):   # the pins cannot hold on this mesh's shapes, or no plan in time
+            return
+        before = next((r for r in self.results if r[1] == mesh), None)
+        if solution is None or (before is not None and before[0].cost <= solution.objective):
+            return
+        got = self.record(mesh, solution, plan_cost(self.graph, strategies, solution, costs))
+        self.cands.entries[mesh].note(Note.FROM_AXONN)
+        self.results[:] = [r for r in self.results if r[1] != mesh] + [got]
+        self.report(f"descended on {mesh} from AxoNN's layout")
+
+    # ---- the choice -----------------------------------------------------------------------------
+
+    def choose(self):
+        """The plan of the simplest mesh among equals (``_simplest``), every candidate in its
+        ``mesh_candidates`` (as dicts, best first); or what went wrong, raised."""
+        for w in self.cands.warned.values():
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        candidates = list(self.cands.entries.values())
+        if not self.results:
+            self.fail(candidates)
+        best, why = _simplest(self.results, self.cluster)
+        plan = best[0].made()
+        self.cands.works.clear()
+        self.cands.entries[best[1]].becomes(Status.CHOSEN_SIMPLER if why else Status.CHOSEN, why or "")
+        plan.mesh_candidates = [c.as_dict() for c in sorted(candidates, key=lambda c: (
+            c.cost is None, c.cost or 0, c.bound is None, c.bound or 0))]
+        plan.solver["search_seconds"] = time.perf_counter() - self.start
+        plan.solver["mesh_choice"] = why or f"{best[1]}: the shortest estimated step"
+        self.progress.done(f"chose {best[1]}")
+        return plan
+
+    def fail(self, candidates: list) -> None:
+        """No mesh has a plan: the first pin error where no mesh took the pins, else the first
+        memory error, else the least memory the first mesh worked reaches (``solve`` raises
+        it), else why each mesh has none."""
+        if self.cands.pin_errors and all(c.bound is None and c.cost is None for c in candidates):
+            raise self.cands.pin_errors[0]
+        self.cands.works.clear()
+        if self.errors:
+            raise self.errors[0]
+        if self.cands.worked:
             # solve the first for its report of the least memory it reaches
-            strategies, costs = cands.work(cands.worked[0])
-            solve(graph, strategies, costs, time_limit, budget)
-        raise ValueError(f"no mesh of {world} devices with at most {max_axes} axes takes the pins given: "
-                         + "; ".join(f"{tuple(e['mesh'])}: {e['status']}" for e in candidates))
-    best, why = _simplest(results, cluster)
-    plan = best[0].made()
-    for e in candidates:
-        e.pop("_work", None)
-    cands.entries[best[1]]["status"] = "chosen" + (f": {why}" if why else "")
-    plan.mesh_candidates = sorted(candidates, key=lambda e: (e["cost"] is None, e["cost"] or 0,
-                                                             e["bound"] is None, e["bound"] or 0))
-    plan.solver["search_seconds"] = time.perf_counter() - start
-    plan.solver["mesh_choice"] = why or f"{best[1]}: the shortest estimated step"
-    progress.done(f"chose {best[1]}")
-    return plan
+            strategies, costs = self.cands.work(self.cands.worked[0])
+            solve(self.graph, strategies, costs, self.time_limit, self.budget)
+        raise ValueError(f"no mesh of {self.world} devices with at most {self.max_axes} axes takes the pins given: "
+                         + "; ".join(f"{c.mesh}: {c.text()}" for c in candidates))
 
 
 def _coarse_pays(graph, cands, results) -> bool:
@@ -483,11 +681,11 @@ def _untried_starts(cands, small) -> list:
     relaxation fits it (a few seconds, not one descent per mesh: GPT-3 175B without
     recomputation took 856 s over 130 meshes to say that nothing fits)."""
     more = [m for m in cands.entries if len(m) > EXACT_AXES]
-    if all(cands.entries[m]["status"] == "pins name another number of axes" for m in small):
+    if all(cands.entries[m].status is Status.PINS_OTHER_AXES for m in small):
         return more
-    bounded = sorted((m for m in small if cands.entries[m]["bound"] is not None
-                      and not math.isinf(cands.entries[m]["bound"]) and len(m) == EXACT_AXES),
-                     key=lambda m: cands.entries[m]["bound"])[:BEAM]
+    bounded = sorted((m for m in small if cands.entries[m].bound is not None
+                      and not math.isinf(cands.entries[m].bound) and len(m) == EXACT_AXES),
+                     key=lambda m: cands.entries[m].bound)[:BEAM]
     return [fine for m in bounded for fine, _ in splits(m) if fine in cands.entries]
 
 
@@ -513,65 +711,3 @@ class _Unmade:
         cands, graph, mesh, solution = self._made
         strategies, costs = cands.work(mesh)
         return make_plan(graph, strategies, solution, costs)
-
-
-def _record(cands, graph, mesh, solution, cost: float):
-    """A solved candidate's plan in its entry; (plan, mesh, choice)."""
-    entry = cands.entries[mesh]
-    entry["cost"] = cost
-    entry["status"] = f"refined ({solution.status.lower()})" if solution.status.startswith("LOCAL") else "solved"
-    return _Unmade(cands, graph, mesh, solution, cost), mesh, solution.choice
-
-
-def _recorded(cands, graph, mesh, fan, ticket, errors):
-    """The result of a descent asked of ``fan`` (its ``ticket``), recorded; None when the pins
-    do not fit the mesh or its plans break the memory budget (the error kept in ``errors``)."""
-    try:
-        got = fan.answer(ticket)
-    except MemoryBudgetError as e:
-        cands.entries[mesh]["status"] = "does not fit in memory"
-        errors.append(e)
-        return None
-    if got is None:
-        return None
-    cands.worked.append(mesh)
-    return _record(cands, graph, mesh, *got)
-
-
-def _descend_from_seed(cands, graph, seed, time_limit, budget, results):
-    """The plan descended from ``seed`` (mesh, pins by node) on its mesh, unpinned, where it
-    beats the mesh's plan so far; else None. A mesh of up to ``EXACT_AXES`` axes was solved
-    whole already."""
-    if seed is None or seed[0] not in cands.entries or len(seed[0]) <= EXACT_AXES:
-        return None
-    mesh, pins = seed
-    work = cands.work(mesh)
-    if work is None or cands.pins_for(mesh):   # the user's pins lay out the plan
-        return None
-    strategies, costs = work
-    try:
-        solution = descend_from_pins(graph, strategies, costs, pins, time_limit, budget)
-    except (ValueError, RuntimeError):   # the pins cannot hold on this mesh's shapes, or no plan in time
-        return None
-    before = next((r for r in results if r[1] == mesh), None)
-    if solution is None or (before is not None and before[0].cost <= solution.objective):
-        return None
-    got = _record(cands, graph, mesh, solution, plan_cost(graph, strategies, solution, costs))
-    cands.entries[mesh]["status"] += ", descended from AxoNN's layout"
-    return got
-
-
-def _descend_from(cands, graph, mesh, time_limit, budget, errors):
-    """Descend on ``mesh`` from the pins' layout (phase 1 found no plan): its result, or None."""
-    work = cands.work(mesh)
-    if work is None:
-        return None
-    strategies, costs = work
-    try:
-        solution = solve_mesh(graph, strategies, costs, time_limit, budget)
-    except MemoryBudgetError as e:
-        cands.entries[mesh]["status"] = "does not fit in memory"
-        errors.append(e)
-        return None
-    cands.worked.append(mesh)
-    return _record(cands, graph, mesh, solution, plan_cost(graph, strategies, solution, costs))
