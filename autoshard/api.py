@@ -200,8 +200,6 @@ def search_mesh(graph: Graph, world: int, options: PlanOptions = PlanOptions()) 
         plan = search(graph, world, cluster, pins_for, options.training, options.time_limit, options.bucket_bytes,
                       budget, reshard=options.reshard_after_forward, recompute=options.recompute,
                       seed=None if pin else lambda: _axonn_start(graph, world, cluster, budget))
-    # planner.search makes its plan without the budget; once it passes make_plan's budget=, this goes
-    plan.memory["budget"] = budget
     return plan
 
 

@@ -416,12 +416,34 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
             if made is mark:
                 break
             made.meta["source"] = node.name
+    _views_that_may_copy(g)
     g.lint()
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="RankProgram")
     gm.meta["passes"] = ["rewrite"]
     gm.meta["mesh_shape"] = mesh
     gm.meta["joint_axes"] = _joint_axes(g)
     return gm
+
+
+def _views_that_may_copy(g: fx.Graph) -> None:
+    """Each ``view`` that nothing writes through becomes a ``reshape``: the same view wherever the
+    strides allow one, a copy where they do not. The capture saw the strides of the kernels a
+    fake tensor of the device type picks (the CPU's attention returns its heads' rows interleaved,
+    so ``.transpose(1, 2).contiguous()`` traced as no copy), and the run, on its local shapes and
+    with gradients, may pick another kernel with other strides."""
+    for n in g.nodes:
+        if n.op == "call_function" and n.target is aten.view.default and not _written_through(n):
+            n.target = aten.reshape.default
+
+
+def _written_through(n: fx.Node) -> bool:
+    """Whether an in-place op writes into ``n`` or into a view of it."""
+    for u in n.users:
+        target = getattr(u, "target", None)
+        schema = getattr(target, "_schema", None)
+        if schema is not None and (schema.is_mutable or u.target is aten.view.default and _written_through(u)):
+            return True
+    return False
 
 
 def _joint_axes(g: fx.Graph) -> list:

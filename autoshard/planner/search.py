@@ -491,7 +491,7 @@ class MeshSearch:
             entry.becomes(Status.REFINED, solution.status.lower())
         else:
             entry.becomes(Status.SOLVED)
-        return _Unmade(self.cands, self.graph, mesh, solution, cost), mesh, solution.choice
+        return _Unmade(self.cands, self.graph, mesh, solution, cost, self.budget), mesh, solution.choice
 
     # ---- phase 2: refinement, up to 4 axes ------------------------------------------------------
 
@@ -703,11 +703,11 @@ class _Unmade:
     """A solved candidate's plan, made (``make_plan``) only for the mesh the search chooses; its
     ``cost`` now, as the plan would have it (``plan_cost``, worked out by the mesh's owner)."""
 
-    def __init__(self, cands, graph, mesh, solution, cost: float):
+    def __init__(self, cands, graph, mesh, solution, cost: float, budget: float):
         self.cost = cost
-        self._made = (cands, graph, mesh, solution)
+        self._made = (cands, graph, mesh, solution, budget)
 
     def made(self):
-        cands, graph, mesh, solution = self._made
+        cands, graph, mesh, solution, budget = self._made
         strategies, costs = cands.work(mesh)
-        return make_plan(graph, strategies, solution, costs)
+        return make_plan(graph, strategies, solution, costs, budget=budget)
