@@ -141,7 +141,7 @@ def plan_graph(graph: Graph, mesh_shape, cluster=None, pin=None, training=True, 
     pins = resolve_pins(graph, pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, training, bucket_bytes, reshard_after_forward)
-    costs.recompute = recompute
+    costs = costs.with_recompute(recompute)
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
     with shown(verbose):   # a long solve's progress on stderr
         solution = solve_mesh(graph, strategies, costs, time_limit, budget, starts)   # 3+ axes: planner.descend

@@ -156,8 +156,7 @@ def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
     need = memory.rank_memory(graph, strategies, solve(graph, strategies, costs, 60, None).choice, mesh, True)["total"]
     for share in (0.8, 0.5, 0.4, 0.05):   # budgets that bind: recomputation in play, or nothing fits
         budget = need * share
-        costs = Costs(graph, mesh, CLUSTER, True)
-        costs.recompute = recompute.AUTO
+        costs = Costs(graph, mesh, CLUSTER, True, recompute=recompute.AUTO)
         quick = lower_bound(graph, strategies, costs, budget, quick=True)
         exact = lower_bound(graph, strategies, costs, budget)
         assert quick <= exact and math.isinf(quick) == math.isinf(exact)   # quick says as surely that nothing fits
@@ -168,8 +167,7 @@ def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
             assert exact <= plan.objective * (1 + 1e-6)
         # the cheap ops' relaxation is skipped only where it cannot move the least of the modes
         modes = _mode_bounds(graph, strategies, costs, budget)
-        with recompute.mode(costs, recompute.SELECTIVE):
-            selective = _relaxation(graph, strategies, costs, budget)[0]
+        selective = _relaxation(graph, strategies, costs.with_recompute(recompute.SELECTIVE), budget)[0]
         assert min(modes.values()) == pytest.approx(min(modes["none"], modes["blocks"], max(selective, modes["selective"])),
                                                     rel=1e-12)
 
@@ -218,9 +216,7 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
     budget = 80e9
 
     def costs(mesh):
-        c = Costs(graph, mesh, CLUSTER, True)
-        c.recompute = "auto"
-        return c
+        return Costs(graph, mesh, CLUSTER, True, recompute="auto")
 
     coarse = annotate_pass.annotate(graph, (64, 16))
     start = solve(graph, coarse, costs((64, 16)), 60, budget, effort=0)

@@ -31,10 +31,17 @@ CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 class Costs:
     """Every cost the program needs, from the cost models, cached by layout. Each is a
     ``cost.step.Cost``: compute by phase, blocking communication, and the parameter collectives
-    the schedule overlaps with compute."""
+    the schedule overlaps with compute.
+
+    ``recompute``: the recompute mode its programs are priced in (``planner.recompute``'s
+    modes), the one thing of its own; no price depends on it, so ``with_recompute`` gives a
+    ``Costs`` of another mode that shares every price worked out (this module's caches and
+    ``cost.overlap``'s, all in the instance's ``__dict__``)."""
+    __slots__ = ("recompute", "__dict__", "__weakref__")
 
     def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
-                 bucket_bytes: Optional[int] = None, reshard: bool = False):
+                 bucket_bytes: Optional[int] = None, reshard: bool = False, recompute: str = "none"):
+        self.recompute = recompute
         self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
         self.bucket_bytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_for(cluster, self.mesh_shape)
         self.reshard = reshard   # a parameter converted for an op is converted again for its backward
@@ -65,6 +72,17 @@ class Costs:
         self._gather_scales = gather_scales(buckets, self._copies)
         # on a measured machine, what of each bucket's backward collective compute can run beside
         self._grad_cover, self._dual_cover = self._backward_cover(buckets) if cluster.measured and training else ({}, {})
+
+    def with_recompute(self, mode: str) -> Costs:
+        """These prices in recompute mode ``mode``: this ``Costs`` where it is in that mode
+        already, else a new one sharing every cache with it, those made later too (the same
+        ``__dict__``; the mode is a slot of its own)."""
+        if mode == self.recompute:
+            return self
+        other = object.__new__(Costs)
+        other.__dict__ = self.__dict__
+        other.recompute = mode
+        return other
 
     def _backward_cover(self, gathers: list) -> tuple:
         """({parameter: the part of its gradient bucket's all-reduce that backward compute can run

@@ -108,8 +108,9 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
     # fit (planner.recompute.best_counts)
     auto = recompute.mode_of(costs) == recompute.AUTO
     fixed = _fixed_mode(graph, strategies, choice, costs, budget) if auto else None
-    with phase("descend"), recompute.mode(costs, fixed if auto else recompute.mode_of(costs)):
-        sol = _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds, settled)
+    with phase("descend"):
+        stepped = costs.with_recompute(fixed) if auto else costs
+        sol = _descend(graph, strategies, stepped, choice, time_limit, budget, max_rounds, settled)
     if auto and fixed != recompute.SELECTIVE:
         again = recompute.best_counts(graph, strategies, sol.choice, costs, budget)
         extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
@@ -122,8 +123,7 @@ def _fixed_mode(graph, strategies, choice, costs, budget) -> str:
     start fits, every block's cheap ops where that makes it fit, else every block."""
     if not recompute.best_counts(graph, strategies, choice, costs, budget):
         return "none"
-    with recompute.mode(costs, recompute.SELECTIVE):
-        counts = recompute.best_counts(graph, strategies, choice, costs, budget)
+    counts = recompute.best_counts(graph, strategies, choice, costs.with_recompute(recompute.SELECTIVE), budget)
     _, freed, peak, _ = recompute.chosen(graph, strategies, choice, costs, counts)
     return recompute.SELECTIVE if _memory(graph, strategies, choice, costs) - freed + peak <= budget else "blocks"
 
@@ -259,8 +259,8 @@ def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Op
         if len(coarse) > EXACT_AXES:
             continue
         cs = annotate(graph, coarse)
-        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
-        cc.recompute = recompute.mode_of(costs)
+        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard,
+                   recompute.mode_of(costs))
         try:
             sol = solve(graph, cs, cc, time_limit, budget)
         except MemoryBudgetError:

@@ -145,7 +145,7 @@ class _Candidates:
             self.pin_errors.append(e)
             return None
         costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard)
-        costs.recompute = self.recompute   # planner.recompute
+        costs = costs.with_recompute(self.recompute)   # planner.recompute
         entry["_work"] = (strategies, costs)
         return entry["_work"]
 

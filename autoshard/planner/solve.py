@@ -430,9 +430,8 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
     if below is not None and bound >= below:
         raise NoBetterPlan(True)
     if list(bounds) == ["none"]:   # the budget binds nothing: recomputation, which only frees memory, cannot help
-        with recompute.mode(costs, "none"):
-            return solve(graph, strategies, costs, time_limit, memory_budget, below=below, effort=effort,
-                         support=support)
+        return solve(graph, strategies, costs.with_recompute("none"), time_limit, memory_budget, below=below,
+                     effort=effort, support=support)
     found, beaten, proven = [], False, dict(bounds)   # proven: each mode's bound, its solve's where it ran
     # best bound first; but the mode whose plan led when this mesh was solved before first of
     # all: the others then only for a plan that beats it, at a bounded effort (a mesh search's
@@ -447,30 +446,29 @@ def _solve_choosing(graph, strategies, costs, time_limit, memory_budget, below, 
         if below is not None and bounds[mode] >= below:
             beaten = True
             continue
-        with recompute.mode(costs, mode):
-            try:   # once a mode has a plan, another only for a plan that beats it, for a bounded effort
-                cap = effort if not found else min(effort if effort is not None else recompute.EFFORT, recompute.EFFORT)
-                target = below if not found else min(b for b in (below, best) if b is not None)
-                # "blocks"' plan whatever it costs: its layout with the fewest whole blocks that fit
-                # may beat what every block recomputed does not (GPT-3 175B's (64, 16))
-                target = None if mode == "blocks" else target
-                found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=target, effort=cap,
-                                   support=support))
-                proven[mode] = max(proven[mode], found[-1].bound or 0.0)
-            except NoBetterPlan as e:
-                beaten = True
-                if e.proven and target is not None:   # no plan of this mode beats the target: its bound
-                    proven[mode] = max(proven[mode], target)
-            except (RuntimeError, MemoryBudgetError):
-                pass
+        try:   # once a mode has a plan, another only for a plan that beats it, for a bounded effort
+            cap = effort if not found else min(effort if effort is not None else recompute.EFFORT, recompute.EFFORT)
+            target = below if not found else min(b for b in (below, best) if b is not None)
+            # "blocks"' plan whatever it costs: its layout with the fewest whole blocks that fit
+            # may beat what every block recomputed does not (GPT-3 175B's (64, 16))
+            target = None if mode == "blocks" else target
+            found.append(solve(graph, strategies, costs.with_recompute(mode), time_limit, memory_budget,
+                               below=target, effort=cap, support=support))
+            proven[mode] = max(proven[mode], found[-1].bound or 0.0)
+        except NoBetterPlan as e:
+            beaten = True
+            if e.proven and target is not None:   # no plan of this mode beats the target: its bound
+                proven[mode] = max(proven[mode], target)
+        except (RuntimeError, MemoryBudgetError):
+            pass
     if not found:
         if beaten or effort is not None:   # or a bounded look found none: a search looks again, whole
             raise NoBetterPlan(False)
         # every block recomputed is the least memory there is: its plan, or the error that says
         # nothing fits (a 96-layer GPT at world 8 found none in a mesh search's first, bounded
         # look, and the search stopped on "no plan in time" where the mesh (8,) alone had one)
-        with recompute.mode(costs, "blocks"):
-            found.append(solve(graph, strategies, costs, time_limit, memory_budget, below=below, support=support))
+        found.append(solve(graph, strategies, costs.with_recompute("blocks"), time_limit, memory_budget, below=below,
+                           support=support))
     # each layout with the fewest whole blocks recomputed that fit it: a layout chosen with every
     # block's cheap ops run again too (a 6-layer GPT on (4,) under a tight budget: 2 whole blocks,
     # 9% below the cheap ops of all 6, where "blocks"' bound let its own program be skipped)
@@ -522,26 +520,25 @@ def _mode_bounds(graph, strategies, costs, memory_budget, quick: bool = False) -
     least of them: the weak relaxation of the whole choice (a fractional block recomputed frees
     its memory at a fraction of its forward) would bound every mesh of the 96-layer GPT at its
     cost without a budget, and prune none."""
-    with recompute.mode(costs, "none"):
-        out = {"none": _relaxation(graph, strategies, costs, memory_budget)[0]}
-        slack = costs._relaxed.get(("slack", id(strategies), memory_budget, "none"))
-        if slack is not None and slack[0] is strategies:
-            return out
+    out = {"none": _relaxation(graph, strategies, costs.with_recompute("none"), memory_budget)[0]}
+    slack = costs._relaxed.get(("slack", id(strategies), memory_budget, "none"))
+    if slack is not None and slack[0] is strategies:
+        return out
     table = _table(graph, strategies, costs)
     out["blocks"] = recompute.floor(table, costs)
     if math.isinf(out["none"]):
-        with recompute.mode(costs, "blocks"):
-            out["blocks"] = max(out["blocks"], _relaxation(graph, strategies, costs, memory_budget)[0])
-    with recompute.mode(costs, recompute.SELECTIVE):
-        light = recompute.floor(table, costs, light=True)
-        # its relaxation only where its floor lies below "none"'s bound: elsewhere no value of
-        # it moves the modes' least, and its floor is its bound (the 96-layer GPT at world 1024:
-        # the floor 0.982 s on every two-axis mesh, "none"'s relaxation 0.939-0.963 s on seven
-        # of the nine, a fifth of each mesh's bound saved)
-        # quick: not where nothing fits without recomputation, whose relaxation says whether
-        # anything fits at all (a quick bound is finite where the exact one is)
-        out[recompute.SELECTIVE] = light if (quick and not math.isinf(out["none"])) or light >= out["none"] else \
-            max(light, _relaxation(graph, strategies, costs, memory_budget)[0])
+        blocks = costs.with_recompute("blocks")
+        out["blocks"] = max(out["blocks"], _relaxation(graph, strategies, blocks, memory_budget)[0])
+    selective = costs.with_recompute(recompute.SELECTIVE)
+    light = recompute.floor(table, selective, light=True)
+    # its relaxation only where its floor lies below "none"'s bound: elsewhere no value of
+    # it moves the modes' least, and its floor is its bound (the 96-layer GPT at world 1024:
+    # the floor 0.982 s on every two-axis mesh, "none"'s relaxation 0.939-0.963 s on seven
+    # of the nine, a fifth of each mesh's bound saved)
+    # quick: not where nothing fits without recomputation, whose relaxation says whether
+    # anything fits at all (a quick bound is finite where the exact one is)
+    out[recompute.SELECTIVE] = light if (quick and not math.isinf(out["none"])) or light >= out["none"] else \
+        max(light, _relaxation(graph, strategies, selective, memory_budget)[0])
     return out
 
 
