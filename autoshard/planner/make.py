@@ -29,7 +29,7 @@ from autoshard.cost.step import Cost
 from autoshard.plan import Collective, NodeChoice, Plan
 from autoshard.planner import recompute, repeat
 from autoshard.planner.repeat import tie_repeated
-from autoshard.planner.solve import choice_cost, plan_price
+from autoshard.planner.tables import choice_cost, plan_price
 
 def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
     """The collectives of converting ``value`` from ``src`` to ``dst`` for ``consumer``: forward,

@@ -144,7 +144,7 @@ def tied_plan(graph, strategies, choice) -> Optional[tuple]:
     edges)]) of a plan whose repeated blocks' nodes (planner.repeat) take their twins' strategies,
     as every plan the solver makes does: what it keeps is theirs times their count (bytes
     depend on the tensors and ops alone, alike in tied blocks), and what it costs as the
-    solver counts it (``planner.solve.program_cost``). None for a plan that does not, or a graph with user
+    solver counts it (``planner.tables.program_cost``). None for a plan that does not, or a graph with user
     checkpoint regions (whose blocks may checkpoint apart)."""
     if any(n.region is not None for n in graph.nodes):
         return None
