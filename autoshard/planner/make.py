@@ -105,8 +105,8 @@ def make_plan(graph, strategies, solution, costs) -> Plan:
                 input_shapes, memory, parts,
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
                  "chunks": chunks, "interleave": k},
-                aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
-    plan._priced = Priced(graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
+                aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {},
+                _priced=Priced(graph, strategies, solution.choice, costs, total))   # for the alternatives, on demand
     return plan
 
 
@@ -181,7 +181,7 @@ def _module(node) -> Optional[str]:
 
 
 class Priced(NamedTuple):
-    """What a made plan was priced from, kept on it (``plan._priced``) for what is worked out only
+    """What a made plan was priced from, kept on it (``Plan._priced``) for what is worked out only
     when asked for: its alternatives (``Plan.alternatives``) and its formula (``report.formula``)."""
     graph: object
     strategies: dict
