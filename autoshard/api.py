@@ -111,8 +111,8 @@ def plan_graph(graph: Graph, mesh_shape, options: PlanOptions = PlanOptions()) -
     budget = _budget(options, cluster)
     pins = resolve_pins(graph, options.pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
-    costs = Costs(graph, mesh_shape, cluster, options.training, options.bucket_bytes, options.reshard_after_forward)
-    costs.recompute = options.recompute
+    costs = Costs(graph, mesh_shape, cluster, options.training, options.bucket_bytes, options.reshard_after_forward,
+                  recompute=options.recompute)
     time_limit = options.time_limit
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
     with shown(options.verbose):   # a long solve's progress on stderr

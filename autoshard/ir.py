@@ -1,8 +1,15 @@
 """The graph the planner works on: every tensor a value ``(node name, output index)``, every node
 with the metas of its tensor outputs (``passes.capture`` makes it from torch.export's program).
+
+What a pass works out once per graph and reuses for every mesh (annotate's rule signatures,
+repeat's blocks, the overlap model's readers) is kept by that pass, not written onto the graph:
+``per_graph`` memos, weakly keyed by the graph, so that each fact is found beside the code that
+derives it and goes with the graph.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -66,7 +73,7 @@ class Node:
         return str(t).replace("aten.", "") if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
 
 
-@dataclass
+@dataclass(eq=False)   # a graph is itself: equal by identity, and hashed so (``per_graph``)
 class Graph:
     nodes: list                     # topological order; the last is the output node
     exported: ExportedProgram
@@ -76,12 +83,10 @@ class Graph:
     # the mixed precision written into it (autoshard.precision): the policy's record and the
     # caller's autocast dtype, or None
     precision: Optional[dict] = None
-    # what the planning passes work out once per graph and reuse for every mesh (annotate's rule
-    # signatures, repeat's blocks), by the pass's own keys
-    cache: dict = field(default_factory=dict, repr=False, compare=False)
     # how the caller takes the user outputs: "whole" on every rank, or "dtensor" in their planned
     # layouts (autoshard.outputs), which the cost of converting them to the output depends on
     outputs: str = "whole"
+    _op_keys: dict = field(default_factory=dict, init=False, repr=False)   # node name -> ``op_key``
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.nodes}
@@ -90,9 +95,9 @@ class Graph:
         """What an op node is, apart from its name: its target, its arguments (each fx node by
         the order it first appears in, so ``mul(a, a)`` and ``mul(a, b)`` differ, constants as
         they are) and its tensors. The layers of a stack hold nodes of equal keys: annotation
-        asks their rule once, and the cost model prices them once. Worked out once per node
-        (``cache["op keys"]``): every mesh's annotation and pricing asks again."""
-        keys = self.cache.setdefault("op keys", {})
+        asks their rule once, and the cost model prices them once. Worked out once per node:
+        every mesh's annotation and pricing asks again."""
+        keys = self._op_keys
         hit = keys.get(node.name)
         if hit is None:
             order: dict = {}
@@ -115,6 +120,21 @@ class Graph:
             for i, v in enumerate(n.inputs):
                 out.setdefault(v, []).append((n.name, i))
         return out
+
+
+def per_graph(make):
+    """``make(graph)`` once per graph: a decorator for what a pass works out from the graph alone
+    and reuses for every mesh, kept by the module that derives it (the module docstring) and
+    dropped with the graph."""
+    kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(make)
+    def memo(graph: Graph):
+        hit = kept.get(graph)
+        if hit is None:
+            hit = kept[graph] = make(graph)
+        return hit
+    return memo
 
 
 def _arg_key(x, order: dict):

@@ -7,19 +7,23 @@ Its reports (``str(plan)``, ``table``, ``explain``, ``formula``, ``to_html``) ar
 data in ``autoshard/report/``, kept here as methods for the reader's convenience. The reports never
 import this module (they read a plan's fields, whatever made it), so the imports run one way,
 plan -> report, and no circle closes; what only the planner can price (each node's alternatives)
-the planner leaves on the plan it makes (``planner.make.Priced``), so this module imports no planner.
+the planner leaves on the plan it makes (its declared field ``_priced``, a ``planner.make.Priced``,
+named here for the type checker only), so this module imports no planner.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from autoshard import placement as pl
 from autoshard.machine.cluster import Cluster
 from autoshard.report import explain, summary
 from autoshard.report.summary import fmt_bytes
+
+if TYPE_CHECKING:
+    from autoshard.planner.make import Priced
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class Plan:
     aliases: dict = field(default_factory=dict)   # a tied parameter's other names -> the name the graph uses
     recompute: dict = field(default_factory=dict)   # blocks that run their forward again in backward (planner.recompute)
     _alternatives: Optional[dict] = field(default=None, repr=False, compare=False)
+    # what the planner priced the plan from, for what is worked out only when asked for (its
+    # alternatives, its formula); None on a plan read from JSON, which does not hold the graph
+    _priced: Optional[Priced] = field(default=None, repr=False, compare=False)
 
     @property
     def alternatives(self) -> dict:
@@ -81,8 +88,7 @@ class Plan:
         as planned: the chosen one first, then the cheapest few (``planner.make.alternatives``,
         read by ``autoshard.report.explain``)."""
         if self._alternatives is None:
-            priced = getattr(self, "_priced", None)   # planner.make.Priced, on a plan the planner made
-            self._alternatives = priced.alternatives(self) if priced else {}
+            self._alternatives = self._priced.alternatives(self) if self._priced else {}
         return self._alternatives
 
     def explain(self, name: str) -> str:

@@ -43,8 +43,7 @@ def main():
     print(f"{'budget':>8} {'quick':>12} {'exact':>12} {'objective':>12} {'quick s':>8} {'exact s':>8} {'solve s':>8}")
     for share in (0.8, 0.5, 0.4, 0.05):
         budget = need * share
-        costs = Costs(graph, mesh, cluster, True)
-        costs.recompute = recompute.AUTO
+        costs = Costs(graph, mesh, cluster, True, recompute=recompute.AUTO)
         t0 = time.perf_counter()
         quick = lower_bound(graph, strategies, costs, budget, quick=True)
         t1 = time.perf_counter()

@@ -98,8 +98,8 @@ def test_a_recomputed_blocks_conversions_are_priced_as_they_run(monkeypatch):
 
     def priced(m, patch):
         patch(m)
-        fresh = Costs(graph, costs.mesh_shape, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
-        fresh.recompute = "blocks"
+        fresh = Costs(graph, costs.mesh_shape, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard,
+                      recompute="blocks")
         counts = recompute.best_counts(graph, strategies, choice, fresh, None)
         return choice_cost(graph, strategies, choice, fresh, recompute.chosen(graph, strategies, choice, fresh, counts)[0])
     real = overlap._cached

@@ -47,8 +47,7 @@ def test_reused_annotation_equals_a_fresh_one_and_ties_the_layers():
     mesh = (2, 4)
     first = annotate_pass.annotate(graph, mesh)
     again = annotate_pass.annotate(graph, mesh)
-    graph.cache.clear()
-    fresh = annotate_pass.annotate(graph, mesh)
+    fresh = annotate_pass.annotate(capture(*_gpt(6)), mesh)   # a graph of its own: nothing worked out yet
     assert first.keys() == fresh.keys()
     assert all(first[k] == fresh[k] == again[k] for k in first)
     rep = tie_repeated(graph, first)
@@ -147,7 +146,7 @@ def test_a_plan_priced_once_per_price_and_weighed_twin_by_twin_is_priced_and_wei
 
 def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
     from autoshard.planner import recompute
-    from autoshard.planner.solve import _mode_bounds, _relaxation
+    from autoshard.planner.relax import mode_bounds, relaxation
     from autoshard.cost import memory
     graph = capture(*_gpt(4))
     mesh = (2, 4)
@@ -156,8 +155,7 @@ def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
     need = memory.rank_memory(graph, strategies, solve(graph, strategies, costs, 60, None).choice, mesh, True)["total"]
     for share in (0.8, 0.5, 0.4, 0.05):   # budgets that bind: recomputation in play, or nothing fits
         budget = need * share
-        costs = Costs(graph, mesh, CLUSTER, True)
-        costs.recompute = recompute.AUTO
+        costs = Costs(graph, mesh, CLUSTER, True, recompute=recompute.AUTO)
         quick = lower_bound(graph, strategies, costs, budget, quick=True)
         exact = lower_bound(graph, strategies, costs, budget)
         assert quick <= exact and math.isinf(quick) == math.isinf(exact)   # quick says as surely that nothing fits
@@ -167,9 +165,8 @@ def test_a_quick_bound_is_a_bound_and_raising_it_gives_the_exact_one():
             plan = solve(graph, strategies, costs, 60, budget)
             assert exact <= plan.objective * (1 + 1e-6)
         # the cheap ops' relaxation is skipped only where it cannot move the least of the modes
-        modes = _mode_bounds(graph, strategies, costs, budget)
-        with recompute.mode(costs, recompute.SELECTIVE):
-            selective = _relaxation(graph, strategies, costs, budget)[0]
+        modes = mode_bounds(graph, strategies, costs, budget)
+        selective = relaxation(graph, strategies, costs.with_recompute(recompute.SELECTIVE), budget)[0]
         assert min(modes.values()) == pytest.approx(min(modes["none"], modes["blocks"], max(selective, modes["selective"])),
                                                     rel=1e-12)
 
@@ -180,7 +177,7 @@ def test_a_descent_step_whose_relaxation_is_whole_takes_its_plan_as_cp_sat_would
     graph = capture(*_gpt(4, batch=64))
     coarse = annotate_pass.annotate(graph, (4, 4))
     start = solve(graph, coarse, Costs(graph, (4, 4), CLUSTER, True), 60, None)
-    real, whole = solve_module._whole, []
+    real, whole = solve_module.whole_plan, []
 
     def spy(*args):
         got = real(*args)
@@ -192,12 +189,12 @@ def test_a_descent_step_whose_relaxation_is_whole_takes_its_plan_as_cp_sat_would
         lifted = descend.lift(graph, coarse, start.choice, groups, strategies)
         found = {}
         for name, step in (("whole", spy), ("cp-sat", lambda *args: None)):
-            solve_module._whole = step
+            solve_module.whole_plan = step
             try:
                 found[name] = descend.solve_mesh(graph, strategies, Costs(graph, fine, CLUSTER, True), 60, None,
                                                  lambda: [lifted])
             finally:
-                solve_module._whole = real
+                solve_module.whole_plan = real
         # the same plan cost, CP-SAT's in whole picoseconds
         assert found["whole"].objective == pytest.approx(found["cp-sat"].objective, rel=1e-6)
     assert whole and all(whole)   # every step's relaxation was whole: no CP-SAT at all
@@ -209,6 +206,7 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
     the descent ends within the solver's gap of the one that asks CP-SAT for every such step,
     in a plan that fits the budget."""
     from autoshard.planner import descend
+    from autoshard.planner import relax
     from autoshard.planner import solve as solve_module
     from autoshard.planner.make import make_plan
     with torch.device("meta"):
@@ -218,19 +216,17 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
     budget = 80e9
 
     def costs(mesh):
-        c = Costs(graph, mesh, CLUSTER, True)
-        c.recompute = "auto"
-        return c
+        return Costs(graph, mesh, CLUSTER, True, recompute="auto")
 
     coarse = annotate_pass.annotate(graph, (64, 16))
     start = solve(graph, coarse, costs((64, 16)), 60, budget, effort=0)
     fine, groups = (64, 8, 2), (1, 2)
     strategies = annotate_pass.annotate(graph, fine)
     lifted = descend.lift(graph, coarse, start.choice, groups, strategies)
-    real, steps = solve_module._whole, []
+    real, steps = solve_module.whole_plan, []
 
     def fractional(graph, strategies, c, budget):
-        weights = solve_module._relaxation(graph, strategies, c, budget)[1]
+        weights = relax.relaxation(graph, strategies, c, budget)[1]
         return weights is not None and any(max(w) < 1 - 1e-6 for w in weights.values())
 
     def spy(graph, strategies, c, budget, hint=None):
@@ -243,13 +239,13 @@ def test_a_descent_step_whose_relaxation_is_fractional_takes_its_rounding_only_w
 
     found = {}
     for name, step in (("rounded", spy), ("cp-sat", whole_only)):
-        solve_module._whole = step
+        solve_module.whole_plan = step
         try:
             c = costs(fine)
             found[name] = (descend.solve_mesh(graph, strategies, c, 60, budget, lambda: [lifted],
                                               descend.unsplit(groups)), c)
         finally:
-            solve_module._whole = real
+            solve_module.whole_plan = real
     assert (True, True) in steps   # a fractional relaxation's step taken without CP-SAT
     rounded, cp_sat = found["rounded"][0], found["cp-sat"][0]
     assert rounded.objective < start.objective   # the step improved on the lifted plan

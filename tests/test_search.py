@@ -287,19 +287,19 @@ def test_the_coarse_bound_is_below_the_relaxation_and_tight_where_activations_st
 
 def test_the_coarse_program_prices_no_class_above_its_members_in_the_solvers_table():
     # the coarse bound holds only while each class costs no more than every node strategy and
-    # every conversion it stands for, as the solver prices them (planner.solve._table)
+    # every conversion it stands for, as the solver prices them (planner.tables.table_for)
     from autoshard.planner import coarse
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
     from autoshard.cost.step import DRAG, PARTS
-    from autoshard.planner.solve import _table
+    from autoshard.planner.tables import table_for
     weight = {"hidden_fwd": DRAG, "hidden_bwd": DRAG}
     model, inputs = _gpt()
     graph = capture(model, inputs)
     strategies = annotate(graph, (2, 4), {})
     costs = Costs(graph, (2, 4), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True)
-    table = _table(graph, strategies, costs)
+    table = table_for(graph, strategies, costs)
     nodes, edges = coarse._coarse(graph, strategies, costs)
 
     def seconds(vec):
@@ -460,7 +460,7 @@ def test_a_searchs_plan_costs_what_its_entry_says_and_a_pair_is_priced_once():
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
     from autoshard.cost.price import Costs
-    from autoshard.planner.solve import _table
+    from autoshard.planner.tables import table_for
     model, inputs = _gpt()
     plan = autoshard.plan(model, inputs, world=8)
     chosen = next(c for c in plan.mesh_candidates if c["status"].startswith("chosen"))
@@ -468,7 +468,7 @@ def test_a_searchs_plan_costs_what_its_entry_says_and_a_pair_is_priced_once():
     graph = capture(model, inputs)
     strategies = annotate(graph, (2, 4))
     costs = Costs(graph, (2, 4), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True)
-    table = _table(graph, strategies, costs)
+    table = table_for(graph, strategies, costs)
     fresh = Costs(graph, (2, 4), autoshard.Cluster.preset("a100-80gb-nvlink-ib"), True)
     for u, value, v, slot, times, src, dst, pairs in table.edges:
         for (a, b), (vec, kept) in pairs.items():   # each as priced alone, edge by edge

@@ -575,12 +575,9 @@ def default_cases(seed: int = 0) -> list:
     add(aten.sum.dim_IntList, x, [0, -1])
     add(aten.sum.dim_IntList, x, [-1], False, dtype=torch.float32)
     add(aten.sum.dim_IntList, x, [])                                 # [] reduces every dim
-    add(aten.amax.default, x, [1])                                   # a max over some dims: the others split
-    add(aten.amin.default, x, [0, -1], True)
-    add(aten.max.dim, x, 2)
-    add(aten.min.dim, x, 0, True)
-    add(aten.argmax.default, x, 1)
-    add(aten.argmin.default, x, -1, True)
+    for op, *how in ((aten.amax.default, [1]), (aten.amin.default, [0, -1], True), (aten.max.dim, 2),
+                     (aten.min.dim, 0, True), (aten.argmax.default, 1), (aten.argmin.default, -1, True)):
+        add(op, x, *how)                                             # a max over some dims: the others split
     add(aten.sum.default, ints(5, 8, 12))
     add(aten.mean.default, x)
     add(aten.mean.dim, x, [1])

@@ -58,6 +58,7 @@ from autoshard import placement as pl
 from autoshard.convert import dual_steps
 from autoshard.cost import comm, compute, memory
 from autoshard.cost.step import DRAG, Cost
+from autoshard.ir import per_graph
 
 CHUNKS = (1, 2, 4, 8)
 CHUNKED_KINDS = ("all_reduce", "reduce_scatter")
@@ -228,12 +229,10 @@ def _full(costs) -> dict:
     return cache["strategies"]
 
 
+@per_graph
 def _readers(graph) -> dict:
     """value -> how many inputs of the graph's nodes read it."""
-    readers = graph.cache.get("overlap.readers")
-    if readers is None:
-        readers = graph.cache["overlap.readers"] = {v: len(u) for v, u in graph.users().items()}
-    return readers
+    return {v: len(u) for v, u in graph.users().items()}
 
 
 def added(o: Overlap) -> float:

@@ -1,7 +1,7 @@
 """The price of every choice the solver makes: ``Costs`` turns a node's strategy and an edge's
 pair of layouts into a ``cost.step.Cost`` (compute by phase, blocking communication, and the
 collectives the schedule overlaps) and into bytes per rank, from the compute, communication and
-memory models beside it. ``planner.solve`` reads them into its integer program; ``plan``,
+memory models beside it. ``planner.tables`` reads them into the solver's integer program; ``plan``,
 ``explain``, ``formula`` and ``coverage`` read the same prices, so a plan's reported figures are
 the ones it was chosen by."""
 from __future__ import annotations
@@ -31,19 +31,24 @@ CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 class Costs:
     """Every cost the program needs, from the cost models, cached by layout. Each is a
     ``cost.step.Cost``: compute by phase, blocking communication, and the parameter collectives
-    the schedule overlaps with compute."""
+    the schedule overlaps with compute.
+
+    ``recompute``: the recompute mode its programs are priced in (``planner.recompute``'s
+    modes), the one thing of its own; no price depends on it, so ``with_recompute`` gives a
+    ``Costs`` of another mode that shares every price worked out (this module's caches and
+    ``cost.overlap``'s, all in the instance's ``__dict__``)."""
+    __slots__ = ("recompute", "__dict__", "__weakref__")
 
     def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
-                 bucket_bytes: Optional[int] = None, reshard: bool = False):
+                 bucket_bytes: Optional[int] = None, reshard: bool = False, recompute: str = "none"):
+        self.recompute = recompute
+        self.family = Family()   # one for these prices and every mode of them (``with_recompute``)
         self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
         self.bucket_bytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_for(cluster, self.mesh_shape)
         self.reshard = reshard   # a parameter converted for an op is converted again for its backward
         self.links = cluster.axis_links(self.mesh_shape)
         self.split_outputs = kept_split(graph, graph.outputs)   # user outputs handed back as planned
         self._conv: dict = {}
-        self._tables: dict = {}   # planner.solve._table: the program's data per strategies dict
-        self._pairs: dict = {}    # an edge's layout groups and pair costs, per pair of strategy lists
-        self._nodes: dict = {}    # (node, id(strategy)) -> (strategy, cost vector, bytes)
         self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
         self._twins: dict = {}        # node name -> the number of its ``_twin``
         self._twin_ids: dict = {}     # ``_twin`` -> its number
@@ -55,8 +60,7 @@ class Costs:
         self._price_ids: dict = {}    # ``price_key``'s key -> its number
         self._rerun_prices: dict = {}  # ``_by_layouts``' cache of ``rerun``
         self._pairs_by_id: dict = {}  # ``_by_layouts``' cache of ``pair``
-        self._pair_prices: dict = {}  # planner.solve._pairs: (edge price key, src, dst) -> ``pair``
-        self._relaxed: dict = {}  # planner.solve._relaxation: the LP's bound and rounded plan per strategies dict
+        self._pair_prices: dict = {}  # (edge price key, src, dst) -> ``pair``
         # the optimizer step's fixed part, shared by the parameters it updates
         self._updated = sum(1 for n in graph.nodes if n.kind == "param" and n.requires_grad) if training else 0
         self._copies = param_copies(graph)   # a parameter's low-precision copy, which its bucket gathers
@@ -65,6 +69,17 @@ class Costs:
         self._gather_scales = gather_scales(buckets, self._copies)
         # on a measured machine, what of each bucket's backward collective compute can run beside
         self._grad_cover, self._dual_cover = self._backward_cover(buckets) if cluster.measured and training else ({}, {})
+
+    def with_recompute(self, mode: str) -> Costs:
+        """These prices in recompute mode ``mode``: this ``Costs`` where it is in that mode
+        already, else a new one sharing every cache with it, those made later too (the same
+        ``__dict__``; the mode is a slot of its own)."""
+        if mode == self.recompute:
+            return self
+        other = object.__new__(Costs)
+        other.__dict__ = self.__dict__
+        other.recompute = mode
+        return other
 
     def _backward_cover(self, gathers: list) -> tuple:
         """({parameter: the part of its gradient bucket's all-reduce that backward compute can run
@@ -366,6 +381,13 @@ class Costs:
                 hit = Cost(comm=sum(fwd) + sum(bwd) + again)
             self._conv[key] = hit
         return hit
+
+
+class Family:
+    """What the ``Costs`` of one set of prices and their other recompute modes
+    (``Costs.with_recompute``) have in common, as an object: whoever keeps data of its own per
+    set of prices keys it by this, weakly (planner.tables)."""
+    __slots__ = ("__weakref__",)
 
 
 _parts = operator.attrgetter(*PARTS)   # a cost's parts as a tuple, in ``PARTS``' order

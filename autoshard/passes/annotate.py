@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from autoshard import placement as pl
 from autoshard.placement import B, Split
-from autoshard.ir import Graph, Node
+from autoshard.ir import Graph, Node, per_graph
 from autoshard.passes.functionalize import SHARED_STORAGE
 from autoshard.planner.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for
@@ -172,13 +172,12 @@ def storage_options(meta, mesh_shape, blocked=()) -> list:
     return out
 
 
-def _rules(graph: Graph) -> dict:
+@per_graph
+def _rules(graph: Graph) -> tuple:
     """node name -> (one-axis signatures, blocked forms included; whether a rule knew the op),
     worked out once per graph: the rules speak of one axis, whatever the mesh. The layers of a
     stack ask the rule once: nodes of the same op on the same arguments and shapes share the
     answer of the first."""
-    if "rules" in graph.cache:
-        return graph.cache["rules"]
     blocked = blocked_splits(graph)
     asked: dict = {}
     out: dict = {}
@@ -209,8 +208,7 @@ def _rules(graph: Graph) -> dict:
                     value = cast.inputs[0]
                 if graph.by_name[value[0]].kind == "param":
                     stored.setdefault(value[0], set()).add(p)
-    graph.cache["rules"] = (out, stored)
-    return graph.cache["rules"]
+    return out, stored
 
 
 def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
@@ -223,10 +221,11 @@ def annotate(graph: Graph, mesh_shape, pins: dict | None = None) -> dict:
 def _annotate(graph: Graph, mesh_shape, pins) -> dict:
     # once per mesh: a search asks again for each mesh it refines, and the overlap model for
     # the mesh it prices
-    key = ("annotated", tuple(mesh_shape))
-    if key not in graph.cache:
-        graph.cache[key] = _unpinned(graph, mesh_shape)
-    unpinned, missing = graph.cache[key]
+    by_mesh = _annotated(graph)
+    key = tuple(mesh_shape)
+    if key not in by_mesh:
+        by_mesh[key] = _unpinned(graph, mesh_shape)
+    unpinned, missing = by_mesh[key]
     for op in sorted(missing):
         warnings.warn(f"autoshard has no sharding rule for {op}; it runs replicated (correct, "
                       "maybe slower)", UnknownOpWarning, stacklevel=3)
@@ -246,12 +245,15 @@ def _annotate(graph: Graph, mesh_shape, pins) -> dict:
     return strategies
 
 
+_annotated = per_graph(lambda graph: {})   # mesh -> ``_unpinned``'s answer
+_expanded = per_graph(lambda graph: {})    # mesh -> {expansion key: strategies} (``_unpinned``)
+
+
+@per_graph
 def _expansions(graph: Graph) -> list:
     """[(node, the key its strategies are expanded by, how: mesh -> strategies)] in graph order,
     once per graph: the keys are the same on every mesh. The key is None where there is
     nothing to expand (no output, or the output node)."""
-    if "expansions" in graph.cache:
-        return graph.cache["expansions"]
     rules, stored = _rules(graph)
     out = []
     for node in graph.nodes:
@@ -272,7 +274,6 @@ def _expansions(graph: Graph) -> list:
                    tuple((m.shape, m.floating) for m in node.outputs), uneven)
             out.append((node, key, lambda mesh, sigs=sigs, metas_in=metas_in, outs=node.outputs, uneven=uneven:
                         expand(sigs, metas_in, outs, mesh, uneven)))
-    graph.cache["expansions"] = out
     return out
 
 
@@ -282,7 +283,7 @@ def _unpinned(graph: Graph, mesh_shape) -> tuple:
     rules = _rules(graph)[0]
     missing = {node.op_name for node in graph.nodes if node.kind == "op" and node.outputs and not rules[node.name][1]}
     # the layers of a stack expand the same signatures on the same shapes; so do later calls
-    expanded = graph.cache.setdefault(("expanded", tuple(mesh_shape)), {})
+    expanded = _expanded(graph).setdefault(tuple(mesh_shape), {})
     for node, key, make in _expansions(graph):
         if key is None:   # nothing to expand: no output, or the output node
             strategies[node.name] = [Strategy((), ())] if node.kind != "output" else \

@@ -22,7 +22,7 @@ from autoshard import schemes
 from autoshard.cost import axonn
 from autoshard.passes.annotate import annotate
 from autoshard.planner.descend import descend, solve_mesh
-from autoshard.planner.solve import MemoryBudgetError
+from autoshard.planner.solution import MemoryBudgetError
 
 
 def axonn_start(graph, world: int, cluster, budget: Optional[float]) -> Optional[tuple]:

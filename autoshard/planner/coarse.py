@@ -14,7 +14,7 @@ communication, recomputation) and so is the memory budget, which can only raise 
 The bound is tight where the best plan keeps activations whole (tiny models, whose every
 collective costs more than the compute it would save): there it proves in a blink, without the
 mesh's hundred thousand layout pairs, that a second axis cannot beat one. Elsewhere it is weak,
-and the search goes on to the mesh's own relaxation (``planner.solve.lower_bound``).
+and the search goes on to the mesh's own relaxation (``planner.relax.lower_bound``).
 """
 from __future__ import annotations
 

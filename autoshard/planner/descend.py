@@ -1,6 +1,6 @@
 """Large meshes: solve one mesh axis at a time (DESIGN.md section 5).
 
-On three or four axes the integer program of ``planner.solve`` has a variable for every pair of
+On three or four axes the integer program of ``planner.program`` has a variable for every pair of
 layouts an edge can join, and there are millions (a GPT block on (8, 8, 4) has 326k, on
 (4, 4, 4, 4) 9M). Such a mesh is solved by block coordinate descent instead:
 
@@ -13,7 +13,7 @@ layouts an edge can join, and there are millions (a GPT block on (8, 8, 4) has 3
 
 Each step solves an exact integer program of one-axis size (each node keeps only the strategies
 that agree with the current plan off axis a, so the current plan is one of its solutions; where
-the program's LP relaxation is whole, its plan, without CP-SAT: ``planner.solve._whole``), and
+the program's LP relaxation is whole, its plan, without CP-SAT: ``planner.relax.whole_plan``), and
 its objective is the whole mesh's cost: the plan never gets worse, and it moves whole layers of
 the mesh at once (turn axis 2 from data parallel to tensor parallel, across every layer). It is
 a local optimum, not a proven one; ``Solution.status`` says so.
@@ -34,7 +34,10 @@ from autoshard.planner.progress import phase, uncollected
 from autoshard.cost.price import Costs
 from autoshard.passes.annotate import annotate
 from autoshard.planner.repeat import tie_repeated, tied_plan, twin_edges
-from autoshard.planner.solve import GAP_LIMIT, MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution, program_cost, solve
+from autoshard.planner.backends import GAP_LIMIT
+from autoshard.planner.solution import MemoryBudgetError, NoBetterPlan, NoPlanInTime, Solution
+from autoshard.planner.solve import solve
+from autoshard.planner.tables import program_cost
 
 EXACT_AXES = 2          # meshes of up to this many axes are always solved whole
 EXACT_PAIRS = 150_000   # edge layout pairs the whole-mesh integer program may have; above, descend
@@ -45,7 +48,7 @@ STEP_EFFORT = 0.5
 
 
 def edge_pairs(graph, strategies, rep: Optional[dict] = None) -> int:
-    """How many y variables the whole-mesh integer program would have (planner.solve._edge_vars)."""
+    """How many y variables the whole-mesh integer program would have (planner.program.edge_vars)."""
     rep = rep or tie_repeated(graph, strategies)
     total = 0
     for u, value, v, slot, _ in twin_edges(graph, rep):
@@ -108,8 +111,9 @@ def descend(graph, strategies, costs: Costs, choice: dict, time_limit: float = 6
     # fit (planner.recompute.best_counts)
     auto = recompute.mode_of(costs) == recompute.AUTO
     fixed = _fixed_mode(graph, strategies, choice, costs, budget) if auto else None
-    with phase("descend"), recompute.mode(costs, fixed if auto else recompute.mode_of(costs)):
-        sol = _descend(graph, strategies, costs, choice, time_limit, budget, max_rounds, settled)
+    with phase("descend"):
+        stepped = costs.with_recompute(fixed) if auto else costs
+        sol = _descend(graph, strategies, stepped, choice, time_limit, budget, max_rounds, settled)
     if auto and fixed != recompute.SELECTIVE:
         again = recompute.best_counts(graph, strategies, sol.choice, costs, budget)
         extra = recompute.chosen(graph, strategies, sol.choice, costs, again)[0]
@@ -122,8 +126,7 @@ def _fixed_mode(graph, strategies, choice, costs, budget) -> str:
     start fits, every block's cheap ops where that makes it fit, else every block."""
     if not recompute.best_counts(graph, strategies, choice, costs, budget):
         return "none"
-    with recompute.mode(costs, recompute.SELECTIVE):
-        counts = recompute.best_counts(graph, strategies, choice, costs, budget)
+    counts = recompute.best_counts(graph, strategies, choice, costs.with_recompute(recompute.SELECTIVE), budget)
     _, freed, peak, _ = recompute.chosen(graph, strategies, choice, costs, counts)
     return recompute.SELECTIVE if _memory(graph, strategies, choice, costs) - freed + peak <= budget else "blocks"
 
@@ -259,8 +262,8 @@ def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Op
         if len(coarse) > EXACT_AXES:
             continue
         cs = annotate(graph, coarse)
-        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard)
-        cc.recompute = recompute.mode_of(costs)
+        cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard,
+                   recompute.mode_of(costs))
         try:
             sol = solve(graph, cs, cc, time_limit, budget)
         except MemoryBudgetError:

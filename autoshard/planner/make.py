@@ -29,7 +29,7 @@ from autoshard.cost.step import Cost
 from autoshard.plan import Collective, NodeChoice, Plan
 from autoshard.planner import recompute, repeat
 from autoshard.planner.repeat import tie_repeated
-from autoshard.planner.solve import choice_cost, plan_price
+from autoshard.planner.tables import choice_cost, plan_price
 
 def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
     """The collectives of converting ``value`` from ``src`` to ``dst`` for ``consumer``: forward,
@@ -107,8 +107,8 @@ def make_plan(graph, strategies, solution, costs, *, budget: Optional[float] = N
                 input_shapes, memory, parts,
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
                  "chunks": chunks, "interleave": k, "precision": graph.precision},
-                aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {})
-    plan._priced = Priced(graph, strategies, solution.choice, costs, total)   # for the alternatives, on demand
+                aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {},
+                _priced=Priced(graph, strategies, solution.choice, costs, total))   # for the alternatives, on demand
     return plan
 
 
@@ -183,7 +183,7 @@ def _module(node) -> Optional[str]:
 
 
 class Priced(NamedTuple):
-    """What a made plan was priced from, kept on it (``plan._priced``) for what is worked out only
+    """What a made plan was priced from, kept on it (``Plan._priced``) for what is worked out only
     when asked for: its alternatives (``Plan.alternatives``) and its formula (``report.formula``)."""
     graph: object
     strategies: dict

@@ -25,7 +25,6 @@ statistics, in-place updates) never recomputes.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 
@@ -44,19 +43,9 @@ EFFORT = 5.0
 
 
 def mode_of(costs) -> str:
-    """The recompute mode a program is priced in (``Costs.recompute``; none when unset)."""
-    return getattr(costs, "recompute", "none")
-
-
-@contextlib.contextmanager
-def mode(costs, value: str):
-    """Price ``costs``' programs in another recompute mode for a while."""
-    before = mode_of(costs)
-    costs.recompute = value
-    try:
-        yield
-    finally:
-        costs.recompute = before
+    """The recompute mode a program is priced in (``Costs.recompute``; another mode's prices:
+    ``Costs.with_recompute``)."""
+    return costs.recompute
 
 
 def chooses(graph, strategies, costs, budget) -> bool:

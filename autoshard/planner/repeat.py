@@ -15,6 +15,8 @@ from typing import Optional
 
 from torch.export.graph_signature import OutputKind
 
+from autoshard.ir import per_graph
+
 PERIOD = 2
 
 
@@ -53,11 +55,10 @@ def _signature(members, graph, container):
     return tuple(sig)
 
 
+@per_graph
 def _blocks(graph) -> list:
     """[(members of block k, members of the block it may tie to)] for every block past the first
     ``PERIOD`` of each stack whose ops, shapes and wiring equal its base's; once per graph."""
-    if "blocks" in graph.cache:
-        return graph.cache["blocks"]
     blocks: dict = {}
     for n in graph.nodes:
         b = _block_of(n)
@@ -71,7 +72,6 @@ def _blocks(graph) -> list:
             base = indices[indices.index(k) % PERIOD]
             if sigs[k] == sigs[base]:
                 pairs.append(([n.name for n in by_index[k]], [m.name for m in by_index[base]]))
-    graph.cache["blocks"] = pairs
     return pairs
 
 
@@ -87,11 +87,10 @@ def tie_repeated(graph, strategies) -> dict:
     return rep
 
 
+@per_graph
 def stack_blocks(graph) -> dict:
     """block name -> its op node names, for every block of a stack of two or more that may run
     its forward twice; once per graph."""
-    if "recompute_blocks" in graph.cache:
-        return graph.cache["recompute_blocks"]
     found: dict = {}
     for n in graph.nodes:
         if n.kind != "op":
@@ -109,7 +108,6 @@ def stack_blocks(graph) -> dict:
             # a block the user checkpoints already recomputes (passes.checkpoint.user_regions)
             if all(_repeatable(graph.by_name[m], written) for m in names):
                 out[f"{container}.{k}"] = names
-    graph.cache["recompute_blocks"] = out
     return out
 
 
@@ -144,7 +142,7 @@ def tied_plan(graph, strategies, choice) -> Optional[tuple]:
     edges)]) of a plan whose repeated blocks' nodes (planner.repeat) take their twins' strategies,
     as every plan the solver makes does: what it keeps is theirs times their count (bytes
     depend on the tensors and ops alone, alike in tied blocks), and what it costs as the
-    solver counts it (``planner.solve.program_cost``). None for a plan that does not, or a graph with user
+    solver counts it (``planner.tables.program_cost``). None for a plan that does not, or a graph with user
     checkpoint regions (whose blocks may checkpoint apart)."""
     if any(n.region is not None for n in graph.nodes):
         return None
@@ -154,9 +152,12 @@ def tied_plan(graph, strategies, choice) -> Optional[tuple]:
     return tally(rep[n.name] for n in graph.nodes), _tied_edges(graph, rep)
 
 
+_ties = per_graph(lambda graph: {})   # tuple(rep.items()) -> ``twin_edges``, the last TABLES_KEPT
+
+
 def _tied_edges(graph, rep: dict) -> list:
     """``twin_edges``, once per graph and tying (a descent's steps tie alike)."""
-    kept = graph.cache.setdefault("tied edges", {})
+    kept = _ties(graph)
     key = tuple(rep.items())
     hit = kept.get(key)
     if hit is None:

@@ -221,7 +221,8 @@ class _Candidates:
             self.pin_errors.append(e)
             return None
         costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard)
-        costs.recompute = self.recompute   # planner.recompute
+        costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard,
+                      recompute=self.recompute)   # planner.recompute
         self.works[mesh] = (strategies, costs)
         return self.works[mesh]
 

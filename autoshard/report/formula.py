@@ -314,7 +314,7 @@ def formula(plan, dims=None, part: str = "step", nodes=None) -> tuple:
     costs of these graph nodes (each its own and its inputs' conversions), e.g. one layer's."""
     if part not in PARTS:
         raise ValueError(f"part is one of {PARTS}, got {part!r}")
-    source = plan.__dict__.get("_priced")   # planner.make.Priced: (graph, strategies, choice, costs, total)
+    source = plan._priced   # planner.make.Priced: (graph, strategies, choice, costs, total)
     if source is None:
         raise ValueError("a formula re-prices the plan from its graph, which a plan read from JSON does not "
                          "hold: call formula on the plan autoshard.plan returned")
