@@ -617,6 +617,7 @@ def default_cases(seed: int = 0) -> list:
     add(aten.expand.default, r(8, 1), [-1, 12])
     add(aten.permute.default, r(4, 8, 12), [2, 0, 1])
     add(aten.permute.default, r(2, 4, 8, 12), [0, 2, 1, 3])
+    add(aten.numpy_T.default, r(8, 12))
     add(aten.transpose.int, r(4, 8, 12), 1, 2)
     add(aten.transpose.int, r(4, 8, 12), -1, 0)
     add(aten.t.default, r(8, 12))

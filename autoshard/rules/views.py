@@ -73,8 +73,12 @@ def expand(ctx: OpCtx):
 
 
 def permute(ctx: OpCtx):
+    """permute(x, dims); numpy_T(x), ``x.T``, every dim reversed (Falcon's ``self.weight.T``)."""
     nd = len(ctx.in_shapes[0])
-    dims = [norm_dim(d, nd) for d in ctx.arg(1, "dims")]
+    if ctx.target == aten.numpy_T.default:
+        dims = list(reversed(range(nd)))
+    else:
+        dims = [norm_dim(d, nd) for d in ctx.arg(1, "dims")]
     return dim_map_sigs([(d, k) for k, d in enumerate(dims)])
 
 
@@ -187,7 +191,7 @@ RESHAPES = [aten.view.default, aten.reshape, aten._unsafe_view, aten.flatten, at
             aten.squeeze, aten.unsqueeze, aten.view_as]
 register(RESHAPES, reshape)
 register([aten.expand, aten.expand_as], expand)
-register([aten.permute], permute)
+register([aten.permute, aten.numpy_T.default], permute)
 register([aten.transpose, aten.t], transpose)
 register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
           aten.tensor_split.sections, aten.tensor_split.indices], split_like)
