@@ -7,8 +7,8 @@ compute slow enough that it splits the work (a matmul, convolution or attention 
 axis carrying a collective) trains exactly as on one device: the loss, the main output (logits,
 or a tower's hidden states), every parameter's gradient, and batch norm's running statistics.
 And the coverage report finds no op carrying compute that runs replicated, nor any op without a
-rule but the in-place writes functionalize keeps as written (``KEPT_IN_PLACE``): for every family
-but DeepSeek-V3 (``COVERED`` says why).
+rule: DeepSeek-V3's keys written into slices of a fresh tensor (``copy_``) and BART's shifted
+labels (``copy_``, ``fill_``) are functionalized into ``slice_scatter`` / ``select_scatter``.
 
 Falcon's ``weight.T`` (``numpy_T``) needed a rule: its signatures at the end.
 """
@@ -21,6 +21,7 @@ import torch
 
 import autoshard
 from autoshard.api import plan_graph
+from autoshard.options import PlanOptions
 from autoshard.check.validate import op_name, signatures, validate
 from autoshard.passes.annotate import UnknownOpWarning
 from autoshard.report.coverage import coverage_of
@@ -46,19 +47,9 @@ CASES = [(name, mesh) for name in MODELS for mesh in MESHES]
 SLOWEST_FIRST = ["deepseek_v3", "opt", "mamba2", "qwen3_moe", "mamba", "gemma2", "phi3", "deberta_v2", "falcon",
                  "convnext", "bart", "resnet", "clip_text", "distilbert", "clip_vision"]
 
-# ops without a rule that functionalize (passes/functionalize.py) leaves as written, since a view
-# of what they write is read after them: they run replicated by design, exact, and carry no compute
-KEPT_IN_PLACE = {
-    # shift_tokens_right writes the labels shifted into slices of new_zeros: int64 ids, no compute
-    "bart": {"copy_.default", "fill_.Tensor"},
-}
-# the families whose every compute op has a rule and runs split. Not DeepSeek-V3: its MLA's
-# expand_kv writes k_nope and k_rot into slices of new_empty key states (copy_ into a slice,
-# modeling_deepseek_v3.py), which functionalize keeps in place, so they run replicated: coverage
-# counts the four copy_ nodes as compute (over COMPUTE_SHARE of the step). It trains exactly,
-# replicated there; the fix is functionalize's (copy_ into a slice of a fresh tensor written as
-# slice_scatter), not a rule's
-COVERED = [name for name in MODELS if name != "deepseek_v3"]
+# ops without a rule that functionalize (passes/functionalize.py) leaves as written: none
+KEPT_IN_PLACE: dict = {}
+COVERED = list(MODELS)
 # what carries each family's work: the plan must split at least one of them
 WORK_OPS = {"linear.default", "conv2d.default", "conv1d.default", "bmm.default", "matmul.default",
             "addmm.default", "einsum.default", "scaled_dot_product_attention.default"}
@@ -137,7 +128,7 @@ def _prepare(name):
         warnings.simplefilter("always", UnknownOpWarning)
         graph = capture(model, inputs)
         cov = coverage_of(graph, (4,), model=type(model).__name__)
-        planned = plan_graph(graph, (2, 2), cluster=SLOW, time_limit=TIME_LIMIT).to_json()
+        planned = plan_graph(graph, (2, 2), PlanOptions(cluster=SLOW, time_limit=TIME_LIMIT)).to_json()
     return {"planned": planned, "params": sum(p.numel() for p in model.parameters()),
             "unknown": sorted({str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)}),
             "compute_fallbacks": [(o.op, o.why, o.replicated) for o in cov.compute_fallbacks],

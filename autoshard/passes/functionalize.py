@@ -125,6 +125,47 @@ def _same_result(node: fx.Node, functional) -> bool:
     return isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(val.shape) and out.dtype == val.dtype
 
 
+_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
+
+
+def _scattered(g: fx.Graph, node: fx.Node, functional, root: fx.Node, holders: list, order: dict) -> bool:
+    """A write into slices of a tensor the graph made (``t = x.new_empty(...); t[..., :k].copy_(a);
+    t[..., k:].copy_(b)``, DeepSeek-V3's keys; ``shifted[:, 1:] = ids[:, :-1]``, BART's labels)
+    made out of place: the written slice's new value, scattered back up the chain of slices
+    (``slice_scatter`` / ``select_scatter``), and every later use of the tensor reads the result.
+    Only where nothing else sees the old storage after the write: no other view of it made before
+    and read after, no later use of the slices but the write. Whether it was made."""
+    chain, view = [], node.args[0]
+    while view is not root:
+        if view.target not in _SCATTERS or view.kwargs:
+            return False
+        chain.append(view)
+        view = view.args[0]
+    at = order[node]
+    mine = set(chain) | {node, root}
+    if any(h not in mine and order[h] < at and any(order[u] > at for u in h.users) for h in holders):
+        return False
+    if any(u is not node and u not in chain and order[u] > at for c in chain for u in c.users):
+        return False
+    if not _same_result(node, functional):
+        return False
+    keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "custom") if k in node.meta}
+    with g.inserting_after(node):
+        value = g.call_function(functional, node.args, node.kwargs)
+    value.meta = dict(keep, val=node.meta["val"])
+    last = value
+    for v in chain:   # the slice's new value written into its parent, up to the root
+        with g.inserting_after(last):
+            last = g.call_function(_SCATTERS[v.target], (v.args[0], last) + tuple(v.args[1:]))
+        last.meta = dict(keep, val=v.args[0].meta["val"])
+    node.replace_all_uses_with(value)
+    for u in list(root.users):
+        if u in order and order[u] > at:
+            u.replace_input_with(root, last)
+    g.erase_node(node)
+    return True
+
+
 def functionalize(gm: fx.GraphModule, signature=None) -> list:
     """In place on ``gm`` (as ``capture.inline_regions``): every in-place node that can take its
     out-of-place op, takes it. With the program's ``signature`` (an ExportGraphSignature, also
@@ -143,6 +184,9 @@ def functionalize(gm: fx.GraphModule, signature=None) -> list:
         root, holders = _storage(node.args[0])
         buffer = buffers.get(root, holds.get(root)) if node.args[0] is root else None
         fresh = root.op == "call_function" and root not in holds
+        if fresh and node.args[0] is not root and _scattered(gm.graph, node, functional, root, holders, order):
+            order, changed = {n: i for i, n in enumerate(gm.graph.nodes)}, True
+            continue
         if (not fresh and buffer is None) or _after(node, holders, order) or not _same_result(node, functional):
             kept.append(node)
             for h in holders:

@@ -140,6 +140,22 @@ def select(ctx: OpCtx):
     return dim_map_sigs([(d, d - (d > dim)) for d in range(nd) if d != dim])
 
 
+def slice_scatter(ctx: OpCtx):
+    """input, src (input's shape cut along ``dim``) -> input with src written in: split on any
+    other dim, both alike; a sum of partial inputs and partial sources is the sum written in."""
+    nd = len(ctx.in_shapes[0])
+    dim = norm_dim(ctx.arg(2, "dim", 0), nd)
+    return [Sig((Split(d), Split(d)), (Split(d),)) for d in range(nd) if d != dim] + [Sig((P, P), (P,))]
+
+
+def select_scatter(ctx: OpCtx):
+    """input, src (input without ``dim``) -> input with src written in at ``index`` along ``dim``."""
+    nd = len(ctx.in_shapes[0])
+    dim = norm_dim(ctx.arg(2, "dim"), nd)
+    return ([Sig((Split(d), Split(d - (d > dim))), (Split(d),)) for d in range(nd) if d != dim]
+            + [Sig((P, P), (P,))])
+
+
 def view_as_complex(ctx: OpCtx):
     """(..., 2) real -> (...) complex: the pair of a complex number's parts is never split."""
     return dim_map_sigs([(d, d) for d in range(len(ctx.in_shapes[0]) - 1)])
@@ -199,6 +215,8 @@ register([aten.cat], cat)
 register([aten.stack], stack)
 register([aten.slice.Tensor], slice_)
 register([aten.select.int], select)
+register([aten.slice_scatter.default], slice_scatter)
+register([aten.select_scatter.default], select_scatter)
 register([aten.view_as_complex], view_as_complex)
 register([aten.view_as_real], view_as_real)
 register([aten._assert_tensor_metadata], assert_metadata)
