@@ -23,6 +23,8 @@ def _optimizer(name, params):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True)
+    if name == "lbfgs":
+        return torch.optim.LBFGS(params, lr=1e-2, max_iter=2)
     return torch.optim.Adafactor(params, lr=1e-2)
 
 
@@ -125,21 +127,29 @@ def test_an_optimizer_built_before_the_first_call_trains(world2):
 
 def cannot_carry(how):
     """An optimizer whose state is not one value per element of the parameter (Adafactor's
-    factored second moment of a matrix), or that holds a parameter and its share both: its step
-    raises, before it has changed anything, and says what to do."""
+    factored second moment of a matrix, LBFGS's history of the whole model), or that holds a
+    parameter and its share both: its step raises, before it has changed anything, and says what
+    to do."""
     model, batches, loss_of, pin = _model("mlp", (2,))
-    opt = _optimizer("adafactor" if how == "factored" else "sgd", model.parameters())
-    if how == "factored":
-        loss_of(model, batches[0]).backward()
-        opt.step()
+    opt = _optimizer({"factored": "adafactor", "history": "lbfgs"}.get(how, "sgd"), model.parameters())
+
+    def closure():
         opt.zero_grad()
+        loss = loss_of(model, batches[0])
+        loss.backward()
+        return loss
+    if how == "factored":
+        closure()
+        opt.step()
+    elif how == "history":
+        opt.step(closure)
     pm = autoshard.parallelize(model, batches[0], pin=pin, verbose=False)
     if how == "twice":
         opt.add_param_group({"params": list(pm.parameters())})
     loss_of(pm, batches[1]).backward()
     w = pm._model.out.weight.full_tensor().clone()
     try:
-        opt.step()
+        opt.step(lambda: loss_of(pm, batches[1])) if how == "history" else opt.step()
         said = None
     except RuntimeError as e:
         said = str(e)
@@ -147,6 +157,7 @@ def cannot_carry(how):
 
 
 @pytest.mark.parametrize("how, why", [("factored", "is not one value per element"),
+                                      ("history", "is not one value per element"),
                                       ("twice", "holds that parameter's share too")])
 def test_an_optimizer_that_cannot_be_handed_the_shares_says_so_at_its_step(world2, how, why):
     for said, unchanged in world2.run(cannot_carry, how):

@@ -100,6 +100,9 @@ def _take_shares(optimizer) -> None:
                     raise _cannot(optimizer, name, f"its state {key!r}, of shape {tuple(value.shape)}, is not one "
                                   f"value per element of the parameter (shape {tuple(p.shape)}), so it has no share "
                                   "to carry over")
+                if isinstance(value, (list, tuple, dict)) and any(map(torch.is_tensor, _items(value))):
+                    raise _cannot(optimizer, name, f"its state {key!r} holds tensors in a {type(value).__name__}, "
+                                  "which autoshard does not know how to cut")
             moves.append((group["params"], i, p, share))
     for params, i, p, share in moves:
         state = optimizer.state.pop(p, None)
@@ -109,6 +112,10 @@ def _take_shares(optimizer) -> None:
                                       if torch.is_tensor(value) and _cut(key, value, p) else value
                                       for key, value in state.items()}
         params[i] = share
+
+
+def _items(value):
+    return value.values() if isinstance(value, dict) else value
 
 
 def _cut(key, value, p):
