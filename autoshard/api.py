@@ -216,7 +216,8 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
 
     With ``example_inputs`` (or a ``plan``) it plans and shards the parameters now; without, at
     its first call, from the real inputs. Like FSDP, it takes the model over: its parameters are
-    replaced, in place, by this rank's DTensor shares. ``overlap=False`` skips the schedule pass:
+    replaced, in place, by this rank's DTensor shares; an optimizer built before is handed them, its
+    state cut to their layouts, at its first step (``runtime.optim``). ``overlap=False`` skips the schedule pass:
     every collective then runs where the rewriter put it, one gradient at a time (for debugging
     and for measuring what the schedule gains). ``timeout`` (seconds) bounds every collective on
     the module's process groups (the mesh's, and those spanning several axes), which otherwise
@@ -475,7 +476,7 @@ class ParallelModule(nn.Module):
             for mod, pname, _ in places:
                 mod._parameters[pname] = new
             optim.adopt([new])
-            optim.retire(p, places[0][2])
+            optim.retire(p, places[0][2], new)
         with torch.no_grad():
             for b in self._model.buffers():
                 dist.broadcast(b, src=0)

@@ -59,34 +59,6 @@ def test_no_sync_at_world2(runs):
         assert diff <= 1e-5 and empty
 
 
-def optimizer_built_before():
-    """An optimizer built before parallelize holds the parameters it replaced: its step says so
-    instead of stepping nothing; one built after trains."""
-    import torch
-    import autoshard
-    from models import MLP
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(8, 32)
-    before = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    pm = autoshard.parallelize(model, (x,), verbose=False)
-    pm(x).square().mean().backward()
-    try:
-        before.step()
-        said = None
-    except RuntimeError as e:
-        said = str(e)
-    after = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    w = pm._model.out.weight.full_tensor().clone()
-    after.step()
-    return said, bool((pm._model.out.weight.full_tensor() != w).any())
-
-
-def test_an_optimizer_built_before_parallelize_says_so_at_its_step(world2):
-    for said, moved in world2.run(optimizer_built_before):
-        assert said and "built before parallelize" in said and "AdamW.step() on 14 parameters" in said, said
-        assert moved
-
-
 def preset_warnings():
     """A fresh process: the first parallelize on CPUs under the default cluster warns that it
     plans for A100 GPUs and what to pass; the next does not, nor one given a cluster."""

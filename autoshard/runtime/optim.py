@@ -22,6 +22,14 @@ keeps its step counts differently).
 The switch is made in a global step pre-hook (``torch.optim.optimizer``'s public
 ``register_optimizer_step_pre_hook``), once per parameter group, and only for the optimizers
 whose path DTensor runs as their for-loop path does (tests/test_parallel.py checks each).
+
+An optimizer built before ``parallelize`` holds the parameters it replaced by their shares. The
+same hook hands it the shares at its first step (``_take_shares``), with any state it holds
+already cut to each share's layout from rank 0's, as the parameters were: it trains on as the
+optimizer would have on one device. The user's parameter objects cannot become the shares
+themselves: ``torch.utils.swap_tensors`` swaps a tensor's class, and CPython refuses to turn an
+``nn.Parameter`` into a DTensor, whose instances have a different layout (two slots more).
+State that has no share to cut, and a share the optimizer holds already, raise at that step.
 """
 from __future__ import annotations
 
@@ -37,8 +45,11 @@ FOREACH_SAFE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 FUSED_SAFE = (torch.optim.Adam, torch.optim.AdamW)
 
 MARK = "_autoshard_parameter"
-# on a parameter ``parallelize`` replaced by its share: the name it had in the model
+# on a parameter ``parallelize`` replaced by its share: (the name it had in the model, the share)
 REPLACED = "_autoshard_replaced"
+# the state a 0-dim parameter's optimizer keeps as a plain scalar however it is placed (Adam's step
+# count, ASGD's eta and mu); its other 0-dim state is per element, as a fresh optimizer's would be
+SCALAR_STATE = ("step", "eta", "mu")
 _hook = None
 
 
@@ -49,11 +60,10 @@ def adopt(params) -> None:
     _hook_once()
 
 
-def retire(param, name: str) -> None:
-    """Mark ``param``, which ``parallelize`` replaced in the model by its share: an optimizer
-    built before then holds it, gets no gradient for it and would step nothing, silently; its
-    step raises instead (``_step_pre_hook``)."""
-    setattr(param, REPLACED, name)
+def retire(param, name: str, share) -> None:
+    """Mark ``param``, which ``parallelize`` replaced in the model (where it was ``name``) by
+    ``share``: an optimizer built before then holds it, and is handed ``share`` at its step."""
+    setattr(param, REPLACED, (name, share))
     _hook_once()
 
 
@@ -64,15 +74,65 @@ def _hook_once() -> None:
 
 
 def _step_pre_hook(optimizer, args, kwargs) -> None:
-    stale = [getattr(p, REPLACED) for group in optimizer.param_groups for p in group["params"]
-             if hasattr(p, REPLACED)]
-    if stale:
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step() on {len(stale)} parameters that autoshard.parallelize replaced "
-            f"by their shares (such as {stale[0]!r}): this optimizer was built before parallelize and would "
-            "train nothing. Build it after parallelize, from the parallel module's parameters "
-            "(`torch.optim.AdamW(module.parameters())`), as with FSDP2's fully_shard")
+    if any(hasattr(p, REPLACED) for group in optimizer.param_groups for p in group["params"]):
+        _take_shares(optimizer)
     _choose_path(optimizer)
+
+
+def _take_shares(optimizer) -> None:
+    """Put each share in place of the parameter it replaced in ``optimizer``'s groups (the same
+    list objects: LBFGS keeps its first group's), and the state held for that parameter, cut to
+    the share's layout, under the share. Everything is checked before anything changes; the
+    cutting is collective (every rank steps the optimizer, in the same order of parameters)."""
+    from torch.distributed.tensor import distribute_tensor
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    moves = []
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if not hasattr(p, REPLACED):
+                continue
+            name, share = getattr(p, REPLACED)
+            if id(share) in held:
+                raise _cannot(optimizer, name, "it holds that parameter's share too, and would step it twice")
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and _cut(key, value, p) is None:
+                    raise _cannot(optimizer, name, f"its state {key!r}, of shape {tuple(value.shape)}, is not one "
+                                  f"value per element of the parameter (shape {tuple(p.shape)}), so it has no share "
+                                  "to carry over")
+                if isinstance(value, (list, tuple, dict)) and any(map(torch.is_tensor, _items(value))):
+                    raise _cannot(optimizer, name, f"its state {key!r} holds tensors in a {type(value).__name__}, "
+                                  "which autoshard does not know how to cut")
+            moves.append((group["params"], i, p, share))
+    for params, i, p, share in moves:
+        state = optimizer.state.pop(p, None)
+        if state:
+            optimizer.state[share] = {key: distribute_tensor(value.detach(), share.device_mesh, share.placements,
+                                                             src_data_rank=0)
+                                      if torch.is_tensor(value) and _cut(key, value, p) else value
+                                      for key, value in state.items()}
+        params[i] = share
+
+
+def _items(value):
+    return value.values() if isinstance(value, dict) else value
+
+
+def _cut(key, value, p):
+    """Whether the state tensor ``value`` (under ``key``) of parameter ``p`` is cut to the share's
+    layout (True: one value per element), kept whole (False: a scalar, such as a step count), or
+    neither (None)."""
+    if value.dim() == 0 and (p.dim() > 0 or key in SCALAR_STATE):
+        return False
+    return True if value.shape == p.shape else None
+
+
+def _cannot(optimizer, name: str, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"{type(optimizer).__name__}.step(): autoshard.parallelize replaced the parameter {name!r} by its share, and "
+        f"this optimizer, built before, cannot be handed the share: {why}. Build the optimizer after parallelize, "
+        "from the parallel module's parameters (`torch.optim.AdamW(module.parameters())`), as with FSDP2's "
+        "fully_shard; its state then starts afresh")
 
 
 def _choose_path(optimizer) -> None:
