@@ -64,3 +64,12 @@ def emits(program: str, kind: str) -> bool:
     ...): called where the rewriter put it, or started early and waited on late (the schedule pass)."""
     return (f"autoshard_runtime_{kind}(" in program
             or any("autoshard_runtime_step_start(" in line and f"'{kind}'" in line for line in program.splitlines()))
+
+
+def plan_facts(plan) -> dict:
+    """What a test asks of a plan that trained: the ops it split, the parameters it holds split,
+    and its collectives as (kind, phase, axes)."""
+    return {"split": sorted({c.op for c in plan.nodes.values() if c.kind == "op"
+                             and any(p.startswith("S") for out in c.outputs for p in out)}),
+            "sharded_params": sorted(n for n, p in plan.params.items() if any(q.startswith("S") for q in p)),
+            "collectives": sorted({(c.kind, c.phase, c.axes) for c in plan.collectives})}

@@ -161,26 +161,19 @@ def _check(ranks):
         assert not bad, (bad, res["noise"])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
-def test_policy_on_the_idiom_at_world_4(results, case):
+def _id(case) -> str:
+    norm, mesh, *how = case
+    return "-".join([norm, "x".join(map(str, mesh)), *how])
+
+
+@pytest.mark.parametrize("case", CASES + AUTOCAST + CASTS, ids=_id)
+def test_idiom_at_world_4(results, case):
+    """The policy on each norm on (4,) and (2, 2); the caller's autocast; the .bfloat16() and
+    .half() casts under both."""
     _check(results[case])
 
 
+@pytest.mark.parametrize("how", ("policy", "autocast"))
 @pytest.mark.parametrize("norm", list(NORMS))
-def test_policy_on_the_idiom_at_world_2(results2, norm):
-    _check(results2[(norm, "policy")])
-
-
-@pytest.mark.parametrize("case", AUTOCAST, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
-def test_callers_autocast_on_the_idiom_at_world_4(results, case):
-    _check(results[case])
-
-
-@pytest.mark.parametrize("norm", list(NORMS))
-def test_callers_autocast_on_the_idiom_at_world_2(results2, norm):
-    _check(results2[(norm, "autocast")])
-
-
-@pytest.mark.parametrize("case", CASTS, ids=lambda c: f"{c[2]}-{c[3]}")
-def test_bfloat16_and_half_casts(results, case):
-    _check(results[case])
+def test_idiom_at_world_2(results2, norm, how):
+    _check(results2[(norm, how)])

@@ -27,7 +27,7 @@ from autoshard.passes.annotate import UnknownOpWarning
 from autoshard.report.coverage import coverage_of
 from autoshard.passes.capture import capture
 from autoshard.testing.launch import LocalWorld
-from cases import rel_err, run_each
+from cases import plan_facts, rel_err, run_each
 from models_families import MODELS, main_output
 
 pytestmark = pytest.mark.long("15 HuggingFace families captured, planned and trained on 4 ranks, 1-D and 2x2")
@@ -109,10 +109,7 @@ def train_case(name, mesh, planned=None):
                       if b.is_floating_point() and "running" in n}
     plan = pm.plan
     res["unknown"] = sorted({str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)})
-    res["split"] = sorted({c.op for c in plan.nodes.values() if c.kind == "op"
-                           and any(p.startswith("S") for out in c.outputs for p in out)})
-    res["sharded_params"] = sorted(n for n, p in plan.params.items() if any(q.startswith("S") for q in p))
-    res["collectives"] = sorted({(c.kind, c.phase, c.axes) for c in plan.collectives})
+    res.update(plan_facts(plan))
     return res
 
 

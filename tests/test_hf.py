@@ -22,7 +22,7 @@ from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.ir import TensorMeta
 from autoshard.passes.capture import capture
 from autoshard.check.validate import signatures
-from cases import run_each, step_on_the_same_gradients
+from cases import plan_facts, run_each, step_on_the_same_gradients
 from models_hf import MODELS as BUILDERS
 from models_hf import megatron_pins
 
@@ -98,10 +98,7 @@ def train_case(name, mesh, pin, planned=None):
     plan = pm.plan
     res["unknown"] = sorted({str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)})
     res["placements"] = {k: plan.placement(k) for k in (pin or {})}
-    res["split"] = sorted({c.op for c in plan.nodes.values() if c.kind == "op"
-                           and any(p.startswith("S") for out in c.outputs for p in out)})
-    res["sharded_params"] = sorted(n for n, p in plan.params.items() if any(q.startswith("S") for q in p))
-    res["collectives"] = sorted({(c.kind, c.phase, c.axes) for c in plan.collectives})
+    res.update(plan_facts(plan))
     return res
 
 
