@@ -140,6 +140,9 @@ def per_graph(make):
 def _arg_key(x, order: dict):
     """A hashable stand-in for an op's arguments (``Graph.op_key``)."""
     if isinstance(x, torch.fx.Node):
+        sub = getattr(x.graph.owning_module, x.target, None) if x.op == "get_attr" else None
+        if isinstance(sub, torch.fx.GraphModule):   # a higher-order op's subgraph (FlexAttention's mods)
+            return ("graph", sub.code)
         return ("node", order.setdefault(x, len(order)))
     if isinstance(x, (list, tuple)):
         return (type(x).__name__,) + tuple(_arg_key(v, order) for v in x)

@@ -368,7 +368,64 @@ def default_cases(seed: int = 0) -> list:
     add(aten.zeros.default, [4, 8], dtype=f64)
     add(aten.ones.default, [8], dtype=torch.float32)
     add(aten.full.default, [4, 8], 2.5, dtype=f64)
+
+    # -- FlexAttention (flex.py): a causal, a document, a per-head window and an ALiBi-like mask
+    C.extend(flex_cases(r))
     return C
+
+
+# the kernel options torch.export records for flex_attention called with none
+FLEX_OPTIONS = {"BACKEND": "AUTO", "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False,
+                "BLOCKS_ARE_CONTIGUOUS": False, "WRITE_DQ": True, "OUTPUT_LOGSUMEXP": False, "OUTPUT_MAX": False}
+
+
+def flex_graph(fn, *buffers, score=False):
+    """A mod as torch.export holds it: traced on scalar indices (and score), its buffers after."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    scalars = ([torch.zeros((), dtype=torch.float64)] if score else []) + \
+        [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    return make_fx(fn)(*scalars, *buffers)
+
+
+def flex_case(q, k, v, mask_mod, mask_bufs=(), mask_b=None, mask_h=None, score_mod=None, score_bufs=(), block=64):
+    """(op, args): flex_attention's higher-order op on real tensors, with a BlockMask made by
+    create_block_mask over (mask_b, mask_h) rows and heads (None: one for all) and mods traced
+    as export traces them. Mods index buffers with ``aten.index`` (export's ``buf[b, q_idx]``)."""
+    from autoshard.rules.flex import FLEX
+    from torch.nn.attention.flex_attention import create_block_mask
+    score_mod = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
+    block = create_block_mask(lambda b, h, i, j: mask_mod(b, h, i, j, *mask_bufs), mask_b, mask_h,
+                              q.shape[2], k.shape[2], device="cpu", BLOCK_SIZE=block)
+    mods = flex_graph(score_mod, *score_bufs, score=True), flex_graph(mask_mod, *mask_bufs)
+    return (FLEX, (q, k, v, mods[0], block.as_tuple()[:-1] + (mods[1],), q.shape[-1] ** -0.5, dict(FLEX_OPTIONS),
+                   tuple(score_bufs), tuple(mask_bufs)), {})
+
+
+def flex_cases(r) -> list:
+    index = aten.index.Tensor
+    n, heads, seq = 4, 4, 128    # two blocks of 64 each way
+    at = torch.arange(seq)
+    doc = (at >= torch.tensor([[20], [45], [70], [95]])).long() + (at >= 110).long()   # each row its own documents
+    window = torch.tensor([8, 32, 100, 128])           # a window per head
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+
+    def causal(b, h, i, j):
+        return i >= j
+
+    def document(b, h, i, j, d):
+        return (index(d, [b, i]) == index(d, [b, j])) & (i >= j)
+
+    def windowed(b, h, i, j, w):
+        return (i >= j) & (i - j < index(w, [h]))
+
+    def alibi(score, b, h, i, j, s):
+        return score + index(s, [h]) * (j - i)
+
+    qkv = [r(n, heads, seq, 8) for _ in range(3)]
+    return [flex_case(*qkv, causal),
+            flex_case(*qkv, document, (doc,), mask_b=n),
+            flex_case(r(n, heads, seq, 8), r(n, 2, seq, 8), r(n, 2, seq, 4), windowed, (window,), mask_h=heads),
+            flex_case(*qkv, causal, mask_b=n, mask_h=heads, score_mod=alibi, score_bufs=(slopes,))]
 
 
 # ---- command line -----------------------------------------------------------------------------

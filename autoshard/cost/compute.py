@@ -20,6 +20,7 @@ import math
 import torch
 
 from autoshard.machine.cluster import Cluster
+from autoshard.rules.flex import FLEX
 from autoshard.rules.registry import qualified_name
 
 aten = torch.ops.aten
@@ -66,6 +67,9 @@ FLOPS = {
     aten.addmm.default: _addmm_flops,
     aten.baddbmm.default: _addmm_flops,
     aten.scaled_dot_product_attention.default: _sdpa_flops,
+    # counted dense: a block-sparse mask (causal: about half the blocks) skips blocks on a GPU,
+    # while the CPU's kernel computes every score and masks it
+    FLEX: _sdpa_flops,
     **{op: _conv_flops for op in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
                                   aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
                                   aten.convolution.default, aten._convolution.default)},
@@ -84,7 +88,7 @@ MAY_COPY = {aten.contiguous.default, aten.reshape.default}
 FAMILY = {
     **{op: "matmul" for op in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default,
                                aten.bmm.default, aten.baddbmm.default)},
-    aten.scaled_dot_product_attention.default: "attention",
+    aten.scaled_dot_product_attention.default: "attention", FLEX: "attention",
     aten.gelu.default: "gelu", aten.silu.default: "gelu",
     aten.layer_norm.default: "norm", aten.rms_norm.default: "norm",
     aten.softmax.int: "softmax", aten._softmax.default: "softmax",

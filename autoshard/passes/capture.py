@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -44,7 +45,16 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - any failure inside export is the user's model
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "not a known type" in first:  # torch's pytree cannot flatten something the model returns
+        if "BlockMask" in first:   # torch registers no pytree node for it: export cannot take one in
+            cause = ("a FlexAttention BlockMask is passed in as an input, which torch.export cannot take. "
+                     "Build the mask inside forward, from the inputs it depends on: "
+                     "create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=x.device.type), with a "
+                     "document mask's ids passed in as a tensor that mask_mod indexes.")
+        elif "does not support backward on CPU" in first:
+            cause = ("FlexAttention runs on the CPU in forward only, and the model's parameters require "
+                     "gradients. Plan it for inference with model.requires_grad_(False) (and "
+                     "training=False), or on a CUDA device.")
+        elif "not a known type" in first:  # torch's pytree cannot flatten something the model returns
             cause = ("the model returns an object that is neither a tensor nor a container torch's "
                      "pytree can flatten. Return tensors (or tuples, lists, dicts and dataclasses "
                      "registered with torch.utils._pytree), or switch that output off: a decoder's "
@@ -145,6 +155,77 @@ def _inline_body(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule, operand
     return outs
 
 
+# torch.export (pre-dispatch) keeps a torch.vmap call as these calls around the per-example ops
+# (FlexAttention's create_block_mask evaluates mask_mod so, over batch, head, query and key)
+_VMAP = "torch._functorch.predispatch"
+
+
+def _vmap_call(n: fx.Node, name: str) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__module__", None) == _VMAP and \
+        getattr(n.target, "__name__", None) == name
+
+
+def retrace_vmap_regions(gm: fx.GraphModule, mode: FakeTensorMode) -> None:
+    """Replace, in place, each region of ``torch.vmap`` calls in the graph by the aten ops it
+    comes to over whole tensors: the region traced again below autograd (``make_fx``, on the fake
+    values export recorded), where vmap's batching rules turn each per-example op into one over
+    the batched dims. The planner then sees broadcasting ops with shapes and rules, instead of
+    calls that switch a vmap level on and off around scalars."""
+    changed = False
+    for region in _vmap_regions(gm.graph):
+        inside = set(region)
+        ext = list(dict.fromkeys(u for n in region for u in n.all_input_nodes if u not in inside))
+        outs = [n for n in region if any(u not in inside for u in n.users)]
+        sub = fx.Graph()
+        env = {u: sub.placeholder(f"in_{i}") for i, u in enumerate(ext)}
+        for n in region:
+            env[n] = sub.node_copy(n, env.__getitem__)
+        sub.output(tuple(env[n] for n in outs))
+        try:
+            with mode:
+                traced = make_fx(fx.GraphModule(gm, sub))(*[u.meta["val"] for u in ext])
+        except Exception as e:  # noqa: BLE001 - what the region runs is the user's
+            raise CaptureError(f"autoshard could not trace the torch.vmap call at {region[0].name} over whole "
+                               f"tensors: {type(e).__name__}: {e}") from e
+        traced.graph.eliminate_dead_code()
+        before = region[0].prev
+        new = _inline_body(gm, region[0], traced, ext)
+        n = before.next
+        while n is not region[0]:   # the module the region was traced in, for the block finder
+            n.meta.update({k: region[0].meta[k] for k in ("nn_module_stack", "stack_trace", "custom")
+                           if k in region[0].meta})
+            n = n.next
+        for old, made in zip(outs, new):
+            old.replace_all_uses_with(made)
+        for n in reversed(region):
+            gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        for n in list(gm.graph.nodes):
+            if _vmap_call(n, "lazy_load_decompositions") or (n.op == "get_attr" and not n.users):
+                gm.graph.erase_node(n)
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+
+
+def _vmap_regions(graph: fx.Graph) -> list:
+    """The runs of nodes from an outermost ``_vmap_increment_nesting`` to its matching decrement."""
+    regions, depth, current = [], 0, None
+    for n in graph.nodes:
+        if _vmap_call(n, "_vmap_increment_nesting"):
+            if depth == 0:
+                current = []
+            depth += 1
+        if current is not None:
+            current.append(n)
+        if _vmap_call(n, "_vmap_decrement_nesting"):
+            depth -= 1
+            if depth == 0:
+                regions.append(current)
+                current = None
+    return regions
+
+
 def _free_attr(gm: fx.GraphModule, name: str) -> str:
     i, free = 0, name
     while hasattr(gm, free):
@@ -200,6 +281,7 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: 
     with phase("capture"), fake_view(model, fake, device, cast) as params, _no_autocast(device):
         ep = export(model, _to_fake(args, fake, device, cast_in), _to_fake(kwargs, fake, device, cast_in))
         inline_regions(ep.graph_module)
+        retrace_vmap_regions(ep.graph_module, fake)
         precise = make_explicit(ep.graph_module, ep.graph_signature, mp_policy, autocast,
                                 traced_as=_traced_as(ep, params, (args, kwargs)) if cast is not None else None)
         functionalize(ep.graph_module, ep.graph_signature)   # in-place ops out of place, where nothing reads the old value
@@ -293,6 +375,8 @@ def from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Graph:
                 values[fxn] = [(fxn.name, i) for i in range(len(metas))]
             else:
                 values[fxn] = (fxn.name, 0) if metas else None
+        elif fxn.op == "get_attr" and isinstance(getattr(gm, fxn.target, None), fx.GraphModule):
+            values[fxn] = None   # a higher-order op's subgraph (FlexAttention's mods): its rule reads it
         elif fxn.op == "output":
             outs = []
             for a in tensor_args(fxn):

@@ -26,6 +26,7 @@ from autoshard.ir import Graph, TensorMeta
 from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
+from autoshard.rules import flex
 from autoshard.rules.moe import TRANSFORMERS_GROUPED_MM
 from autoshard.rules.pointwise import NEW_SIZED
 from autoshard.rules.registry import norm_dim, qualified_name
@@ -248,6 +249,15 @@ def lower_copy(low: Lowering):
     return low.g.call_function(copied, (low.args[0], low.args[1]))
 
 
+def lower_flex(low: Lowering):
+    """FlexAttention on the rank's rows or heads (rules.flex): the op itself, its score and mask
+    mods (subgraphs of the captured program, which the rank's program cannot name) bound in."""
+    q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = flex.parts(low.args)
+    captured = flex.parts(low.node.fx_node.args)
+    mods = flex.module_of(captured[3]), flex.module_of(tuple(captured[4])[-1])
+    return low.g.call_function(flex.bound(*mods), (q, k, v, tuple(block)[:-1], scale, options, score_bufs, mask_bufs))
+
+
 def default(low: Lowering):
     return low.call()
 
@@ -280,6 +290,7 @@ LOWERINGS = {
     aten._grouped_mm.default: lower_grouped_mm,
     aten.histc.default: lower_histc,
     aten.index.Tensor: lower_index,
+    flex.FLEX: lower_flex,
 }
 # ops registered by a library once imported, by qualified name (rules.registry.RULES_BY_NAME)
 LOWERINGS_BY_NAME = {TRANSFORMERS_GROUPED_MM: lower_grouped_mm}

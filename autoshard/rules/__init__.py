@@ -6,5 +6,5 @@ one-axis signatures to every mesh axis. Importing this package registers every r
 ``register(op, "m k, k n -> m n")`` gives a user's own op a rule (``rules.custom``).
 """
 from autoshard.rules.registry import RULES, OpCtx, Sig, rule_for  # noqa: F401
-from autoshard.rules import factor, pointwise, views, nn, conv, indexing, moe  # noqa: F401  (register)
+from autoshard.rules import factor, pointwise, views, nn, conv, indexing, moe, flex  # noqa: F401  (register)
 from autoshard.rules.custom import register  # noqa: F401
