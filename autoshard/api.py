@@ -211,7 +211,7 @@ def _device_type(model: nn.Module) -> str:
 
 def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Optional[Plan] = None,
                 overlap: bool = True, timeout: Optional[float] = None, inputs: str = "whole",
-                **plan_kwargs) -> "ParallelModule":
+                compile: bool = False, **plan_kwargs) -> "ParallelModule":
     """``model`` for the current rank of an initialized process group.
 
     With ``example_inputs`` (or a ``plan``) it plans and shards the parameters now; without, at
@@ -226,7 +226,10 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     ``inputs``: ``"whole"``, every rank passes the same whole batch; ``"local"``, each rank passes
     its own (as with DDP and a DistributedSampler): the global batch is the ranks' batches
     concatenated in rank order along dim 0, gathered at each call, and every output with that
-    batch dim comes back as this rank's rows (``ParallelModule.data_shards``, ``data_rank``)."""
+    batch dim comes back as this rank's rows (``ParallelModule.data_shards``, ``data_rank``).
+    ``compile=True`` compiles each rank's program with ``torch.compile`` (inductor): the runs of
+    ops between its collectives, forward and backward, the collectives run eagerly between them in
+    the schedule's order (``passes.compile``); each new input shape compiles once."""
     check_module("model", model)
     if inputs not in ("whole", "local"):
         raise ValueError(f"inputs is \"whole\" (every rank passes the whole batch) or \"local\" (each rank its "
@@ -236,6 +239,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is an autoshard.Plan (Plan.from_json(text) reads one back), got {type(plan).__name__}")
     check_bool("overlap", overlap)
+    check_bool("compile", compile)
     if timeout is not None:
         timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
@@ -257,7 +261,7 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     given = {k: v for k, v in plan_kwargs.items() if k != "mesh"}
     agree.check_call(model, plan, mesh_shape, overlap, given, timeout, inputs)   # before any collective
     pm = ParallelModule(model, mesh_shape, plan, options, overlap=overlap, training_given="training" in plan_kwargs,
-                        local=inputs == "local", timeout=timeout)
+                        local=inputs == "local", timeout=timeout, compile=compile)
     if example_inputs is not None:
         pm.prepare(example_inputs)
     return pm
@@ -301,7 +305,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, mesh_shape, plan: Optional[Plan], options: PlanOptions, *,
                  overlap: bool = True, training_given: bool = False, local: bool = False,
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = None, compile: bool = False):
         super().__init__()
         # share the model's registries so names, state_dict and tying stay the model's own
         self._modules = model._modules
@@ -321,7 +325,7 @@ class ParallelModule(nn.Module):
         self.__dict__.update(
             _model=model, _plan=plan, _options=options, _overlap=overlap, _device=device, device_mesh=mesh,
             _training_given=training_given,   # else each plan is for the model's mode when it is made
-            _local=local, _timeout=timeout,
+            _local=local, _timeout=timeout, _compile=compile,
             _programs={},   # (training, shapes, constants) -> _Program
             _distributed=False,
             _rank_mesh=runtime.RankMesh(mesh, gen, joint))
@@ -408,7 +412,8 @@ class ParallelModule(nn.Module):
         plan = self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
-        program = lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap)
+        program = lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap,
+                        compile=self._compile)
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))
         self._bound_collectives()

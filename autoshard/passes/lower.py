@@ -10,14 +10,17 @@ import torch.fx as fx
 
 from autoshard.ir import Graph
 from autoshard.passes.checkpoint import checkpoint_blocks
+from autoshard.passes.compile import compile_regions
 from autoshard.passes.rewrite import rewrite
 from autoshard.passes.schedule import BUCKET_BYTES, batch_casts, fuse_cast_gathers, schedule
 from autoshard.plan import Plan
 
 
-def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool = True) -> fx.GraphModule:
+def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool = True,
+          compile: bool = False) -> fx.GraphModule:
     """The per-rank program of ``graph`` under ``plan`` for the rank at mesh coordinate ``coords``;
-    ``overlap=False`` leaves every collective where the rewriter put it (no schedule pass). Its
+    ``overlap=False`` leaves every collective where the rewriter put it (no schedule pass);
+    ``compile=True`` compiles the runs of aten ops between its runtime calls (passes.compile). Its
     ``meta["joint_axes"]`` lists the axis sets whose process groups the runtime must create."""
     # local shapes, parameters as their shares, the plan's conversions as explicit collectives
     program = rewrite(graph, plan, device=device, coords=coords)
@@ -31,4 +34,6 @@ def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool =
                            chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1))
     # after the schedule, which buckets the gathers of policy copies itself: those left gather in
     # the copy's bytes; then each run of parameter casts becomes one op
-    return batch_casts(fuse_cast_gathers(program))
+    program = batch_casts(fuse_cast_gathers(program))
+    # last, on the program as it will run: the collectives stay eager calls, in the schedule's order
+    return compile_regions(program) if compile else program

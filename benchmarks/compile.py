@@ -1,0 +1,166 @@
+"""Compiled autoshard (``parallelize(..., compile=True)``) against eager autoshard, compiled DDP and
+compiled FSDP2, on a local gloo group of this CPU (inductor's C++ backend).
+
+Contenders, every one from the same weights on the same global batch:
+
+  as-eager       autoshard pinned data parallel (the batch split, every parameter whole), eager
+  as-compiled    the same, ``compile=True`` (passes.compile)
+  as-mt-eager    autoshard pinned Megatron (``schemes.megatron``), eager        (``--megatron``)
+  as-mt-compiled the same, ``compile=True``                                     (``--megatron``)
+  ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
+  fsdp2-compiled ``fully_shard`` on each block and the root, then ``torch.compile``, each rank its share
+
+A step is forward (the loss), backward, SGD step, zero_grad. The first step of each contender (its
+compile, for the compiled ones; planning is done before) is timed apart and reported as its
+compile seconds. Then rounds: each runs one step of every contender, in an order shuffled anew
+(seeded by the round, the same on every rank); a step's time is the slowest rank's, from a barrier
+to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians after.
+
+    python benchmarks/compile.py                 # world 2, the small GPT, 20 rounds
+    python benchmarks/compile.py --megatron --rounds 30 --d 128
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/tests")
+
+
+def _model(a):
+    from models import GPT
+    torch.manual_seed(0)
+    model = GPT(vocab=a.vocab, d=a.d, heads=a.heads, layers=a.layers, seq=a.seq)
+    idx = torch.randint(0, a.vocab, (a.batch, a.seq))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def _share(batch):
+    r, w = dist.get_rank(), dist.get_world_size()
+    n = batch[0].shape[0]
+    return tuple(x[r * n // w:(r + 1) * n // w] for x in batch)
+
+
+def _contenders(a) -> dict:
+    import autoshard
+    base, batch = _model(a)
+    dp_pin = {"idx": ("S(0)",), "targets": ("S(0)",), **{n: ("B",) for n, _ in base.named_parameters()}}
+    made = {}
+
+    def ours(pin, compile):
+        m = copy.deepcopy(base)
+        return autoshard.parallelize(m, batch, pin=pin, verbose=False, compile=compile), batch
+
+    made["as-eager"] = lambda: ours(dp_pin, False)
+    made["as-compiled"] = lambda: ours(dp_pin, True)
+    if a.megatron:
+        mt_pin = autoshard.schemes.megatron(base, batch, (dist.get_world_size(),))
+        made["as-mt-eager"] = lambda: ours(mt_pin, False)
+        made["as-mt-compiled"] = lambda: ours(mt_pin, True)
+
+    def ddp():
+        from torch.nn.parallel import DistributedDataParallel
+        return torch.compile(DistributedDataParallel(copy.deepcopy(base))), _share(batch)
+
+    def fsdp2():
+        from torch.distributed.fsdp import fully_shard
+        m = copy.deepcopy(base)
+        for blk in m.blocks:
+            fully_shard(blk)
+        fully_shard(m)
+        return torch.compile(m), _share(batch)
+
+    made["ddp-compiled"], made["fsdp2-compiled"] = ddp, fsdp2
+    return made
+
+
+def _timed(fn) -> float:
+    """The slowest rank's seconds for ``fn()``, from a barrier."""
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def run(a) -> dict:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    built, errors, compile_s, first_loss = {}, {}, {}, {}
+    for name, make in _contenders(a).items():
+        try:
+            model, inputs = make()
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+            def step(model=model, inputs=inputs, opt=opt):
+                loss = model(*inputs)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.detach()
+
+            compile_s[name] = _timed(step)   # the first step: compiles (autoshard: plans were made above)
+            built[name] = step
+        except Exception as e:  # noqa: BLE001 - a contender that cannot run here says why in its row
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    times = {n: [] for n in built}
+    for r in range(a.warmup + a.rounds):
+        order = sorted(built)
+        random.Random(r).shuffle(order)
+        for name in order:
+            t = _timed(built[name])
+            if r >= a.warmup:
+                times[name].append(t)
+    return {"times": times, "compile_s": compile_s, "errors": errors}
+
+
+def report(a, res):
+    med = {n: statistics.median(t) * 1e3 for n, t in res["times"].items()}
+    print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq}; gloo world "
+          f"{a.world}, {a.rounds} rounds after {a.warmup} (medians, the slowest rank's)\n")
+    print("| contender | ms/step | first step (compile) s |")
+    print("|---|---|---|")
+    for n in sorted(set(med) | set(res["errors"])):
+        if n in med:
+            print(f"| {n} | {med[n]:.2f} | {res['compile_s'][n]:.1f} |")
+        else:
+            print(f"| {n} | not run: {res['errors'][n]} | |")
+    print()
+    pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-compiled", "ddp-compiled"),
+             ("as-compiled", "fsdp2-compiled")]
+    for x, y in pairs:
+        if x in med and y in med:
+            per_round = statistics.median(p / q for p, q in zip(res["times"][x], res["times"][y]))
+            print(f"{x} / {y}: {med[x] / med[y]:.3f} (ratio of medians), {per_round:.3f} (median ratio)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--megatron", action="store_true", help="also autoshard pinned Megatron, eager and compiled")
+    a = p.parse_args()
+    from autoshard.testing.launch import LocalWorld
+    with LocalWorld(a.world, timeout_s=1800) as world:
+        res = world.run(run, a)[0]
+    report(a, res)
+
+
+if __name__ == "__main__":
+    main()
