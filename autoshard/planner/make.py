@@ -61,7 +61,7 @@ def own_collectives(graph, costs, n, strat) -> list:
     mesh, links = costs.mesh_shape, costs.links
     out = [Collective("all_reduce", "backward", axes, nbytes, n.name, t, True)
            for axes, nbytes, t in costs.grad_syncs(n, strat)]
-    if n.kind == "input":   # its rows, as they arrive, converted to its layout (inputs="local")
+    if n.name in costs.arrival:   # a user input's rows, as they arrive, converted to its layout
         steps, duals, fwd, bwd = costs.arrival_times(n, strat)
         itemsize = n.outputs[0].itemsize
         out += [Collective(st.kind, phase, st.axes, comm.step_bytes(st, itemsize), n.name, t)
