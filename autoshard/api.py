@@ -124,8 +124,8 @@ def plan_graph(graph: Graph, mesh_shape, options: PlanOptions = PlanOptions()) -
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
-         verbose: bool = True, recompute: str = AUTO,
-         mp_policy=None, inputs: str = "whole") -> Plan:
+         inputs: str = "whole", verbose: bool = True, recompute: str = AUTO,
+         mp_policy=None) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's

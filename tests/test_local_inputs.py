@@ -146,6 +146,8 @@ def test_pricing_the_arrival_changes_the_choice():
     assert gathered.cost == pytest.approx(whole.cost + paid, rel=1e-9)
     assert local.cost < gathered.cost
     assert "all_gather  forward   (0)   32.0KB" in str(gathered)   # str(plan) shows the input's gather
+    assert "inputs: each rank's own rows (inputs=\"local\"), arriving (S(0)); converting them costs" in str(gathered)
+    assert "no input byte moved" in str(local) and "inputs: each rank" not in str(whole)
     assert Plan.from_json(gathered.to_json()).arrival == {"x": ("S(0)",)}
 
 
