@@ -22,6 +22,7 @@ from autoshard import runtime
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
 from autoshard.arguments import MAX_AXES, check_bool, check_mesh, check_module, check_number, check_options
 from autoshard import cache
+from autoshard import inputs as inputs_mod
 from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.machine.measure import MEASURE, kept_measure, resolve_cluster
 from autoshard.options import PLAN_OPTIONS, PlanOptions
@@ -112,7 +113,7 @@ def plan_graph(graph: Graph, mesh_shape, options: PlanOptions = PlanOptions()) -
     pins = resolve_pins(graph, options.pin, len(mesh_shape))
     strategies = annotate(graph, mesh_shape, pins)
     costs = Costs(graph, mesh_shape, cluster, options.training, options.bucket_bytes, options.reshard_after_forward,
-                  recompute=options.recompute)
+                  recompute=options.recompute, inputs=options.inputs)
     time_limit = options.time_limit
     starts = (lambda: []) if pins else (lambda: lifted_starts(graph, strategies, costs, time_limit, budget))
     with shown(options.verbose):   # a long solve's progress on stderr
@@ -123,7 +124,7 @@ def plan_graph(graph: Graph, mesh_shape, options: PlanOptions = PlanOptions()) -
 def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=None, pin=None,
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
-         verbose: bool = True, recompute: str = AUTO,
+         inputs: str = "whole", verbose: bool = True, recompute: str = AUTO,
          mp_policy=None) -> Plan:
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
@@ -152,6 +153,12 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     split over the vocabulary, say, for ``loss_parallel``), and the plan prices no conversion for
     it; by default (``"whole"``) every output is made whole on every rank, and that is priced.
 
+    ``inputs="local"``: ``example_inputs`` are the global batch, but each rank will pass its own
+    rows of it (``parallelize(..., inputs="local")``), rank r chunk r along dim 0, which is
+    ``S(0)`` on every mesh axis; each input's conversion from there to its planned layout is
+    priced (nothing for a data-parallel layout, a gather where an axis needs the batch whole)
+    and the plan records the arrival (``plan.arrival``, ``autoshard.inputs``).
+
     ``recompute``: whether repeated blocks (``blocks.0``, ``blocks.1``, ...) keep their
     activations for backward or only their inputs, running their forward again in backward
     (``torch.utils.checkpoint``): ``"auto"`` lets the solver choose per block, against the memory
@@ -164,7 +171,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     options = PlanOptions(mesh=mesh, cluster=cluster, pin=pin, training=training, time_limit=time_limit,
                           bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                           reshard_after_forward=reshard_after_forward, outputs=outputs, verbose=verbose,
-                          recompute=recompute, mp_policy=mp_policy)
+                          recompute=recompute, mp_policy=mp_policy, inputs=inputs)
     mesh_shape = resolve_mesh(world, options.mesh)
     graph = capture(model, example_inputs, outputs=options.outputs, mp_policy=options.mp_policy,
                     autocast=ambient_autocast(_device_type(model)))
@@ -199,7 +206,7 @@ def search_mesh(graph: Graph, world: int, options: PlanOptions = PlanOptions()) 
     with shown(options.verbose):   # the search's progress on stderr
         plan = search(graph, world, cluster, pins_for, options.training, options.time_limit, options.bucket_bytes,
                       budget, reshard=options.reshard_after_forward, recompute=options.recompute,
-                      seed=None if pin else lambda: _axonn_start(graph, world, cluster, budget))
+                      inputs=options.inputs, seed=None if pin else lambda: _axonn_start(graph, world, cluster, budget))
     return plan
 
 
@@ -225,15 +232,16 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise.
     ``inputs``: ``"whole"``, every rank passes the same whole batch; ``"local"``, each rank passes
     its own (as with DDP and a DistributedSampler): the global batch is the ranks' batches
-    concatenated in rank order along dim 0, gathered at each call, and every output with that
-    batch dim comes back as this rank's rows (``ParallelModule.data_shards``, ``data_rank``).
+    concatenated in rank order along dim 0, which arrives split on dim 0 over every mesh axis;
+    the plan prices each input's conversion from there to its layout and the program runs it
+    (nothing on a data-parallel layout, a gather on an axis that needs the batch whole:
+    ``autoshard.inputs``). Every output with that batch dim comes back as this rank's rows
+    (``ParallelModule.data_shards``, ``data_rank``).
     ``compile=True`` compiles each rank's program with ``torch.compile`` (inductor): the runs of
     ops between its collectives, forward and backward, the collectives run eagerly between them in
     the schedule's order (``passes.compile``); each new input shape compiles once."""
     check_module("model", model)
-    if inputs not in ("whole", "local"):
-        raise ValueError(f"inputs is \"whole\" (every rank passes the whole batch) or \"local\" (each rank its "
-                         f"own, concatenated in rank order), got {inputs!r}")
+    inputs_mod.check_inputs(inputs)
     if example_inputs is not None:
         normalize_inputs(example_inputs)
     if plan is not None and not isinstance(plan, Plan):
@@ -243,7 +251,10 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if timeout is not None:
         timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
-    options = _options_of(plan, plan_kwargs)
+    options = dataclasses.replace(_options_of(plan, plan_kwargs), inputs=inputs)
+    if plan is not None and plan.arrival and inputs != inputs_mod.LOCAL:
+        raise ValueError("the plan was made for inputs=\"local\" (each rank its own rows), which it priced; pass "
+                         "inputs=\"local\", or plan again without it")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
                            "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
@@ -373,7 +384,7 @@ class ParallelModule(nn.Module):
     def prepare(self, example_inputs):
         args, kwargs = normalize_inputs(example_inputs)
         if self._local:
-            args, kwargs, _ = _gathered(args, kwargs)
+            args, kwargs, _ = _arriving(args, kwargs)
         self._program_for(args, kwargs)
 
     @property
@@ -490,22 +501,36 @@ class ParallelModule(nn.Module):
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
-        rows = None
-        if self._local:
-            args, kwargs, rows = _gathered(args, kwargs)
+        arrived = None
+        if self._local:   # each rank's own rows: planned as the global batch they make
+            args, kwargs, arrived = _arriving(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         program, _, _, feed = self._program_for(args, kwargs, leaves)
-        inputs = feed.inputs() + [x for x in leaves if isinstance(x, torch.Tensor)]
+        given = [x for x in leaves if isinstance(x, torch.Tensor)] if arrived is None else \
+            _fed(arrived, feed, self._rank_mesh.coords)
+        inputs = feed.inputs() + given
         with runtime.active(self._rank_mesh), (runtime.regathering() if feed.again else contextlib.nullcontext()):
             outs = program(*inputs)
         out = feed.outputs(outs)
-        return out if rows is None else tree_map_only(torch.Tensor, lambda t: _own_rows(t, *rows), out)
+        return out if arrived is None else tree_map_only(torch.Tensor, lambda t: _own_rows(t, *arrived.rows), out)
 
 
-def _gathered(args, kwargs):
-    """``inputs="local"``: every rank's tensors with a dim concatenated in rank order along dim 0
-    (the ranks' row counts may differ: a ragged last batch), and this rank's rows of them
-    (first row, count, global rows), read off the first such tensor."""
+class _Arrived(NamedTuple):
+    """``inputs="local"``: what each rank brought (``_arriving``). ``mine``: this rank's tensor
+    arguments, as given; ``counts``: every rank's rows of each, by rank (a row per rank, a
+    column per tensor of one dim or more, in ``mine``'s order); ``rows``: (first row, count,
+    global rows) of this rank's rows, read off the first such tensor."""
+    mine: list
+    counts: list
+    rows: tuple
+
+
+def _arriving(args, kwargs):
+    """``inputs="local"``: (args and kwargs with each tensor of a dim the shape of the global
+    batch, the ranks' rows concatenated in rank order along dim 0, to plan and look the program up
+    by; ``_Arrived``, or None where no tensor has a dim). The stand-ins are zeros: every rank plans
+    from the same values (``runtime.agree``), and no rank's rows travel for it. The ranks' row
+    counts may differ (a ragged last batch); they are exchanged, a few bytes, at every call."""
     leaves, spec = tree_flatten((args, kwargs))
     batched = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() >= 1]
     if not batched:
@@ -514,17 +539,65 @@ def _gathered(args, kwargs):
     counts = torch.tensor([leaves[i].shape[0] for i in batched], dtype=torch.int64)
     every = [torch.empty_like(counts) for _ in range(p)]
     dist.all_gather(every, counts)
+    every = [c.tolist() for c in every]
+    mine = [x for x in leaves if isinstance(x, torch.Tensor)]
     for k, i in enumerate(batched):
-        x = leaves[i].detach()
-        most = max(int(c[k]) for c in every)
-        padded = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))]) if x.shape[0] < most else x
-        parts = [torch.empty_like(padded) for _ in range(p)]
-        dist.all_gather(parts, padded.contiguous())
-        leaves[i] = torch.cat([part[:int(c[k])] for part, c in zip(parts, every)])
+        x = leaves[i]
+        leaves[i] = x.new_zeros((sum(c[k] for c in every),) + tuple(x.shape[1:]))
     me = dist.get_rank()
-    first = sum(int(c[0]) for c in every[:me])
+    rows = (sum(c[0] for c in every[:me]), every[me][0], sum(c[0] for c in every))
     args, kwargs = tree_unflatten(leaves, spec)
-    return args, kwargs, (first, int(every[me][0]), sum(int(c[0]) for c in every))
+    return args, kwargs, _Arrived(mine, every, rows)
+
+
+def _fed(arrived: _Arrived, feed: "_Feed", coords) -> list:
+    """The tensors the program takes for what the ranks brought: where the plan has an input
+    arrive as each rank's rows (``Plan.arrival``), the rank's own rows, as they are where they
+    are its chunk of the arrival layout (every rank the same count: the program then converts
+    them, priced), else its chunk of the rows gathered (a ragged batch); an input the plan takes
+    whole (one shorter than the world, or a plan made for whole inputs), the ranks' rows gathered."""
+    out, k = [], 0
+    for x, split in zip(arrived.mine, feed.arrived):
+        if x.dim() == 0:
+            out.append(x)
+            continue
+        counts = [c[k] for c in arrived.counts]
+        # every rank decides alike: its rows fed as they are only where each rank's are its chunk
+        as_they_are = split and list(counts) == inputs_mod.chunk_counts(sum(counts), feed.mesh_shape)
+        chunk = inputs_mod.rows_of(sum(counts), feed.mesh_shape, coords) if split else None
+        out.append(x if as_they_are else _Gathered.apply(x, counts, chunk))
+        k += 1
+    return out
+
+
+class _Gathered(torch.autograd.Function):
+    """The rows every rank brought, concatenated in rank order (their counts ``counts``; each
+    rank's rows padded to the most for one ``all_gather``), whole or their ``chunk`` (first,
+    count) only. Backward: a whole one's gradient is the whole's on every rank (the program's
+    ``runtime.to_local``), of which this rank takes its rows; a chunk's gradient is this rank's
+    chunk's alone, so the chunks' gradients are summed over the ranks (one all-reduce) first."""
+
+    @staticmethod
+    def forward(ctx, x, counts, chunk):
+        most = max(counts)
+        x = x.detach()
+        padded = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))]) if x.shape[0] < most else x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous())
+        whole = torch.cat([part[:c] for part, c in zip(parts, counts)])
+        me = dist.get_rank()
+        ctx.meta = (tuple(whole.shape), chunk, sum(counts[:me]), counts[me])
+        return whole if chunk is None else whole[chunk[0]:chunk[0] + chunk[1]].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, chunk, first, count = ctx.meta
+        if chunk is not None:
+            whole = g.new_zeros(shape)
+            whole[chunk[0]:chunk[0] + chunk[1]] = g
+            dist.all_reduce(whole)
+            g = whole
+        return g[first:first + count], None, None
 
 
 def _own_rows(t, first: int, count: int, total: int):
@@ -600,6 +673,9 @@ class _Feed:
                 raise NotImplementedError(f"autoshard does not yet run models whose graph outputs {spec.kind}")
         self._out_spec = graph.exported.call_spec.out_spec
         self.again = plan.training and plan.schedule.get("reshard_after_forward", False)
+        # per tensor the user passes: whether it arrives as each rank's rows (inputs="local")
+        self.arrived = [name in plan.arrival for name in graph.user_inputs if graph.by_name[name].outputs]
+        self.mesh_shape = tuple(plan.mesh_shape)
 
     def inputs(self) -> list:
         feed = []

@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
                    "forward and gather them again for backward, as FSDP does")
     p.add_argument("--outputs", choices=("whole", "dtensor"), default="whole", help="the outputs made whole on "
                    "every rank (default), or handed back in their planned layouts as DTensors, their gather not priced")
+    p.add_argument("--inputs", choices=("whole", "local"), default="whole", help="every rank passes the whole "
+                   "batch (default), or its own rows of it (DDP's loader), their conversion to the plan's layouts priced")
     p.add_argument("--device", default="meta", help="device the factory builds the model on (default meta: "
                    "no memory, no weights)")
     p.add_argument("--json", metavar="PATH", help="save the plan as JSON (read it back with 'show' or "
@@ -150,7 +152,7 @@ def main(argv=None, out=None) -> int:
         model, inputs = build(args.factory, args.device)
         kwargs = dict(world=args.world, mesh=args.mesh, cluster=_cluster(args.cluster), training=not args.inference,
                       time_limit=args.time_limit, reshard_after_forward=args.reshard_after_forward,
-                      outputs=args.outputs, verbose=not args.quiet)
+                      outputs=args.outputs, inputs=args.inputs, verbose=not args.quiet)
         if args.memory_budget is not None:
             kwargs["memory_budget"] = args.memory_budget * 1e9
         plan = autoshard.plan(model, inputs, **kwargs)

@@ -15,6 +15,7 @@ from typing import Optional, Union
 from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_budget, check_int, check_mesh,
                                  check_number)
 from autoshard.machine.cluster import Cluster
+from autoshard.inputs import check_inputs
 from autoshard.outputs import WHOLE, check_outputs
 from autoshard.precision import check_policy
 
@@ -32,6 +33,7 @@ class PlanOptions:
     memory_budget: Optional[float] = None     # bytes per device; None: the cluster's device memory
     reshard_after_forward: bool = False
     outputs: str = WHOLE
+    inputs: str = WHOLE                       # "local": each rank's own rows of the batch (autoshard.inputs)
     verbose: bool = True
     recompute: str = "auto"                   # planner.recompute.AUTO: the solver chooses per block
     mp_policy: object = None                  # a torch.distributed.fsdp.MixedPrecisionPolicy
@@ -59,6 +61,7 @@ class PlanOptions:
             raise ValueError(f"recompute is one of {modes} (the solver chooses, none, every repeated block, every "
                              f"block's cheap ops), got {self.recompute!r}")
         check_outputs(self.outputs)
+        check_inputs(self.inputs)
         if self.mesh is not None:
             object.__setattr__(self, "mesh", check_mesh(self.mesh, MAX_AXES))
         check_policy(self.mp_policy)

@@ -77,6 +77,7 @@ class Plan:
     mesh_candidates: list = field(default_factory=list)  # the mesh search's ranking: mesh, bound, cost, status
     aliases: dict = field(default_factory=dict)   # a tied parameter's other names -> the name the graph uses
     recompute: dict = field(default_factory=dict)   # blocks that run their forward again in backward (planner.recompute)
+    arrival: dict = field(default_factory=dict)   # user input -> the layout its rows arrive in (inputs="local")
     _alternatives: Optional[dict] = field(default=None, repr=False, compare=False)
     # what the planner priced the plan from, for what is worked out only when asked for (its
     # alternatives, its formula); None on a plan read from JSON, which does not hold the graph
@@ -150,6 +151,7 @@ class Plan:
             "mesh_candidates": self.mesh_candidates,
             "aliases": self.aliases,
             "recompute": self.recompute,
+            "arrival": {k: list(v) for k, v in self.arrival.items()},
             "alternatives": self.alternatives,
             "params": {k: list(v) for k, v in self.params.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
@@ -175,6 +177,6 @@ class Plan:
             solver=d.get("solver", {}), input_shapes=[tuple(s) for s in d.get("input_shapes", [])],
             memory=d.get("memory", {}), breakdown=d.get("breakdown", {}), schedule=d.get("schedule", {}),
             mesh_candidates=d.get("mesh_candidates", []), aliases=d.get("aliases", {}),
-            recompute=d.get("recompute", {}),
+            recompute=d.get("recompute", {}), arrival={k: tuple(v) for k, v in d.get("arrival", {}).items()},
             _alternatives=d.get("alternatives", {}))
 

@@ -201,7 +201,7 @@ def test_the_graph_sees_imports_inside_functions_and_finds_their_circle(tmp_path
 # report/'s plan-reading modules stand under plan.py: a plan's methods call them, and they only read
 # its fields (plan.py says why).
 FLOORS = [
-    ("_compat", "placement", "convert", "arguments", "ir", "precision", "outputs", "planner.progress",
+    ("_compat", "placement", "convert", "arguments", "ir", "precision", "outputs", "inputs", "planner.progress",
      "planner.repeat"),
     ("rules",),
     ("passes.functionalize", "passes.capture", "passes.annotate"),

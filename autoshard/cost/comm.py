@@ -143,14 +143,16 @@ def op_collective_time(c: OpCollective, mesh_shape, links) -> float:
     return step_time(Step(c.kind, c.axis, in_shape=(c.nbytes,)), 1, mesh_shape, links)
 
 
-def op_collectives(node, strat, graph, mesh_shape) -> list:
-    """Collectives an op's own lowering issues (beyond layout conversions)."""
+def op_collectives(node, strat, graph, mesh_shape, arrived=()) -> list:
+    """Collectives an op's own lowering issues (beyond layout conversions). ``arrived``: the user
+    inputs that arrive as each rank's rows (``autoshard.inputs``), which no rank holds whole."""
     from autoshard.rules.conv import norm_collectives
     from autoshard.rules.moe import expert_collectives
     from autoshard.rules.nn import count_axes, whole_targets
     fx_node = node.fx_node
     axes = count_axes(node.target, fx_node.args, fx_node.kwargs, strat.inputs) if node.kind == "op" else []
-    if axes and whole_targets(graph, node) is not None:   # counted on the whole targets, every rank alike
+    whole = whole_targets(graph, node) if axes else None
+    if whole is not None and whole not in arrived:   # counted on the whole targets, every rank alike
         axes = []
     return ([OpCollective("all_reduce", a, 8) for a in axes if mesh_shape[a] > 1]
             + [OpCollective(*c) for c in norm_collectives(node, strat, graph, mesh_shape)]

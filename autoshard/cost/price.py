@@ -18,6 +18,7 @@ from autoshard.cost import comm, compute, memory
 from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
+from autoshard.inputs import WHOLE, arrival
 from autoshard.outputs import kept_split
 from autoshard.rules.moe import computed_shapes, is_grouped_mm
 from autoshard.precision import CAST, grad_itemsize
@@ -40,7 +41,8 @@ class Costs:
     __slots__ = ("recompute", "__dict__", "__weakref__")
 
     def __init__(self, graph: Graph, mesh_shape, cluster: Cluster, training: bool,
-                 bucket_bytes: Optional[int] = None, reshard: bool = False, recompute: str = "none"):
+                 bucket_bytes: Optional[int] = None, reshard: bool = False, recompute: str = "none",
+                 inputs: str = WHOLE):
         self.recompute = recompute
         self.family = Family()   # one for these prices and every mode of them (``with_recompute``)
         self.graph, self.mesh_shape, self.cluster, self.training = graph, tuple(mesh_shape), cluster, training
@@ -48,6 +50,8 @@ class Costs:
         self.reshard = reshard   # a parameter converted for an op is converted again for its backward
         self.links = cluster.axis_links(self.mesh_shape)
         self.split_outputs = kept_split(graph, graph.outputs)   # user outputs handed back as planned
+        self.inputs = inputs   # how the user inputs arrive (autoshard.inputs)
+        self.arrival = arrival(graph, self.mesh_shape, inputs)   # input -> the layout its rows arrive in
         self._conv: dict = {}
         self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
         self._twins: dict = {}        # node name -> the number of its ``_twin``
@@ -180,6 +184,8 @@ class Costs:
                 cost = cost + Cost(compute_fwd=cluster.op_overhead, compute_bwd=cluster.backward_overhead * grad + copy,
                                    optimizer=self.optimizer(node, strat))
             return cost
+        if node.kind == "input":
+            return self.arriving(node, strat)
         if node.kind != "op":
             return Cost()
         metas = [self.graph.meta(v) for v in node.inputs]
@@ -192,9 +198,25 @@ class Costs:
         if self.training and node.requires_grad:
             bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
-                       for c in comm.op_collectives(node, strat, self.graph, mesh))
+                       for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
         again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
         return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)
+
+    def arrival_times(self, node: Node, strat) -> tuple:
+        """(steps, their duals, the seconds of each, as ``step_times``) of converting a user input
+        from the layout its rows arrive in (``inputs="local"``: ``autoshard.inputs``) to the one
+        ``strat`` gives it; no steps where it arrives whole (sliced locally) or as it is wanted.
+        Run before any compute, at the program's start: nothing hides them."""
+        src = self.arrival.get(node.name)
+        if src is None:
+            return [], [], [], []
+        backward = self.training and node.outputs[0].floating and node.requires_grad
+        steps, duals, fwd, bwd, _ = self.step_times((node.name, 0), src, strat.outputs[0], backward)
+        return steps, duals, fwd, bwd
+
+    def arriving(self, node: Node, strat) -> Cost:
+        _, _, fwd, bwd = self.arrival_times(node, strat)
+        return Cost(comm=sum(fwd) + sum(bwd))
 
     def memory(self, node: Node, strat) -> int:
         """Bytes per rank this choice keeps (cost.memory)."""

@@ -114,6 +114,15 @@ class _Shapes:
         return None
 
 
+def _fed(n: fx.Node) -> bool:
+    """Whether ``n`` holds a user input in its planned layout: the rank's share of a whole input
+    (``runtime.to_local`` of a placeholder), or the rows a rank brought, converted
+    (``inputs="local"``: the node the rewriter marks)."""
+    if n.meta.get("user_input"):
+        return True
+    return n.op == "call_function" and n.target is runtime.to_local and n.args[0].op == "placeholder"
+
+
 def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int, enter=None) -> dict:
     """node -> the dim of its output that holds the batch, for the nodes that may be cut into k
     chunks on it (``_rule``). The batch: dim 0 of the inputs (``runtime.to_local`` of a
@@ -123,7 +132,7 @@ def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int, enter=None) -> dict:
     bd: dict = {}
     sizes = set()
     for n in g.nodes:   # inputs of two or more dims (one-dim ones, positions say, may be anything)
-        if n.op == "call_function" and n.target is runtime.to_local and n.args[0].op == "placeholder":
+        if _fed(n):
             s = shapes.of[n]
             if s and len(s) > 1:
                 sizes.add(s[0])
@@ -131,12 +140,12 @@ def _batch_dims(g: fx.Graph, shapes: _Shapes, k: int, enter=None) -> dict:
         return {}
     batch = next(iter(sizes))
     for n in g.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is runtime.to_local and n.args[0].op == "placeholder":
+        if _fed(n):
             s = shapes.of[n]
             if s and s[0] == batch:
                 bd[n] = 0
+            continue
+        if n.op != "call_function":
             continue
         d = _rule(n, bd, shapes, k, batch, enter)
         if d is not None:
@@ -296,7 +305,7 @@ def interleave(g: fx.Graph, k: int, mesh: tuple) -> tuple:
     shapes = _Shapes(g, mesh)
     enter: dict = {}
     bd = _batch_dims(g, shapes, k, enter)
-    cut = {n for n in bd if not (n.target is runtime.to_local or _random(n))}
+    cut = {n for n in bd if not (_fed(n) or _random(n))}
     if not any(n.target in _STEPS for n in cut):
         return g, 0
     nodes = list(g.nodes)

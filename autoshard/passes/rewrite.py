@@ -2,7 +2,8 @@
 
 Every tensor is held in its planned placement; between producer and consumer the conversion
 steps of ``convert.transition`` (as ``cost.comm.transition`` prices them) appear as explicit calls
-(``all_gather``, ``reduce_scatter``, ...) whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share;
+(``all_gather``, ``reduce_scatter``, ...) whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share,
+or arrive as the rank's own rows (``inputs="local"``, ``Plan.arrival``) and are converted from there;
 outputs leave whole, or as DTensors in their planned layouts (``autoshard.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
 their arguments, means over a split dim, random draws, a mean loss over a split batch) are
 lowered by a small function from ``LOWERINGS``.
@@ -157,6 +158,7 @@ def lower_cross_entropy(low: Lowering):
     whole = whole_targets(low.graph, low.node) if low.graph is not None else None
     if whole is not None:   # the input fed whole to every rank: count there, no all-reduce
         whole = next(n for n in low.g.nodes if n.op == "placeholder" and n.target == whole)
+        whole = None if whole.meta.get("arrived") else whole   # a rank's rows only (inputs="local")
     return low.g.call_function(runtime.cross_entropy_mean, (
         low.args[0], low.args[1], low.arg(2, "weight"), low.arg(4, "ignore_index", -100),
         low.arg(5, "label_smoothing", 0.0), tuple(axes), whole))
@@ -175,6 +177,7 @@ def lower_conv(low: Lowering):
 
 
 _LAYOUT_STEPS = (runtime.to_local, *runtime.STEP_FUNCTIONS.values())
+USER_INPUT = "user_input"   # meta of the node holding an input that arrived as a rank's rows, once converted
 
 
 def _fed_whole(arg):
@@ -314,6 +317,15 @@ def _rank_shape(shape, placement, mesh, coords):
     return pl.rank_shape(shape, placement, mesh, coords)
 
 
+def _converted(g, x, meta, src, dst, mesh, links, coords) -> tuple:
+    """(x converted from ``src`` to ``dst``, the steps, whether both are even): the steps the cost
+    model priced, each rank told its chunks' sizes where a split is uneven."""
+    steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize,
+                            whole=meta.shape)
+    even = all(pl.is_even(meta.shape, q, mesh) for q in (src, dst))
+    return _emit_conversion(g, x, steps, None if even else rank_sizes(meta.shape, src, steps, mesh, coords)), steps, even
+
+
 def _emit_conversion(g, x, steps, sizes=None):
     for st, kw in zip(steps, sizes or [{}] * len(steps)):
         fn = runtime.STEP_FUNCTIONS[st.kind]
@@ -342,7 +354,8 @@ def _on_device(obj, device):
 
 def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModule:
     """The per-rank program. Placeholders: parameters (local shards), buffers and the user inputs
-    that hold a tensor (whole), in ``graph.nodes`` order. ``coords``: the rank's mesh coordinate,
+    that hold a tensor (whole, or the rank's rows where the plan says they arrive so:
+    ``Plan.arrival``), in ``graph.nodes`` order. ``coords``: the rank's mesh coordinate,
     which a plan with uneven splits needs (each rank's program holds its own chunks' sizes)."""
     mesh = tuple(plan.mesh_shape)
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
@@ -352,6 +365,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
     local: dict = {}        # Value -> fx node holding it in its producer's placement
     converted: dict = {}    # (Value, placement) -> fx node
     out_pl = {}             # Value -> placement
+    arriving: list = []     # user inputs that arrive as the rank's rows (Plan.arrival), to convert
     for node in graph.nodes:
         choice = plan.nodes.get(node.name)
         if choice is None or [tuple(s) for s in choice.shapes] != [m.shape for m in node.outputs]:
@@ -364,8 +378,14 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
             if not node.outputs:  # a constant argument (a flag, None): the graph holds its value
                 continue
             ph = g.placeholder(node.name)
-            ph.meta["local"] = TensorMeta(_rank_shape(node.outputs[0].shape, outs[0], mesh, coords), node.outputs[0].dtype)
-            if node.kind == "param":
+            arrived = plan.arrival.get(node.name) if node.kind == "input" else None
+            held = outs[0] if arrived is None else pl.parse_nd(arrived, len(mesh))
+            ph.meta["local"] = TensorMeta(_rank_shape(node.outputs[0].shape, held, mesh, coords), node.outputs[0].dtype)
+            if arrived is not None:   # the rank's own rows, converted once every placeholder is made
+                ph.meta["arrived"] = True   # a user's rows, not a parameter's share (passes.schedule)
+                arriving.append((node, ph, held, outs[0]))
+                continue
+            elif node.kind == "param":
                 axes = tuple(a for a, p in enumerate(outs[0]) if isinstance(p, pl.Broadcast) and mesh[a] > 1)
                 x = (g.call_function(runtime.grad_sync, (ph, axes), {"key": node.name})
                      if (plan.training and node.requires_grad and axes) else ph)
@@ -373,19 +393,19 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
                 x = g.call_function(runtime.to_local, (ph, pl.to_strings(outs[0])))
             local[(node.name, 0)] = x
             continue
+        for n, ph, held, dst in arriving:   # as the plan priced them (Costs.arrival_times): the program's
+            # first steps, after its placeholders, where the schedule starts what is ready at once
+            x = _converted(g, ph, n.outputs[0], held, dst, mesh, links, coords)[0]
+            x.meta[USER_INPUT] = n.name   # the input in its planned layout (passes.interleave)
+            local[(n.name, 0)] = x
+        arriving.clear()
         ins = choice.in_placements()
         mark = next(iter(reversed(g.nodes)), None)   # what this node's lowering adds comes after it
 
         def fetch(value, dst):
             key = (value, dst)
             if key not in converted or graph.by_name[value[0]].fx_node.meta.get(SHARED_STORAGE):   # written in place: afresh
-                meta = graph.meta(value)
-                src = out_pl[value]
-                steps = comm.transition(pl.local_shape(meta.shape, src, mesh), src, dst, mesh, links, meta.itemsize,
-                                        whole=meta.shape)
-                even = all(pl.is_even(meta.shape, q, mesh) for q in (src, dst))
-                out = _emit_conversion(g, local[value], steps,
-                                       None if even else rank_sizes(meta.shape, src, steps, mesh, coords))
+                out, steps, even = _converted(g, local[value], graph.meta(value), out_pl[value], dst, mesh, links, coords)
                 if steps and regather and even and graph.by_name[value[0]].kind == "param":
                     spec = tuple((st.kind, st.axis, st.dim, st.dim2, st.groups) for st in steps)
                     out = g.call_function(runtime.regather, (out, local[value], spec))

@@ -161,8 +161,9 @@ def _gathered_share(n):
         return None
     if _synced(x):
         return x.args[0], None, x
-    if x.op == "placeholder" and sum(u.target is not runtime.regather for u in x.users) == 1:
-        return x, None, None
+    if x.op == "placeholder" and not x.meta.get("arrived") and sum(u.target is not runtime.regather
+                                                                    for u in x.users) == 1:
+        return x, None, None   # a user's rows (inputs="local") are gathered where they are used
     return None
 
 

@@ -263,7 +263,7 @@ def lifted_starts(graph, strategies, costs: Costs, time_limit: float, budget: Op
             continue
         cs = annotate(graph, coarse)
         cc = Costs(graph, coarse, costs.cluster, costs.training, costs.bucket_bytes, costs.reshard,
-                   recompute.mode_of(costs))
+                   recompute.mode_of(costs), costs.inputs)
         try:
             sol = solve(graph, cs, cc, time_limit, budget)
         except MemoryBudgetError:

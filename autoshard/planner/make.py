@@ -55,13 +55,20 @@ def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
 
 
 def own_collectives(graph, costs, n, strat) -> list:
-    """A node's collectives that are not conversions: a parameter's gradient all-reduce, the
-    all-reduces an op's lowering issues."""
+    """A node's collectives that are not conversions between nodes: a parameter's gradient
+    all-reduce, the all-reduces an op's lowering issues, a user input's from the layout it
+    arrives in (``Costs.arrival_times``)."""
     mesh, links = costs.mesh_shape, costs.links
     out = [Collective("all_reduce", "backward", axes, nbytes, n.name, t, True)
            for axes, nbytes, t in costs.grad_syncs(n, strat)]
+    if n.name in costs.arrival:   # a user input's rows, as they arrive, converted to its layout
+        steps, duals, fwd, bwd = costs.arrival_times(n, strat)
+        itemsize = n.outputs[0].itemsize
+        out += [Collective(st.kind, phase, st.axes, comm.step_bytes(st, itemsize), n.name, t)
+                for phase, sts, times in (("forward", steps, fwd), ("backward", duals, bwd))
+                for st, t in zip(sts, times) if st.is_collective]
     if n.kind == "op":
-        for c in comm.op_collectives(n, strat, graph, mesh):
+        for c in comm.op_collectives(n, strat, graph, mesh, costs.arrival):
             t = comm.op_collective_time(c, mesh, links)
             out.append(Collective(c.kind, c.phase, (c.axis,), c.nbytes, n.name, t))
     return out
@@ -108,6 +115,7 @@ def make_plan(graph, strategies, solution, costs, *, budget: Optional[float] = N
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
                  "chunks": chunks, "interleave": k, "precision": graph.precision},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {},
+                arrival={name: pl.to_strings(p) for name, p in costs.arrival.items()},
                 _priced=Priced(graph, strategies, solution.choice, costs, total))   # for the alternatives, on demand
     return plan
 

@@ -176,9 +176,9 @@ class _Candidates:
     """Every candidate mesh (``Candidate``) and its annotated work."""
 
     def __init__(self, graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard=False,
-                 recompute="none"):
+                 recompute="none", inputs="whole"):
         self.graph, self.cluster, self.training, self.bucket_bytes = graph, cluster, training, bucket_bytes
-        self.reshard, self.recompute = reshard, recompute
+        self.reshard, self.recompute, self.inputs = reshard, recompute, inputs
         self.pins_for = pins_for
         self.entries = {m: Candidate(m) for m in factorizations(world, max_axes)}
         self.works: dict = {}   # mesh -> (strategies, costs), made by ``work`` in this process
@@ -220,9 +220,8 @@ class _Candidates:
             self.entries[mesh].becomes(Status.PINS_CANNOT_HOLD, str(e).split(':')[0])
             self.pin_errors.append(e)
             return None
-        costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard)
         costs = Costs(self.graph, mesh, self.cluster, self.training, self.bucket_bytes, self.reshard,
-                      recompute=self.recompute)   # planner.recompute
+                      recompute=self.recompute, inputs=self.inputs)   # planner.recompute; autoshard.inputs
         self.works[mesh] = (strategies, costs)
         return self.works[mesh]
 
@@ -254,13 +253,14 @@ def _simplest(results: list, cluster):
 
 
 def search(graph, world: int, cluster, pins_for, training, time_limit, bucket_bytes, budget,
-           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False, recompute: str = "none", seed=None):
+           max_axes: int = MAX_SEARCH_AXES, reshard: bool = False, recompute: str = "none", seed=None,
+           inputs: str = "whole"):
     """The best plan over the candidate meshes; ``pins_for(mesh_shape)`` resolves the user's
     pins for a mesh (None: the pins do not fit that mesh). ``seed()``: (mesh, pins by node) of
     a layout to descend from as well (``planner.axonn_start``), or None."""
     with uncollected():
         return MeshSearch(graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
-                          reshard, recompute, seed).run()
+                          reshard, recompute, seed, inputs).run()
 
 
 class MeshSearch:
@@ -272,12 +272,12 @@ class MeshSearch:
     planning process, which takes those answers in its own order."""
 
     def __init__(self, graph, world, cluster, pins_for, training, time_limit, bucket_bytes, budget, max_axes,
-                 reshard, recompute, seed):
+                 reshard, recompute, seed, inputs="whole"):
         self.start = time.perf_counter()
         self.graph, self.world, self.cluster, self.max_axes = graph, world, cluster, max_axes
         self.time_limit, self.budget, self.seed = time_limit, budget, seed
         self.cands = _Candidates(graph, world, cluster, pins_for, training, bucket_bytes, max_axes, reshard,
-                                 recompute)
+                                 recompute, inputs)
         self.progress = Progress(f"mesh search over {len(self.cands.entries)} meshes of {world} devices")
         self.errors: list = []    # the memory budget's errors met: the first is raised where no mesh has a plan
         self.results: list = []   # (plan, mesh, choice) of every mesh solved or refined

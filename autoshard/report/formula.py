@@ -265,6 +265,11 @@ class _Pricer:
                 t = self.all_reduce(b, axes, min(1.0, nbytes / costs.bucket_bytes))
                 out = _plus(out, self.scheduled(q(0), t))
             return out
+        if n.kind == "input" and n.name in costs.arrival:   # its rows converted as they arrive (inputs="local")
+            steps, duals, _, _ = costs.arrival_times(n, strat)
+            meta, src = n.outputs[0], costs.arrival[n.name]
+            fwd, bwd = self.steps_times(steps, meta, src, 1.0, meta.itemsize)
+            return {"comm": sum(fwd, q(0)) + sum(bwd if duals else [], q(0))} if steps else {}
         if n.kind != "op":
             return {}
         metas = [self.graph.meta(v) for v in n.inputs]
@@ -278,7 +283,7 @@ class _Pricer:
         out = {"compute_fwd": t}
         if costs.training and n.requires_grad:
             out["compute_bwd"] = BACKWARD_FACTOR * t
-        for c in comm.op_collectives(n, strat, self.graph, self.mesh_values):
+        for c in comm.op_collectives(n, strat, self.graph, self.mesh_values, costs.arrival):
             out = _plus(out, {"comm": self.all_reduce(q(c.nbytes), (c.axis,))})
         return out
 

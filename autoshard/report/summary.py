@@ -133,6 +133,19 @@ def memory_line(plan) -> list:
     return [head + ": " + ", ".join(f"{k} {fmt_bytes(m[k])}" for k in ("parameters", "gradients", "optimizer", "activations"))]
 
 
+def arrival_lines(plan) -> list:
+    """Where each rank brings its own rows (``inputs="local"``): the layout they arrive in, and
+    what converting them to the plan's layouts costs."""
+    if not plan.arrival:
+        return []
+    colls = [c for c in plan.collectives if c.node in plan.arrival]
+    layouts = sorted({pl.format_nd(tuple(pl.parse(p) for p in v)) for v in plan.arrival.values()})
+    cost = (f"converting them costs {fmt_s(sum(c.seconds for c in colls))}: "
+            + ", ".join(f"{c.kind}{fmt_axes(c.axes)} {fmt_bytes(c.bytes)} at {c.node}" for c in colls)) if colls \
+        else "they are used as they arrive, no input byte moved"
+    return [f"inputs: each rank's own rows (inputs=\"local\"), arriving {', '.join(layouts)}; {cost}"]
+
+
 def recompute_lines(plan) -> list:
     """Which blocks run their forward again in backward, and what it costs and saves."""
     r = plan.recompute
@@ -327,7 +340,8 @@ def uneven_lines(plan, shown: int = 4) -> list:
 
 def summary(plan) -> str:
     rows, label = folded(plan)
-    lines = (mesh_lines(plan) + step_lines(plan) + memory_line(plan) + recompute_lines(plan) + solver_lines(plan)
+    lines = (mesh_lines(plan) + step_lines(plan) + memory_line(plan) + arrival_lines(plan) + recompute_lines(plan)
+             + solver_lines(plan)
              + [""] + columns(rows) + [""] + collective_lines(plan, label) + uneven_lines(plan)
              + ["", "plan.table(): every node; plan.explain(name): why a tensor is laid out as it is"])
     return "\n".join(lines)
