@@ -35,6 +35,7 @@ from autoshard.planner.search import search
 from autoshard.planner.descend import lifted_starts, solve_mesh
 from autoshard.planner.progress import shown
 from autoshard.planner.recompute import AUTO
+from autoshard.planner.reuse import reuse
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan
 from autoshard.planner.make import make_plan
@@ -399,13 +400,14 @@ class ParallelModule(nn.Module):
                 f"non-tensor arguments {list(consts)} differ from those the program was captured with "
                 f"{list(planned[2])}: they are constants of the traced graph. Call with the same "
                 "values, or parallelize a fresh copy of the model for these.")
-        # other shapes (a ragged last batch, an eval batch) are captured and planned again, once
-        # each, with the parameters pinned where they are (_agree_on_plan), as a later mode is
         agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self._timeout)
         # the outputs and precision policy given, else those of the plan given (_options_of)
         graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None,
                         self._options.outputs, mp_policy=self._options.mp_policy, autocast=autocast)
-        plan = self._agree_on_plan(graph)
+        # other shapes (a ragged last batch, an eval batch) take the layout planned for this mode
+        # where every node's is still legal, else are planned again with the parameters pinned
+        # where they are (_agree_on_plan), as a later mode is; once each
+        plan = self._reused(graph, key) or self._agree_on_plan(graph)
         if not self._distributed:
             self._distribute(plan, graph)
         program = lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap)
@@ -414,6 +416,15 @@ class ParallelModule(nn.Module):
         self._bound_collectives()
         self._programs[key] = _Program(program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
+
+    def _reused(self, graph: Graph, key: tuple) -> Optional[Plan]:
+        """The layout of the first program of this mode (and autocast) for ``graph``, captured for
+        new shapes, where it is still legal (``planner.reuse``); None where it is not, or there is
+        none. Every rank decides alike from the same plan and graph, so this sends nothing."""
+        training, autocast = key[0], key[3]
+        first = next((p.plan for k, p in self._programs.items()
+                      if k[0] == training and k[3] == autocast and p.plan.training == training), None)
+        return None if first is None else reuse(first, graph)
 
     def _bound_collectives(self):
         if self._timeout is not None:
