@@ -171,7 +171,8 @@ def test_plans_at_first_call_and_again_once_for_each_new_shape(world4):
 
 def shapes_case(name, pin):
     """Training batches of 8 then a ragged 7, then eval batches of 16 and 4, against one device:
-    each error, and how each shape's program got its layout (planner.reuse)."""
+    each error, how each shape's program got its layout (planner.reuse), and how many nodes the
+    ragged batch's layout moves."""
     model, example = _make(name)
     ref = copy.deepcopy(model)
 
@@ -191,24 +192,27 @@ def shapes_case(name, pin):
     pm.eval(), ref.eval()
     for rows in (16, 4):
         errs.append(rel_err(pm(*batch(rows)), ref(*batch(rows))))
-    return errs, [p.plan.solver["status"] for p in pm._programs.values()]
+    plans = [p.plan for p in pm._programs.values()]
+    moved = sum(a.outputs != b.outputs for a, b in zip(plans[0].nodes.values(), plans[1].nodes.values()))
+    return errs, [p.solver["status"] for p in plans], moved
 
 
 # a layout legal on other sizes is reused (REUSED), uneven splits included (7 rows over 4 ranks);
-# one that is not is planned again: a batch split through the embedding, which takes no uneven
-# split, and the loss's view, which merges the batch with the sequence
-SHAPES = {"mlp, batch split": ("mlp", {"linear": ("S(0)",)}, "REUSED"),
-          "gpt, megatron": ("gpt", megatron_pins(["blocks.0.", "blocks.1."]), "REUSED"),
-          "gpt, batch split": ("gpt", {"add": ("S(0)",)}, "OPTIMAL")}
+# one that is not is planned again keeping what is: a batch split through the embedding, which
+# takes no uneven split, and the loss's two views, which merge the batch with the sequence, move
+SHAPES = {"mlp, batch split": ("mlp", {"linear": ("S(0)",)}, "REUSED", 0),
+          "gpt, megatron": ("gpt", megatron_pins(["blocks.0.", "blocks.1."]), "REUSED", 0),
+          "gpt, batch split": ("gpt", {"add": ("S(0)",)}, "OPTIMAL", 3)}
 
 
 @pytest.mark.parametrize("case", SHAPES)
 def test_other_shapes_reuse_the_layout_where_it_is_legal(world4, case):
-    name, pin, ragged = SHAPES[case]
-    for errs, statuses in world4.run(shapes_case, name, pin):
+    name, pin, ragged, moves = SHAPES[case]
+    for errs, statuses, moved in world4.run(shapes_case, name, pin):
         assert max(errs) <= 1e-5, errs
         # train 8, train 7, eval 16 (a new mode: planned, the parameters pinned), eval 4
         assert statuses == ["OPTIMAL", ragged, "OPTIMAL", "REUSED"], statuses
+        assert moved == moves
 
 
 class Difference(torch.nn.Module):

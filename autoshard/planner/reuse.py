@@ -6,9 +6,11 @@ order, of the same kinds and ops, each with as many outputs of as many dims; onl
 (``same_structure``). Every node then keeps its strategy, its inputs' and outputs' placements,
 where ``passes.annotate`` offers it for the new sizes: a split dim now smaller than its axes, a
 split that no longer divides where the op's rule takes no uneven split (``rules.uneven``), or a
-graph input that would be stored unevenly refuses it, and the caller plans afresh. A chunked
-conversion (``plan.schedule["chunks"]``) is kept where its linear's input still divides evenly
-into its chunks; the interleaved batch (``plan.schedule["interleave"]``) checks itself
+graph input that would be stored unevenly refuses it. Where one node's is refused the caller
+plans afresh, keeping the others' (their output placements pinned, ``Reuse.pins``): the solver
+then chooses only for the nodes refused and the conversions around them. A chunked conversion
+(``plan.schedule["chunks"]``) is kept where its linear's input still divides evenly into its
+chunks; the interleaved batch (``plan.schedule["interleave"]``) checks itself
 (``passes.interleave``).
 
 The plan made is the layout: nothing is priced for the new sizes. Its ``solver["status"]`` is
@@ -21,7 +23,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from autoshard import placement as pl
 from autoshard.ir import Graph
@@ -42,29 +44,39 @@ def same_structure(plan: Plan, graph: Graph) -> bool:
     return True
 
 
-def reuse(plan: Plan, graph: Graph) -> Optional[Plan]:
-    """``plan``'s layout for ``graph``, captured for other input shapes, or None where a node's
-    strategy is not legal for them (the module docstring)."""
+class Reuse(NamedTuple):
+    """What of a plan's layout holds for a graph of other sizes: the plan of it where all of it
+    does (else None), and the output placement of each node (parameters aside) whose strategy
+    still does, for a new plan to keep (``pin=`` by node name)."""
+    plan: Optional[Plan]
+    pins: dict
+
+
+def reuse(plan: Plan, graph: Graph) -> Reuse:
+    """``plan``'s layout for ``graph``, captured for other input shapes (the module docstring)."""
     start = time.perf_counter()
     if not same_structure(plan, graph):
-        return None
+        return Reuse(None, {})
     mesh = tuple(plan.mesh_shape)
     with warnings.catch_warnings():   # said once already, when the plan was made
         warnings.simplefilter("ignore", UnknownOpWarning)
         strategies = annotate(graph, mesh)
-    nodes = {}
+    nodes, pins = {}, {}
     for n in graph.nodes:
         old = plan.nodes[n.name]
-        if Strategy(tuple(old.in_placements()), tuple(old.out_placements())) not in strategies[n.name]:
-            return None
-        nodes[n.name] = dataclasses.replace(old, shapes=[m.shape for m in n.outputs], compute=0.0, comm=0.0)
+        if Strategy(tuple(old.in_placements()), tuple(old.out_placements())) in strategies[n.name]:
+            nodes[n.name] = dataclasses.replace(old, shapes=[m.shape for m in n.outputs], compute=0.0, comm=0.0)
+            if n.outputs and n.kind != "param":
+                pins[n.name] = tuple(old.outputs[0])
+    if len(nodes) < len(graph.nodes):
+        return Reuse(None, pins)
     chunks = [c for c in plan.schedule.get("chunks", ()) if _still_chunks(graph, nodes, mesh, *c)]
     inputs = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
-    return dataclasses.replace(
+    return Reuse(dataclasses.replace(
         plan, nodes=nodes, collectives=[], cost=math.nan, input_shapes=inputs, memory={}, breakdown={},
         schedule=dict(plan.schedule, chunks=chunks), mesh_candidates=[], _alternatives={}, _priced=None,
         solver={"status": REUSED, "from": [list(s) for s in plan.input_shapes],
-                "seconds": time.perf_counter() - start})
+                "seconds": time.perf_counter() - start}), pins)
 
 
 def _still_chunks(graph: Graph, nodes: dict, mesh: tuple, producer: str, consumer: str, k: int, dim: int) -> bool:
