@@ -11,11 +11,14 @@ plans afresh, keeping the others' (their output placements pinned, ``Reuse.pins`
 then chooses only for the nodes refused and the conversions around them. A chunked conversion
 (``plan.schedule["chunks"]``) is kept where its linear's input still divides evenly into its
 chunks; the interleaved batch (``plan.schedule["interleave"]``) checks itself
-(``passes.interleave``).
+(``passes.interleave``). The layout must also fit the plan's memory budget at the new sizes
+(``cost.memory.rank_memory``, every activation counted as kept: a recomputed block's saving is
+not deducted, so a layout that fits only by recomputing plans afresh).
 
 The plan made is the layout: nothing is priced for the new sizes. Its ``solver["status"]`` is
 ``REUSED`` and ``solver["from"]`` the input shapes it was planned for; its ``cost`` is NaN, its
-nodes' seconds 0, and it lists no collectives and no memory.
+nodes' seconds 0, it lists no collectives, and its ``memory`` is the bytes per rank checked
+against the budget.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import warnings
 from typing import NamedTuple, Optional
 
 from autoshard import placement as pl
+from autoshard.cost.memory import rank_memory
 from autoshard.ir import Graph
 from autoshard.passes.annotate import Strategy, UnknownOpWarning, annotate
 from autoshard.plan import Plan
@@ -61,19 +65,26 @@ def reuse(plan: Plan, graph: Graph) -> Reuse:
     with warnings.catch_warnings():   # said once already, when the plan was made
         warnings.simplefilter("ignore", UnknownOpWarning)
         strategies = annotate(graph, mesh)
-    nodes, pins = {}, {}
+    nodes, pins, choice = {}, {}, {}
     for n in graph.nodes:
         old = plan.nodes[n.name]
-        if Strategy(tuple(old.in_placements()), tuple(old.out_placements())) in strategies[n.name]:
+        strategy = Strategy(tuple(old.in_placements()), tuple(old.out_placements()))
+        if strategy in strategies[n.name]:
+            choice[n.name] = strategies[n.name].index(strategy)
             nodes[n.name] = dataclasses.replace(old, shapes=[m.shape for m in n.outputs], compute=0.0, comm=0.0)
             if n.outputs and n.kind != "param":
                 pins[n.name] = tuple(old.outputs[0])
     if len(nodes) < len(graph.nodes):
         return Reuse(None, pins)
+    budget = plan.memory.get("budget")
+    memory = dict(rank_memory(graph, strategies, choice, mesh, plan.training,
+                              plan.schedule.get("reshard_after_forward", False)), budget=budget)
+    if budget is not None and memory["total"] > budget:   # larger sizes: the planner finds what fits
+        return Reuse(None, pins)
     chunks = [c for c in plan.schedule.get("chunks", ()) if _still_chunks(graph, nodes, mesh, *c)]
     inputs = [graph.by_name[i].outputs[0].shape if graph.by_name[i].outputs else () for i in graph.user_inputs]
     return Reuse(dataclasses.replace(
-        plan, nodes=nodes, collectives=[], cost=math.nan, input_shapes=inputs, memory={}, breakdown={},
+        plan, nodes=nodes, collectives=[], cost=math.nan, input_shapes=inputs, memory=memory, breakdown={},
         schedule=dict(plan.schedule, chunks=chunks), mesh_candidates=[], _alternatives={}, _priced=None,
         solver={"status": REUSED, "from": [list(s) for s in plan.input_shapes],
                 "seconds": time.perf_counter() - start}), pins)
