@@ -36,6 +36,7 @@ from autoshard.planner.search import search
 from autoshard.planner.descend import lifted_starts, solve_mesh
 from autoshard.planner.progress import shown
 from autoshard.planner.recompute import AUTO
+from autoshard.planner.reuse import Reuse, reuse
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan
 from autoshard.planner.make import make_plan
@@ -294,6 +295,18 @@ def _options_of(plan: Optional[Plan], plan_kwargs: dict) -> PlanOptions:
     return dataclasses.replace(options, outputs=planned, mp_policy=policy)
 
 
+def _planned(graph: Graph, mesh: tuple, options: PlanOptions) -> str:
+    """The plan's JSON: the one kept on disk for these, else planned here and kept for the next
+    start (``autoshard.cache``)."""
+    name = cache.key(graph, mesh, options) if cache.directory() is not None else None
+    text = cache.load(name) if name else None
+    if text is None:
+        text = plan_graph(graph, mesh, options).to_json()
+        if name:
+            cache.save(name, text)
+    return text
+
+
 _MESHES: dict = {}   # (rank, device type, mesh shape) -> (default group, DeviceMesh, groups spanning axes)
 
 
@@ -414,13 +427,15 @@ class ParallelModule(nn.Module):
                 f"non-tensor arguments {list(consts)} differ from those the program was captured with "
                 f"{list(planned[2])}: they are constants of the traced graph. Call with the same "
                 "values, or parallelize a fresh copy of the model for these.")
-        # other shapes (a ragged last batch, an eval batch) are captured and planned again, once
-        # each, with the parameters pinned where they are (_agree_on_plan), as a later mode is
         agree.check_inputs(self._model, leaves, shapes, consts, self._distributed, self._timeout)
         # the outputs and precision policy given, else those of the plan given (_options_of)
         graph = capture(self._model, kwargs if not args and kwargs else args, kwargs if args else None,
                         self._options.outputs, mp_policy=self._options.mp_policy, autocast=autocast)
-        plan = self._agree_on_plan(graph)
+        # other shapes (a ragged last batch, an eval batch) take the layout planned for this mode
+        # where every node's is still legal, else are planned again keeping the nodes' whose is,
+        # and the parameters where they are (_agree_on_plan), as a later mode is; once each
+        kept = self._reused(graph, key)
+        plan = kept.plan or self._agree_on_plan(graph, kept.pins)
         if not self._distributed:
             self._distribute(plan, graph)
         program = lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap,
@@ -431,12 +446,23 @@ class ParallelModule(nn.Module):
         self._programs[key] = _Program(program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
 
+    def _reused(self, graph: Graph, key: tuple) -> Reuse:
+        """What of the layout of the first program of this mode (and autocast) still holds for
+        ``graph``, captured for new shapes (``planner.reuse``). Every rank decides alike from the
+        same plan and graph, so this sends nothing."""
+        training, autocast = key[0], key[3]
+        first = next((p.plan for k, p in self._programs.items()
+                      if k[0] == training and k[3] == autocast and p.plan.training == training), None)
+        return Reuse(None, {}) if first is None else reuse(first, graph)
+
     def _bound_collectives(self):
         if self._timeout is not None:
             set_collective_timeout(self._rank_mesh.all_groups(), self._timeout)
 
-    def _agree_on_plan(self, graph: Graph) -> Plan:
-        """Rank 0 plans and every rank takes its plan, so no two ranks can disagree."""
+    def _agree_on_plan(self, graph: Graph, kept: Optional[dict] = None) -> Plan:
+        """Rank 0 plans and every rank takes its plan, so no two ranks can disagree. ``kept``: the
+        output placements of the nodes whose layout still holds for these shapes (``Reuse.pins``),
+        kept where a plan with them exists."""
         training = self._model.training
         if self._plan is not None and training == self._plan.training and not self._programs:
             return self._plan
@@ -453,13 +479,13 @@ class ParallelModule(nn.Module):
                 elif not self._training_given:
                     options = dataclasses.replace(options, training=training)
                 mesh = tuple(self.device_mesh.shape)
-                name = cache.key(graph, mesh, options) if cache.directory() is not None else None
-                text = cache.load(name) if name else None
-                if text is None:   # planned here, and kept for the next start (autoshard.cache)
-                    text = plan_graph(graph, mesh, options).to_json()
-                    if name:
-                        cache.save(name, text)
-                msg[0] = ("ok", text)
+                text = None
+                if kept and self._distributed:
+                    try:
+                        text = _planned(graph, mesh, dataclasses.replace(options, pin={**kept, **options.pin}))
+                    except ValueError:   # none with them within the budget: the nodes' layouts are free
+                        text = None
+                msg[0] = ("ok", text or _planned(graph, mesh, options))
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
                 msg[0] = ("error", type(e).__name__, str(e))
         dist.broadcast_object_list(msg, src=0)

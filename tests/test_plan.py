@@ -289,6 +289,25 @@ def test_a_plan_for_other_shapes_is_refused():
         rewrite(graph, plan)
 
 
+def test_a_layout_is_reused_on_other_sizes_where_it_is_legal_and_fits():
+    from autoshard.passes.capture import capture
+    from autoshard.planner.reuse import reuse
+    model = MLP()
+    plan = autoshard.plan(model, (torch.randn(8, 32),), mesh=(4,), pin={"linear": ("S(0)",)},
+                          memory_budget=1e6)
+    again = reuse(plan, capture(model, (torch.randn(7, 32),))).plan   # 2, 2, 2, 1 rows: uneven, legal
+    assert again.solver["status"] == "REUSED" and again.solver["from"] == [[8, 32]]
+    assert again.nodes["linear"].shapes == [(7, 64)] and again.nodes["linear"].outputs == [("S(0)",)]
+    assert again.memory["total"] <= 1e6
+    # 3 rows over 4 ranks: one would hold none, so the split nodes are refused and the rest kept
+    refused = reuse(plan, capture(model, (torch.randn(3, 32),)))
+    assert refused.plan is None and "linear" not in refused.pins and refused.pins["x"] == ("B",)
+    # 4096 rows split alike would not fit the budget
+    assert reuse(plan, capture(model, (torch.randn(4096, 32),))).plan is None
+    # another model's graph (another structure) keeps nothing
+    assert reuse(plan, capture(GPT(), (torch.randint(0, 64, (8, 16)),))) == (None, {})
+
+
 def test_memory_per_rank_follows_storage():
     model, x = _meta(lambda: TwoLayer(1024, 4096), 64, 1024)
     n = 1024 * 4096 * 2 + 4096 + 1024
