@@ -136,10 +136,16 @@ def idiom_case(norm, mesh, how="policy", cast="to"):
             "dtypes": {str(p.dtype) for p in pm.parameters()} | {str(p.grad.dtype) for p in pm.parameters()}}
 
 
-CASES = [(norm, mesh) for norm in NORMS for mesh in ((4,), (2, 2))]
+MESHES = ((4,), (2, 2))
+CASES = [(norm, mesh) for norm in NORMS for mesh in MESHES]
 # the caller's autocast on the same idioms; and the probabilities cast with .bfloat16() and .half()
-AUTOCAST = [(norm, (2, 2), "autocast") for norm in NORMS] + [("meta_rmsnorm", (4,), "autocast")]
-CASTS = [("meta_rmsnorm", (2, 2), how, cast) for how in ("policy", "autocast") for cast in ("bfloat16", "half")]
+AUTOCAST = [(norm, mesh, "autocast") for norm in NORMS for mesh in MESHES]
+CASTS = [("meta_rmsnorm", mesh, how, cast) for mesh in MESHES for how in ("policy", "autocast")
+         for cast in ("bfloat16", "half")]
+HOWS = [(how,) for how in ("policy", "autocast")] + [(how, cast) for how in ("policy", "autocast")
+                                                     for cast in ("bfloat16", "half")]
+# at world 2 on (2,): both norms under the policy and autocast, the casts on Meta's
+WORLD2 = [(norm, *how) for norm in NORMS for how in HOWS if norm == "meta_rmsnorm" or len(how) == 1]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +155,7 @@ def results(world4):
 
 @pytest.fixture(scope="module")
 def results2(world2):
-    return {(norm, how): world2.run(idiom_case, norm, (2,), how) for norm in NORMS for how in ("policy", "autocast")}
+    return {(norm, *how): world2.run(idiom_case, norm, (2,), *how) for norm, *how in WORLD2}
 
 
 def _check(ranks):
@@ -173,7 +179,6 @@ def test_idiom_at_world_4(results, case):
     _check(results[case])
 
 
-@pytest.mark.parametrize("how", ("policy", "autocast"))
-@pytest.mark.parametrize("norm", list(NORMS))
-def test_idiom_at_world_2(results2, norm, how):
-    _check(results2[(norm, how)])
+@pytest.mark.parametrize("case", WORLD2, ids="-".join)
+def test_idiom_at_world_2(results2, case):
+    _check(results2[case])

@@ -134,7 +134,10 @@ def _packet(op) -> str:
 
 
 def _checkable(op) -> bool:
-    """Functional (writes no argument) and returns a tensor."""
+    """An aten overload (a higher-order op such as flex_attention has no OpInfo; its rule has its
+    cases in ``check.cases``), functional (writes no argument), returning a tensor."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
     schema = op._schema
     return not schema.is_mutable and any("Tensor" in str(r.type) for r in schema.returns)
 
