@@ -116,20 +116,14 @@ def run(args, root: str) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=4)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Any other option is examples/train.py's (--batch, --seq, --dim, ...).")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch", type=int, default=8, help="rows per rank per step")
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cluster", default="measure", help="autoshard's cluster: 'measure' (this machine) or a preset")
-    args = p.parse_args(argv)
+    ours, rest = p.parse_known_args(argv)
+    args = example.parse(rest)   # the model's and the data's options, as the example takes them
+    args.rounds, args.warmup = ours.rounds, ours.warmup
+    args.cluster = args.cluster or "measure"
     with tempfile.TemporaryDirectory() as root, LocalWorld(args.world, timeout_s=600.0) as group:
         out = group.run(run, args, root)[0]
     params = sum(q.numel() for q in example.build(args, "meta").parameters())
