@@ -210,6 +210,20 @@ def rank_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequen
     return _cut(shape, pl, mesh_shape, lambda sizes, a: sizes[coords[a]])
 
 
+def rank_start(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int], coords: Sequence[int],
+               dim: int) -> int:
+    """Where the chunk of ``dim`` that the rank at ``coords`` holds starts in the whole dim: the
+    axes that split it cut it in mesh order, each chunk as ``chunk_sizes`` cuts it (``_cut``)."""
+    start, size = 0, shape[dim]
+    for p, n, c in zip(pl, mesh_shape, coords):
+        if isinstance(p, Split) and p.dim == dim:
+            if p.groups > 1:
+                raise ValueError(f"dim {dim} split in {p.groups} blocks holds no one run of positions")
+            sizes = chunk_sizes(size, n)
+            start, size = start + sum(sizes[:c]), sizes[c]
+    return start
+
+
 def is_even(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
     """Whether every rank holds the same shape (each split divides its dim)."""
     out = list(shape)

@@ -156,6 +156,15 @@ def default_cases(seed: int = 0) -> list:
         is_causal=True, enable_gqa=True)
     add(aten.scaled_dot_product_attention.default, r(2, 4, 8, 16, dtype=torch.float32),
         r(2, 4, 8, 16, dtype=torch.float32), r(2, 4, 8, 16, dtype=torch.float32), is_causal=True)
+    # causal with the queries split on the sequence (the mask offset by the rank's first query):
+    # GQA, an explicit scale, masks combined with the causal one, fewer queries than keys
+    add(aten.scaled_dot_product_attention.default, r(2, 4, 8, 16), r(2, 1, 8, 16), r(2, 1, 8, 16),
+        is_causal=True, scale=0.3, enable_gqa=True)
+    add(aten.scaled_dot_product_attention.default, r(2, 4, 8, 16), r(2, 4, 8, 16), r(2, 4, 8, 16),
+        mask(8, 8) | torch.eye(8, dtype=torch.bool), 0.0, True)
+    add(aten.scaled_dot_product_attention.default, r(2, 4, 8, 16), r(2, 2, 8, 16), r(2, 2, 8, 16),
+        r(2, 1, 8, 8), is_causal=True, enable_gqa=True)
+    add(aten.scaled_dot_product_attention.default, r(1, 2, 8, 16), r(1, 2, 12, 16), r(1, 2, 12, 8), is_causal=True)
     add(aten.embedding.default, r(20, 16), ints(20, 4, 8))
     add(aten.embedding.default, r(20, 16), ints(20, 8))
     add(aten.embedding.default, r(20, 16), ints(20, 4, 8), 0)

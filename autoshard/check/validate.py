@@ -9,7 +9,8 @@ one mesh axis are simulated in this process:
 * the op runs on each rank's inputs through the rewriter's own lowering
   (``autoshard.passes.rewrite.LOWERINGS``: the size argument of view/reshape/_unsafe_view/expand
   and the sizes of unflatten become the local output shape, a mean left partial over a split dim is
-  scaled by 1/p, ...), executed eagerly instead of being emitted into a graph;
+  scaled by 1/p, causal attention on a part of the sequence masked from the rank's first query
+  on, ...), executed eagerly instead of being emitted into a graph;
 * the local outputs are checked to have the shape the output placement implies (``S(d)``: dim d
   divided by p; ``B``/``P``: the whole shape) and the whole dtype, then combined (``S(d)``: cat along
   d; ``B``: every rank must hold the same tensor; ``P``: sum) and compared with the op run on the
@@ -325,7 +326,8 @@ def _check_signature(target, args, kwargs, sig: Sig, p: int, seed, fx_args, fx_k
     for r in range(p):
         local_ins = [_local_input(t, q, p, pc, r) for t, q, pc in zip(ins, sig.inputs, pieces)]
         largs, lkwargs = _substitute(args, kwargs, local_ins)
-        low = rewrite.Lowering(_EagerGraph(), node, largs, lkwargs, in_pl, out_pl, in_shapes, out_shapes, (p,))
+        low = rewrite.Lowering(_EagerGraph(), node, largs, lkwargs, in_pl, out_pl, in_shapes, out_shapes, (p,),
+                               coords=(r,))
         try:
             out = lower(low)
         except Exception as e:  # noqa: BLE001 - a local op that cannot run is a wrong signature

@@ -261,6 +261,22 @@ def lower_flex(low: Lowering):
     return low.g.call_function(flex.bound(*mods), (q, k, v, tuple(block)[:-1], scale, options, score_bufs, mask_bufs))
 
 
+def lower_sdpa(low: Lowering):
+    """Causal attention with the queries split along the sequence and the keys and values whole
+    (rules.nn.sdpa, Llama 3's context parallelism): this rank's queries start partway along the
+    sequence, so the causal mask is offset by their first position (``runtime.causal_attention``)."""
+    seq = len(low.in_shapes[0]) - 2
+    if not low.arg(5, "is_causal", False) or pl.split_factor(low.in_pl[0], low.mesh_shape, seq) == 1:
+        return low.call()
+    if low.coords is None:
+        raise ValueError(f"node {low.node.name!r} is causal attention on a part of the sequence: "
+                         "rewrite(..., coords=) needs this rank's mesh coordinate")
+    start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
+    return low.g.call_function(runtime.causal_attention, (
+        *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p", 0.0), low.arg(6, "scale"),
+        low.arg(7, "enable_gqa", False), start))
+
+
 def default(low: Lowering):
     return low.call()
 
@@ -294,6 +310,7 @@ LOWERINGS = {
     aten.histc.default: lower_histc,
     aten.index.Tensor: lower_index,
     flex.FLEX: lower_flex,
+    aten.scaled_dot_product_attention.default: lower_sdpa,
 }
 # ops registered by a library once imported, by qualified name (rules.registry.RULES_BY_NAME)
 LOWERINGS_BY_NAME = {TRANSFORMERS_GROUPED_MM: lower_grouped_mm}

@@ -66,12 +66,12 @@ def sdpa(ctx: OpCtx):
         if has_mask:
             ins.append(_mask_placement(ctx.in_shapes[3], out, d))
         sigs.append(Sig(tuple(ins), (Split(d),)))
-    if not ctx.arg(5, "is_causal", False):
-        # query positions: each rank attends its own queries to every key
-        ins = [Split(len(q) - 2), B, B]
-        if has_mask:
-            ins.append(_mask_placement(ctx.in_shapes[3], out, nd - 2))
-        sigs.append(Sig(tuple(ins), (Split(nd - 2),)))
+    # query positions: each rank attends its own queries to every key, gathered whole; causal
+    # attention offsets its mask by the rank's first query (passes.rewrite.lower_sdpa)
+    ins = [Split(len(q) - 2), B, B]
+    if has_mask:
+        ins.append(_mask_placement(ctx.in_shapes[3], out, nd - 2))
+    sigs.append(Sig(tuple(ins), (Split(nd - 2),)))
     return sigs
 
 

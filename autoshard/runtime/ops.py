@@ -1,6 +1,6 @@
 """The ops whose local form differs from the global one: dropout drawn from the generator every
-rank shares, a mean cross-entropy over a split batch, and batch norm with the whole batch's
-statistics.
+rank shares, a mean cross-entropy over a split batch, batch norm with the whole batch's
+statistics, and causal attention on a run of the sequence's queries.
 """
 from __future__ import annotations
 
@@ -33,6 +33,22 @@ def dropout(x, p: float, train: bool, placement: tuple):
         if isinstance(q, pl.Split):
             noise = _slice(noise, n, m.coords[a], q.dim)
     return x * noise
+
+
+def causal_attention(q, k, v, attn_mask, dropout_p: float, scale, enable_gqa: bool, start: int):
+    """Causal attention of the queries at positions ``start``, ``start + 1``, ... of the sequence
+    to every key: query i sees keys j <= start + i (``is_causal`` on the local queries would mean
+    j <= i). An attention mask given is combined with that one, as ``is_causal`` combines it."""
+    rows = torch.arange(start, start + q.shape[-2], device=q.device)
+    seen = torch.arange(k.shape[-2], device=q.device) <= rows[:, None]
+    if attn_mask is None:
+        mask = seen
+    elif attn_mask.dtype == torch.bool:
+        mask = attn_mask & seen
+    else:
+        mask = attn_mask.masked_fill(~seen, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=False,
+                                          scale=scale, enable_gqa=enable_gqa)
 
 
 def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: float, axes: tuple,
