@@ -79,11 +79,13 @@ def test_mm_signatures_are_the_design_example():
                         "(P, B) -> P", "(B, P) -> P"}
 
 
-def test_attention_keeps_queries_whole_when_causal():
+def test_attention_splits_queries_on_the_sequence_keys_whole():
     q = torch.randn(2, 4, 8, 16)
     assert "(S(2), B, B) -> S(2)" in sigs(aten.scaled_dot_product_attention.default, q, q, q)
+    # causal too: the lowering offsets the mask by the rank's first query (rewrite.lower_sdpa)
     causal = sigs(aten.scaled_dot_product_attention.default, q, q, q, is_causal=True)
-    assert causal == ["(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)"]
+    assert causal == ["(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)", "(S(2), B, B) -> S(2)"]
+    assert sigs(aten.scaled_dot_product_attention.default, q, q, q, None, 0.1, True) == []   # dropout draws
     masked = sigs(aten.scaled_dot_product_attention.default, q, q, q, torch.randn(8, 8))
     assert "(S(1), S(1), S(1), B) -> S(1)" in masked and "(S(2), B, B, S(0)) -> S(2)" in masked
 
@@ -131,8 +133,10 @@ def test_validator_rejects_wrong_signatures():
     assert check(aten.mm.default, [x, w.t()], Sig((S(0), S(0)), (S(0),))) == "fail"     # op raises
     assert check(aten.mm.default, [x, w.t()], Sig((S(0), B), (S(1),))) == "fail"        # wrong out dim
     q = torch.randn(2, 4, 8, 16, dtype=torch.float64)
+    assert check(aten.scaled_dot_product_attention.default, [q, q, q], Sig((S(2), S(2), S(2)), (S(2),)),
+                 kwargs={"is_causal": True}) == "fail"                                  # keys cut too
     assert check(aten.scaled_dot_product_attention.default, [q, q, q], Sig((S(2), B, B), (S(2),)),
-                 kwargs={"is_causal": True}) == "fail"
+                 kwargs={"is_causal": True}) == "ok"                                    # mask offset
     assert check(aten.linear.default, [x, w, b], Sig((S(1), S(1), P), (P,))) == "ok"
 
 
