@@ -18,9 +18,15 @@ pytestmark = pytest.mark.long("inductor compiles each plan's regions, forward an
 TOL = 1e-5   # cases.rel_err: inductor's fused kernels reorder float sums, no more
 
 
+# the bookkeeping of a weight gradient made beside a dual step, which a compiled program leaves out
+# (passes.lower: each linear keeps its weight gradient in its own backward)
+WEIGHTS_LATER = {"pending", "weight_later", "linear_dw_later"}
+
+
 def _runtime_calls(program: str) -> list:
-    """The program's runtime calls in order (its collectives, their starts and waits)."""
-    return re.findall(r"autoshard_runtime_(\w+)\(", program)
+    """The program's runtime calls in order (its collectives, their starts and waits), but the
+    weight-later bookkeeping."""
+    return [c for c in re.findall(r"autoshard_runtime_(\w+)\(", program) if c not in WEIGHTS_LATER]
 
 
 def compiled_case(scheme):
@@ -29,6 +35,8 @@ def compiled_case(scheme):
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
     if scheme == "megatron":
         pin = autoshard.schemes.megatron(model, inputs, (dist.get_world_size(),))
+    elif scheme == "fsdp":
+        pin = autoshard.schemes.fsdp(model, inputs, (dist.get_world_size(),))
     else:   # data parallel: the batch split, every parameter whole
         pin = {"idx": ("S(0)",), "targets": ("S(0)",), **{n: ("B",) for n, _ in model.named_parameters()}}
     ref, eager = copy.deepcopy(model), copy.deepcopy(model)
@@ -47,10 +55,12 @@ def compiled_case(scheme):
     again = rel_err(pm(*inputs), ref(*inputs))   # after a step, the same compiled program
     return {"loss": (rel_err(losses[0], losses[2]), rel_err(losses[0], losses[1])), "grads": grads, "again": again,
             "programs": len(pm._programs), "compiled": pm.program.count("self.compiled_"),
-            "passes": pm.program.splitlines()[0], "calls": (_runtime_calls(pm.program), _runtime_calls(pe.program))}
+            "passes": pm.program.splitlines()[0], "calls": (_runtime_calls(pm.program), _runtime_calls(pe.program)),
+            "cuts": sorted(set(re.findall(r"autoshard_runtime_(\w+)\(", pm.program)) & {"weight_later", "linear_dw_later",
+                                                                                     "dropout"})}
 
 
-SCHEMES = ["dp", "megatron"]
+SCHEMES = ["dp", "megatron", "fsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +81,8 @@ def test_compiled_matches_eager_and_single_device(results, index):
         assert r["compiled"] >= 1 and r["passes"].endswith("compile"), r["passes"]
         # the collectives (their starts and waits) run eagerly, as many and in the same order
         assert r["calls"][0] == r["calls"][1]
+        # nothing cuts a region but a collective: no dropout that draws nothing, no weight-later linear
+        assert r["cuts"] == [], r["cuts"]
 
 
 def test_compile_is_checked():

@@ -146,6 +146,12 @@ def lower_pointwise_loss(low: Lowering):
 
 
 def lower_dropout(low: Lowering):
+    """A dropout that draws (p > 0, training) becomes ``runtime.dropout``; one that draws nothing
+    becomes its input itself, as aten's returns it (no copy, the gradient passed through): a
+    runtime call would cut the compiled regions around it (passes.compile) for nothing."""
+    p, train = low.arg(1, "p"), low.arg(2, "train")
+    if train is False or (isinstance(p, (int, float)) and p == 0):
+        return low.args[0]
     return low.g.call_function(runtime.dropout, (low.args[0], low.arg(1, "p"), low.arg(2, "train"),
                                                  pl.to_strings(low.in_pl[0])))
 

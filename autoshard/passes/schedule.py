@@ -55,7 +55,8 @@ PREFETCH_BYTES = 64 * 2**20   # gathered parameters held ahead of their use
 
 
 def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
-             prefetch_bytes: int = PREFETCH_BYTES, chunks=(), interleave: int = 1) -> fx.GraphModule:
+             prefetch_bytes: int = PREFETCH_BYTES, chunks=(), interleave: int = 1,
+             weights_later: bool = True) -> fx.GraphModule:
     """A new program with the parameter collectives of ``program`` scheduled; ``program`` is not
     changed. Its ``meta["joint_axes"]`` lists the axis sets whose groups the runtime must create
     (the rewriter's, and the gradient buckets'). ``chunks``: the conversions to overdecompose, as
@@ -63,7 +64,8 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     ``meta["chunked"]`` lists those it chunked. ``interleave``: how many chunks of the batch the
     ops that act on each sample alone run in, one after the other segment by segment
     (``plan.schedule["interleave"]``, ``passes.interleave``); the program's
-    ``meta["interleaved"]`` says how many ops it cut."""
+    ``meta["interleaved"]`` says how many ops it cut. ``weights_later=False`` leaves every linear's
+    weight gradient in its own backward (no ``linear_dw_later``: see ``_weight_grads_later``)."""
     g = fx.Graph()
     g.output(g.graph_copy(program.graph, {}))
     g, cut = interleave_batch(g, interleave, program.meta["mesh_shape"])
@@ -79,7 +81,8 @@ def schedule(program: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES,
     _prefetch_gathers(g, gathers, start, prefetch_bytes, program.meta["mesh_shape"], bucket_bytes)
     chunked = overdecompose(g, chunks)
     _start_steps_early(g, start)
-    _weight_grads_later(g)
+    if weights_later:
+        _weight_grads_later(g)
     g.lint()
     gm = fx.GraphModule(program, g, class_name="RankProgram")
     gm.meta.update(program.meta)
