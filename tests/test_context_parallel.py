@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import autoshard
 from autoshard.passes.capture import capture
 from cases import rel_err, run_each
+from models import RopeLlama
 
 
 class GqaAttention(nn.Module):
@@ -40,26 +41,12 @@ class GqaAttention(nn.Module):
                                            is_causal=True, enable_gqa=True)
         return x + self.wo(y.transpose(1, 2).reshape(b, t, d))
 
-class GqaLlama(nn.Module):
-    """A Llama-style decoder (RMSNorm, GQA attention with rotary embeddings, SwiGLU) and its loss."""
+class GqaLlama(RopeLlama):
+    """tests/models.py's Llama-style decoder (RMSNorm, SwiGLU, the loss) with GQA attention."""
 
     def __init__(self, vocab=64, d=32, heads=4, kv_heads=2, seq=16, layers=2, hidden=64):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
+        super().__init__(vocab, d, heads, seq, layers, hidden)
         self.attn = nn.ModuleList(GqaAttention(d, heads, kv_heads, seq) for _ in range(layers))
-        self.mlp_norm = nn.ModuleList(nn.RMSNorm(d) for _ in range(layers))
-        self.w1, self.w3 = (nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(layers)) for _ in range(2))
-        self.w2 = nn.ModuleList(nn.Linear(hidden, d, bias=False) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-        self.out = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx, targets):
-        h = self.emb(idx)
-        for attn, norm, w1, w3, w2 in zip(self.attn, self.mlp_norm, self.w1, self.w3, self.w2):
-            h = attn(h)
-            z = norm(h)
-            h = h + w2(F.silu(w1(z)) * w3(z))
-        return F.cross_entropy(self.out(self.norm(h)).flatten(0, 1), targets.flatten())
 
 
 def _model(seq=16, batch=2, device=None):
