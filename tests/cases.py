@@ -73,3 +73,14 @@ def plan_facts(plan) -> dict:
                              and any(p.startswith("S") for out in c.outputs for p in out)}),
             "sharded_params": sorted(n for n, p in plan.params.items() if any(q.startswith("S") for q in p)),
             "collectives": sorted({(c.kind, c.phase, c.axes) for c in plan.collectives})}
+
+
+def against_one_device(pm, ref, inputs) -> dict:
+    """Run a model that returns (loss, logits) parallelized (``pm``) and on one device (``ref``),
+    backward from each loss: the loss's, the logits' and every gradient's ``rel_err``."""
+    (loss, logits), (ref_loss, ref_logits) = pm(*inputs), ref(*inputs)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    return {"loss": rel_err(loss, ref_loss), "logits": rel_err(logits, ref_logits),
+            "grads": {n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()}}

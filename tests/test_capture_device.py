@@ -6,7 +6,7 @@ One small model holds the idioms a meta-device trace got wrong: a router under
 'meta'"), a branch on ``x.device.type``, a tensor made without ``device=`` (``torch.arange(n)``),
 and Falcon's indexing with a Python list, which torch.export lifts as a constant tensor (on meta it
 had no data: "Cannot copy out of meta tensor"). It plans, and trains exactly as on one device in a
-gloo group of 2, on the solver's plan and on two pinned ones; built on the meta device it still plans for 256 devices
+gloo group of 2, on the solver's plan and on two pinned ones, and in a group of 4 on (2, 2); built on the meta device it still plans for 256 devices
 with no memory for its weights."""
 import copy
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.passes.capture import capture
-from cases import run_each
+from cases import against_one_device, run_each
 
 D, VOCAB, BATCH, SEQ, EXPERTS = 16, 32, 4, 8, 4
 TOL = 1e-5
@@ -68,23 +68,13 @@ def test_a_meta_model_plans_with_no_memory_for_its_weights():
     assert all(p.device.type == "meta" for p in model.parameters())   # untouched
 
 
-def _err(got, want) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-
-
-def train_case(pin):
+def train_case(pin, mesh=(2,)):
     torch.manual_seed(0)
     model = DeviceMinded()
     ref = copy.deepcopy(model)
     ids, labels = inputs()
-    pm = autoshard.parallelize(model, (ids, labels), mesh=(2,), pin=pin)
-    (loss, logits), (ref_loss, ref_logits) = pm(ids, labels), ref(ids, labels)
-    loss.backward()
-    ref_loss.backward()
-    ref_params = dict(ref.named_parameters())
-    return {"loss": _err(loss, ref_loss), "logits": _err(logits, ref_logits),
-            "grads": {n: _err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+    pm = autoshard.parallelize(model, (ids, labels), mesh=mesh, pin=pin)
+    return {**against_one_device(pm, ref, (ids, labels)),
             "placed": {n: [tuple(q) for q in node.outputs] for n, node in pm.plan.nodes.items()
                        if n in ("index", "amax", "linear_1")}}
 
@@ -102,12 +92,34 @@ def trained(world2):
     return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS)}
 
 
+# on (2, 2): each pin over both axes alike, and the batch on one with the features on the other
+PLANS_2D = {"solver": None, "batch": {k: v * 2 for k, v in PLANS["batch"].items()},
+            "features": {k: v * 2 for k, v in PLANS["features"].items()},
+            "batch-features": {"index": ("S(0)", "B"), "amax": ("S(0)", "B"), "qkv.weight": ("B", "S(0)"),
+                               "router.weight": ("B", "S(0)"), "out.weight": ("B", "S(0)")}}
+
+
+@pytest.fixture(scope="module")
+def trained_2d(world4):
+    per_rank = world4.run(run_each, train_case, [(pin, (2, 2)) for pin in PLANS_2D.values()])
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS_2D)}
+
+
+@pytest.mark.parametrize("plan", PLANS_2D)
+def test_exact_against_one_device_on_two_axes(trained_2d, plan):
+    _exact(trained_2d[plan])
+
+
 @pytest.mark.parametrize("plan", PLANS)
 def test_exact_against_one_device(trained, plan):
-    for r, res in enumerate(trained[plan]):
+    _exact(trained[plan])
+    if plan == "batch":
+        assert trained[plan][0]["placed"]["index"] == [("S(0)",)], trained[plan][0]["placed"]
+
+
+def _exact(ranks):
+    for r, res in enumerate(ranks):
         assert "error" not in res, f"rank {r}: {res['error']}"
         assert res["loss"] < TOL and res["logits"] < TOL, res
         bad = {n: e for n, e in res["grads"].items() if e > TOL}
         assert not bad, f"rank {r}: gradients differ: {bad}"
-    if plan == "batch":
-        assert trained[plan][0]["placed"]["index"] == [("S(0)",)], trained[plan][0]["placed"]

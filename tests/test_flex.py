@@ -202,11 +202,11 @@ PLANS = {"solver": None, "batch": {"flex_attention": "S(0)"}, "heads": {"flex_at
 MASKS = ("causal", "document")
 
 
-def eval_case(mask, pin):
+def eval_case(mask, pin, mesh=None):
     model = inference_model()
     ref = copy.deepcopy(model)
     inputs = model_inputs(mask)
-    pm = autoshard.parallelize(model, inputs, training=False, pin=pin, cluster=SLOW, verbose=False)
+    pm = autoshard.parallelize(model, inputs, mesh=mesh, training=False, pin=pin, cluster=SLOW, verbose=False)
     with torch.no_grad():
         got, want = pm(*inputs), ref(*inputs)
     node = pm.plan.nodes["flex_attention"]
@@ -235,6 +235,29 @@ def test_exact_against_one_device(evaluated, mask, plan):
         assert ins == [("S(1)",)] * 3 + [("B",)] * (BLOCKS + (mask == "document"))
     if plan != "solver":
         assert outs == [(PLANS[plan]["flex_attention"],)] * 3
+
+
+# on two axes: the batch over both, and the batch on one axis with the heads on the other
+PLANS_2D = {"solver": None, "batch-batch": {"flex_attention": ("S(0)", "S(0)")},
+            "batch-heads": {"flex_attention": ("S(0)", "S(1)")}}
+
+
+@pytest.fixture(scope="module")
+def evaluated_2d(world4):
+    keys = [(mask, plan) for mask in MASKS for plan in PLANS_2D]
+    per_rank = world4.run(run_each, eval_case, [(mask, PLANS_2D[plan], (2, 2)) for mask, plan in keys])
+    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
+
+
+@pytest.mark.parametrize("plan", PLANS_2D)
+@pytest.mark.parametrize("mask", MASKS)
+def test_exact_against_one_device_on_two_axes(evaluated_2d, mask, plan):
+    for r, res in enumerate(evaluated_2d[mask, plan]):
+        assert "error" not in res, f"rank {r}: {res['error']}"
+        assert res["err"] < 1e-5, res
+        assert res["flex_in_program"]
+    if plan != "solver":
+        assert evaluated_2d[mask, plan][0]["placements"][1] == [PLANS_2D[plan]["flex_attention"]] * 3
 
 
 # ---- not replicated in a coverage report ----------------------------------------------------------

@@ -22,7 +22,7 @@ from autoshard.placement import B, P, Split
 from autoshard.rules import registry
 from autoshard.rules.moe import scatter_add_rows
 from autoshard.rules.registry import OpCtx, Sig
-from cases import run_each
+from cases import against_one_device, run_each
 
 aten = torch.ops.aten
 TOL = 1e-5
@@ -285,11 +285,6 @@ PLANS = {"solver": None, "pinned": PINNED}
 OPS = ("repeat", "repeat_interleave", "cumsum", "argsort", "new_zeros", "deterministic_scatter_add")
 
 
-def _err(got, want) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-
-
 def train_case(pin, mesh=(2,)):
     autoshard.rules.register(SCATTER, FACTORS, additive=(0,))   # this rank's rule table
     torch.manual_seed(0)
@@ -299,12 +294,7 @@ def train_case(pin, mesh=(2,)):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownOpWarning)
         pm = autoshard.parallelize(model, (ids, labels), mesh=mesh, pin=pin, cluster=SLOW)
-    (loss, logits), (ref_loss, ref_logits) = pm(ids, labels), ref(ids, labels)
-    loss.backward()
-    ref_loss.backward()
-    ref_params = dict(ref.named_parameters())
-    return {"loss": _err(loss, ref_loss), "logits": _err(logits, ref_logits),
-            "grads": {n: _err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+    return {**against_one_device(pm, ref, (ids, labels)),
             "unknown": sorted({str(w.message) for w in caught if issubclass(w.category, UnknownOpWarning)}),
             "placements": {n: ([tuple(q) for q in node.inputs], [tuple(q) for q in node.outputs])
                            for n, node in pm.plan.nodes.items() if n in OPS}}
