@@ -23,7 +23,8 @@ from autoshard.cost.compute import work
 from autoshard.passes.annotate import UnknownOpWarning, annotate
 from autoshard.passes.capture import CaptureError, capture
 from autoshard.placement import B, Split
-from autoshard.rules.flex import FLEX
+from autoshard.cost.price import Costs
+from autoshard.rules.flex import FLEX, density
 from autoshard.rules.registry import Sig
 from cases import rel_err, run_each
 
@@ -194,6 +195,49 @@ def test_priced_as_attention():
     flops, _ = work(FLEX, [q, k, k], [q, q[:3], q[:3]], 4)
     assert flops == 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM
     assert flops == work(aten.scaled_dot_product_attention.default, [q, k, k], [q], 4)[0]
+
+
+class Masked(nn.Module):
+    """One flex call on given q, k, v under a mask made in forward from ``mod``."""
+
+    def __init__(self, mod):
+        super().__init__()
+        self.mod = mod
+
+    def forward(self, q, k, v):
+        bs, heads, seq, _ = q.shape
+        return flex_attention(q, k, v, block_mask=create_block_mask(self.mod, None, None, seq, seq, device="cpu"))
+
+
+def flex_density(mod, seq: int) -> float:
+    graph = capture(Masked(mod), tuple(torch.randn(1, 2, seq, 8) for _ in range(3)))
+    return density(next(n.fx_node for n in graph.nodes if n.kind == "op" and n.target is FLEX))
+
+
+def test_the_blocks_a_mask_keeps():
+    """Of n x n blocks of 128, causal keeps n(n + 1)/2; a window of one block keeps the diagonal
+    and the one below it; a mask that reads a buffer (the document ids) counts whole."""
+    assert flex_density(causal, 256) == 3 / 4
+    assert flex_density(causal, 1024) == 36 / 64
+    assert flex_density(lambda b, h, i, j: (i >= j) & (i - j < 128), 1024) == 15 / 64
+    assert flex_density(lambda b, h, i, j: i >= 0, 512) == 1.0
+    graph = capture(inference_model(), model_inputs("document"))
+    assert density(next(n.fx_node for n in graph.nodes if n.kind == "op" and n.target is FLEX)) == 1.0
+
+
+def test_a_block_sparse_kernel_is_charged_the_blocks_kept():
+    """On a cluster whose kernel skips the masked blocks (a GPU's) causal attention of 8 x 8
+    blocks costs 36/64 of the dense op, forward and backward; on one that computes every score
+    (a CPU's, as ``autoshard.measure`` marks it) all of it."""
+    model = Masked(causal)
+    inputs = tuple(torch.randn(1, 4, 1024, 64, requires_grad=True) for _ in range(3))
+    graph = capture(model, inputs)
+    node = next(n for n in graph.nodes if n.kind == "op" and n.target is FLEX)
+    strat = annotate(graph, (1,))[node.name][0]
+    prices = {sparse: Costs(graph, (1,), SLOW.with_(block_sparse=sparse), True).node(node, strat)
+              for sparse in (True, False)}
+    assert prices[True].compute_fwd == pytest.approx(36 / 64 * prices[False].compute_fwd, rel=1e-6)
+    assert prices[True].compute_bwd == pytest.approx(36 / 64 * prices[False].compute_bwd, rel=1e-6)
 
 
 # ---- exact against one device in a gloo group of 2 --------------------------------------------------

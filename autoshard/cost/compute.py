@@ -67,8 +67,8 @@ FLOPS = {
     aten.addmm.default: _addmm_flops,
     aten.baddbmm.default: _addmm_flops,
     aten.scaled_dot_product_attention.default: _sdpa_flops,
-    # counted dense: a block-sparse mask (causal: about half the blocks) skips blocks on a GPU,
-    # while the CPU's kernel computes every score and masks it
+    # counted dense here; a cluster whose kernel skips the blocks a mask leaves out
+    # (``Cluster.block_sparse``, a GPU's) is charged the share kept (``rules.flex.density``)
     FLEX: _sdpa_flops,
     **{op: _conv_flops for op in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
                                   aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
@@ -107,50 +107,52 @@ def is_view(target) -> bool:
 FLOPS_BY_NAME = {"transformers::grouped_mm_fallback": _grouped_mm_flops}
 
 
-def work(target, in_shapes, out_shapes, itemsize: int) -> tuple:
-    """(FLOPs, or None for an op without a FLOP count; bytes its tensors hold) on one rank."""
+def work(target, in_shapes, out_shapes, itemsize: int, share: float = 1.0) -> tuple:
+    """(FLOPs, or None for an op without a FLOP count; bytes its tensors hold) on one rank;
+    ``share`` of the FLOPs where a block-sparse kernel skips the rest (``rules.flex.density``)."""
     moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
     fn = FLOPS.get(target) or FLOPS_BY_NAME.get(qualified_name(target))
-    return (fn(in_shapes, out_shapes[0] if out_shapes else ()) if fn else None), moved
+    return (share * fn(in_shapes, out_shapes[0] if out_shapes else ()) if fn else None), moved
 
 
-def work_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
+def work_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster, share: float = 1.0) -> float:
     """Seconds of the op's kernel on one rank with these local shapes: the roofline."""
-    flops, moved = work(target, in_shapes, out_shapes, itemsize)
+    flops, moved = work(target, in_shapes, out_shapes, itemsize, share)
     t_mem = moved / (cluster.efficiency * cluster.memory_bandwidth)
     if flops is None:
         return t_mem
     return max(flops / (cluster.efficiency * cluster.matmul_flops(itemsize)), t_mem)
 
 
-def timed_kernel(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster):
+def timed_kernel(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster, share: float = 1.0):
     """(forward, backward) seconds of the op's kernels at the rates its family was timed at on
     the cluster's machine (fp32, as they were timed), or None where it was not."""
     family = FAMILY.get(target)
     rates = cluster.kernel(family) if family and itemsize == 4 else None
     if rates is None:
         return None
-    flops, moved = work(target, in_shapes, out_shapes, itemsize)
+    flops, moved = work(target, in_shapes, out_shapes, itemsize, share)
     units = flops if family in FLOP_FAMILIES else moved
     return units / rates[0], units / rates[1]
 
 
-def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
-    """Forward seconds of one op on one rank with these local shapes: its kernel and its launch."""
+def op_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster, share: float = 1.0) -> float:
+    """Forward seconds of one op on one rank with these local shapes: its kernel and its launch
+    (``share``: as ``work``)."""
     if cluster.measured and is_view(target):
         return cluster.op_overhead
-    timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster)
-    kernel = timed[0] if timed else work_time(target, in_shapes, out_shapes, itemsize, cluster)
+    timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster, share)
+    kernel = timed[0] if timed else work_time(target, in_shapes, out_shapes, itemsize, cluster, share)
     return launched(kernel, cluster.op_overhead, cluster)
 
 
-def backward_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster) -> float:
+def backward_time(target, in_shapes, out_shapes, itemsize: int, cluster: Cluster, share: float = 1.0) -> float:
     """Backward seconds of one differentiable op: twice its kernel's (or as its family was timed),
     and one autograd node."""
     if cluster.measured and is_view(target):
         return cluster.backward_overhead
-    timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster)
-    kernel = timed[1] if timed else BACKWARD_FACTOR * work_time(target, in_shapes, out_shapes, itemsize, cluster)
+    timed = timed_kernel(target, in_shapes, out_shapes, itemsize, cluster, share)
+    kernel = timed[1] if timed else BACKWARD_FACTOR * work_time(target, in_shapes, out_shapes, itemsize, cluster, share)
     return launched(kernel, cluster.backward_overhead, cluster)
 
 

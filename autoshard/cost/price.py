@@ -20,6 +20,7 @@ from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, fir
 from autoshard.cost.step import PARTS, Cost
 from autoshard.inputs import WHOLE, arrival
 from autoshard.outputs import kept_split
+from autoshard.rules import flex
 from autoshard.rules.moe import computed_shapes, is_grouped_mm
 from autoshard.precision import CAST, grad_itemsize
 
@@ -53,6 +54,9 @@ class Costs:
         self.inputs = inputs   # how the user inputs arrive (autoshard.inputs)
         self.arrival = arrival(graph, self.mesh_shape, inputs)   # input -> the layout its rows arrive in
         self._conv: dict = {}
+        # FlexAttention's blocks its mask keeps, where the kernel skips the others
+        self._kept_blocks = {n.name: flex.density(n.fx_node) for n in graph.nodes
+                             if cluster.block_sparse and n.kind == "op" and n.target is flex.FLEX}
         self._node_costs: dict = {}   # (node's twin, id(strategy)) -> (strategy, Cost): ``node``
         self._twins: dict = {}        # node name -> the number of its ``_twin``
         self._twin_ids: dict = {}     # ``_twin`` -> its number
@@ -193,10 +197,11 @@ class Costs:
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
         ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
-        t = compute.op_time(node.target, ins, outs, itemsize, cluster)
+        share = self._kept_blocks.get(node.name, 1.0)
+        t = compute.op_time(node.target, ins, outs, itemsize, cluster, share)
         bwd = 0.0
         if self.training and node.requires_grad:
-            bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster)
+            bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster, share)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
         again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward

@@ -41,6 +41,8 @@ class Cluster:
     backward_overhead: float = 0.0   # seconds one autograd node costs in backward
     launch_hidden: bool = False      # the device runs one op's kernel while the host launches the next
                                      # (a GPU): an op costs the longer of its kernel and its launch, not both
+    block_sparse: bool = True        # a block-sparse kernel (FlexAttention's) skips the blocks its mask
+                                     # leaves out, as on a GPU; a CPU's computes every score
     collectives: tuple = ()          # ((kind, size, stride, alpha, beta[, points]), ...): t = alpha + ring
                                      # bytes / beta, or through the points ((ring bytes, seconds), ...)
     optimizer: tuple = ()            # AdamW's step: (seconds per step, per parameter tensor, per parameter byte)

@@ -217,6 +217,7 @@ def measure(base=None, *, name: Optional[str] = None, repeats: int = 1) -> Clust
         **figures)
     changes["collective_overhead"] = changes["op_overhead"]   # the runtime's Python around each call
     changes["launch_hidden"] = device.type != "cpu"   # a GPU's kernels run while the host launches on
+    changes["block_sparse"] = device.type != "cpu"    # and skip the blocks a mask leaves out
     if grouped:
         changes["gpus_per_node"] = figures_per_node = _ranks_per_host()
         if overall is not None and figures_per_node >= world:

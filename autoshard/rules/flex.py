@@ -142,6 +142,40 @@ def flex_attention(ctx: OpCtx):
     return sigs
 
 
+BLOCKS_SAMPLED = 256   # blocks per dim evaluated at most; longer sequences are sampled evenly
+
+
+def density(node: fx.Node) -> float:
+    """The share of (query block, key block) pairs the op's block mask keeps, where its mask mod
+    reads nothing but the indices (causal: about a half; a sliding window: its width over the
+    keys'): a block-sparse kernel computes only those. A block counts as kept when the mod keeps
+    any of its four corners, which is exact for masks bounded by lines (causal, windows, prefixes)
+    and an estimate otherwise. 1.0 where the mod reads buffers (a document mask: their values are
+    not known when planning) or cannot be evaluated here."""
+    _, _, _, _, block, _, _, _, mask_bufs = parts(node.args)
+    block = tuple(block)
+    mask_mod = module_of(block[-1]) if block else None
+    if mask_mod is None or mask_bufs or len(block) < 5 or not all(isinstance(x, int) for x in block[:2] + block[-3:-1]):
+        return 1.0
+    (length, keys), (q_block, kv_block) = block[:2], block[-3:-1]
+
+    def corners(size: int, step: int) -> torch.Tensor:
+        starts = torch.arange(0, size, step)
+        if len(starts) > BLOCKS_SAMPLED:
+            starts = starts[torch.linspace(0, len(starts) - 1, BLOCKS_SAMPLED).long()]
+        return torch.stack([starts, (starts + step - 1).clamp(max=size - 1)], 1)   # (blocks, 2)
+
+    q, kv = corners(length, q_block), corners(keys, kv_block)
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        with torch.no_grad():
+            kept = mask_mod(zero, zero, q.view(-1, 1, 2, 1), kv.view(1, -1, 1, 2))
+        kept = torch.as_tensor(kept).broadcast_to((len(q), len(kv), 2, 2))
+    except Exception:   # a mod this evaluation cannot run (fake tensors inside it, data-dependent code)
+        return 1.0
+    return float(kept.flatten(2).any(-1).float().mean())
+
+
 def bound(score_mod: fx.GraphModule, mask_mod: fx.GraphModule):
     """The op with its two mods bound, for a rank's program to call: a program's code can name a
     module only as an attribute of the program, which the passes after the rewriter rebuild."""
