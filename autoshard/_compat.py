@@ -3,7 +3,43 @@
 torch.utils._pytree flattens and rebuilds nested inputs and outputs exactly as torch.export saw
 them (ExportedProgram.call_spec holds its TreeSpecs); torch has no public equivalent yet.
 """
+import torch.utils._pytree as _pytree
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # noqa: F401
+
+
+def register_block_mask() -> None:
+    """Let a FlexAttention ``BlockMask`` be an input (torchtitan builds its masks outside the
+    model and passes them in): its tensors, and the tensors its mask mod closes over (a document
+    mask's ids), become leaves that torch.export takes as inputs and the program shares out; its
+    sizes and mod are the tree's context. BlockMask carries the flatten and unflatten functions
+    for this (``_flatten``, ``_unflatten``, ``_flatten_with_keys``), which this torch does not
+    register; a torch that registers them itself is left as it is."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return
+    if BlockMask in _pytree.SUPPORTED_NODES or not all(
+            hasattr(BlockMask, f) for f in ("_flatten", "_unflatten", "_flatten_with_keys")):
+        return
+    _pytree.register_pytree_node(BlockMask, BlockMask._flatten, BlockMask._unflatten,
+                                 flatten_with_keys_fn=BlockMask._flatten_with_keys,
+                                 serialized_type_name="torch.nn.attention.flex_attention.BlockMask")
+
+
+register_block_mask()
+
+
+def block_masks_closing_over_tensors(inputs) -> list:
+    """The BlockMasks among ``inputs`` whose mask mod closes over tensors (a document mask's
+    ids): torch.export lifts those as constants of the program and then refuses them."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return []
+    masks = [x for x in _pytree.tree_leaves(inputs, is_leaf=lambda x: isinstance(x, BlockMask))
+             if isinstance(x, BlockMask)]
+    return [m for m in masks if len(_pytree.tree_leaves(m)) > sum(
+        getattr(m, a, None) is not None for a in getattr(BlockMask, "_TENSOR_ATTRS", ()))]
 
 
 def thread_local_c10d():

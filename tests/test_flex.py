@@ -1,5 +1,5 @@
-"""FlexAttention (issue 32): ``flex_attention`` with a BlockMask built inside forward, as torchtitan
-builds its causal and document masks, captured; its rule (batch and heads split, each offered only
+"""FlexAttention (issue 32): ``flex_attention`` with a BlockMask built inside forward, or passed in
+as torchtitan passes its masks, captured; its rule (batch and heads split, each offered only
 where the score and mask mods read the row and head index in a way a rank's own index is right
 for), checked by the validator against the real op; priced; and a small model exact against one
 device in a gloo group of 2 under the solver's plan, one that splits the batch and one that splits
@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import autoshard
 from autoshard.check.cases import flex_case, flex_cases
@@ -54,7 +54,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seq, HEADS, HEAD_DIM).transpose(1, 2)
         k = self.wk(x).view(bs, seq, KV_HEADS, HEAD_DIM).transpose(1, 2)
         v = self.wv(x).view(bs, seq, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        if document_ids is None:
+        if isinstance(document_ids, BlockMask):   # made outside and passed in, as torchtitan does
+            mask = document_ids
+        elif document_ids is None:
             mask = create_block_mask(causal, None, None, seq, seq, device=x.device.type)
         else:
             def document(b, h, q_idx, kv_idx):
@@ -64,11 +66,17 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, seq, DIM))
 
 
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 96)
+
+
 def model_inputs(mask: str):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, SEQ, DIM, generator=g)
     if mask == "causal":
         return (x,)
+    if mask == "given":   # a sliding window's BlockMask, passed in
+        return x, create_block_mask(window, None, None, SEQ, SEQ, device="cpu")
     ends = torch.randint(1, SEQ, (BATCH, 3), generator=g).sort(1).values   # each row its own documents
     ids = (torch.arange(SEQ).view(1, SEQ, 1) >= ends.unsqueeze(1)).sum(-1)
     return x, ids
@@ -104,17 +112,28 @@ def test_capture(mask):
 
 
 def test_capture_says_what_to_change():
-    """A BlockMask handed in (torch registers no pytree node for it), and gradients on a CPU."""
+    """A BlockMask handed in whose mod closes over a tensor (torch.export makes it a constant and
+    then refuses it), and gradients on a CPU."""
     class Given(nn.Module):
         def forward(self, q, block_mask):
             return flex_attention(q, q, q, block_mask=block_mask)
 
-    q = torch.randn(1, 2, 128, 8)
-    mask = create_block_mask(causal, None, None, 128, 128, device="cpu")
+    def document_mask(ids):
+        return create_block_mask(lambda b, h, i, j: ids[b, i] == ids[b, j], 2, None, 128, 128, device="cpu")
+
+    q = torch.randn(2, 2, 128, 8)
     with pytest.raises(CaptureError, match="inside forward"):
-        capture(Given(), (q, mask))
+        capture(Given(), (q, document_mask(torch.arange(128).repeat(2, 1) // 50)))
     with pytest.raises(CaptureError, match=r"requires_grad_\(False\)"):
         capture(Attention(), model_inputs("causal"))
+
+
+def test_a_block_mask_passed_in_is_captured():
+    """Its tensors become inputs of the program (after x), its mod a subgraph the op calls."""
+    graph = capture(inference_model(), model_inputs("given"))
+    assert graph.user_inputs[0] == "x" and len(graph.user_inputs) == 1 + BLOCKS, graph.user_inputs
+    node = next(n for n in graph.nodes if n.kind == "op" and n.target is FLEX)
+    assert [v[0] for v in node.inputs[3:3 + BLOCKS]] == graph.user_inputs[1:]
 
 
 # ---- the rule, literally, and against the real op -------------------------------------------------
@@ -243,7 +262,7 @@ def test_a_block_sparse_kernel_is_charged_the_blocks_kept():
 # ---- exact against one device in a gloo group of 2 --------------------------------------------------
 
 PLANS = {"solver": None, "batch": {"flex_attention": "S(0)"}, "heads": {"flex_attention": "S(1)"}}
-MASKS = ("causal", "document")
+MASKS = ("causal", "document", "given")
 
 
 def eval_case(mask, pin, mesh=None):

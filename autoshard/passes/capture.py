@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from autoshard._compat import tag_checkpoint_regions
+from autoshard._compat import block_masks_closing_over_tensors, tag_checkpoint_regions, tree_map_only
 from autoshard.ir import Graph, Node, TensorMeta
 from autoshard.passes.functionalize import functionalize
 from autoshard.planner.progress import phase
@@ -45,12 +45,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - any failure inside export is the user's model
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "BlockMask" in first:   # torch registers no pytree node for it: export cannot take one in
-            cause = ("a FlexAttention BlockMask is passed in as an input, which torch.export cannot take. "
-                     "Build the mask inside forward, from the inputs it depends on: "
-                     "create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=x.device.type), with a "
-                     "document mask's ids passed in as a tensor that mask_mod indexes.")
-        elif "does not support backward on CPU" in first:
+        if "does not support backward on CPU" in first:
             cause = ("FlexAttention runs on the CPU in forward only, and the model's parameters require "
                      "gradients. Plan it for inference with model.requires_grad_(False) (and "
                      "training=False), or on a CUDA device.")
@@ -268,6 +263,13 @@ def capture(model: torch.nn.Module, example_inputs, extra_kwargs=None, outputs: 
     autocast dtype) are written in as casts (``autoshard.precision``); the caller's own autocast is
     off while tracing, so that those casts are made once."""
     args, kwargs = normalize_inputs(example_inputs)
+    if block_masks_closing_over_tensors((args, kwargs)):
+        raise CaptureError(
+            "a FlexAttention BlockMask is passed in whose mask_mod closes over tensors (a document mask's "
+            "ids, say), which torch.export cannot take: it makes them constants of the program. Pass "
+            "those tensors in as inputs and build the mask inside forward, create_block_mask(mask_mod, "
+            "B, H, Q_LEN, KV_LEN, device=x.device.type), or pass a mask whose mod reads only its indices "
+            "(causal, sliding windows).")
     device = run_device_type(model, (args, kwargs))
     if extra_kwargs:
         kwargs = dict(sorted({**kwargs, **extra_kwargs}.items()))
@@ -412,15 +414,13 @@ def _fake(mode: FakeTensorMode, shape, dtype, device: str) -> torch.Tensor:
 
 
 def _to_fake(x, mode: FakeTensorMode, device: str, floating=None):
-    """Fake tensors of ``x``'s shapes on ``device``; its floating tensors in ``floating`` when given."""
-    if isinstance(x, torch.Tensor):
-        dtype = floating if floating is not None and x.dtype.is_floating_point else x.dtype
-        return _fake(mode, x.shape, dtype, device)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_fake(v, mode, device, floating) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_fake(v, mode, device, floating) for k, v in x.items()}
-    return x
+    """Fake tensors of ``x``'s shapes on ``device``, wherever torch's pytree finds them (a
+    BlockMask's, and those its mask mod closes over: ``_compat.register_block_mask``); its
+    floating tensors in ``floating`` when given."""
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        dtype = floating if floating is not None and t.dtype.is_floating_point else t.dtype
+        return _fake(mode, t.shape, dtype, device)
+    return tree_map_only(torch.Tensor, fake, x)
 
 
 @contextlib.contextmanager
