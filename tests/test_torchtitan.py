@@ -212,3 +212,34 @@ def test_no_compute_runs_replicated(results, name, backend):
     assert not prep["compute_fallbacks"], prep["compute_fallbacks"]
     # what may run whole: the routing's sort and counts, and FlexAttention's mask making
     assert set(prep["replicated"]) <= CHEAP, prep["replicated"]
+
+
+# ---- torchtitan's document mask: its rule checked against the real op ------------------------------
+
+def _titan_document_case(p_rows=4):
+    """flex_attention with torchtitan's mask: ``and_masks`` (which starts from
+    ``b.new_ones((), dtype=torch.bool)``) of causal and its packed-document mask
+    (``q_idx <= doc_end_by_token[b, kv_idx]``)."""
+    from autoshard.check.cases import flex_case
+    seq = 128
+    at = torch.arange(seq)
+    starts = torch.tensor([[0, 20, 90], [0, 45, 128], [0, 70, 100], [0, 128, 128]][:p_rows])
+    end = (torch.searchsorted(starts, at.expand(p_rows, seq).contiguous(), right=True) - 1).clamp(max=2)
+    end = torch.gather(torch.cat([starts[:, 1:], torch.full((p_rows, 1), seq)], 1), 1, end) - 1
+
+    def mask(b, h, i, j, e):
+        return b.new_ones((), dtype=torch.bool) & (i >= j) & (i <= torch.ops.aten.index.Tensor(e, [b, j]))
+    qkv = [torch.randn(p_rows, 4, seq, 8, dtype=torch.float64) for _ in range(3)]
+    return flex_case(*qkv, mask, (end,), mask_b=p_rows)
+
+
+@pytest.mark.parametrize("p", (2, 4))
+def test_document_mask_splits_the_batch_and_validates(p):
+    from autoshard.check.validate import signatures, validate
+    from autoshard.placement import Split
+    op, args, kwargs = _titan_document_case()
+    sigs = signatures(op, args, kwargs)
+    assert any(s.inputs[0] == Split(0) for s in sigs), sigs   # the rows split, the doc ends with them
+    rep = validate([(op, args, kwargs)], p=p)
+    assert rep.ok, rep.format()
+    assert rep.per_op["flex_attention"] >= 2, rep.per_op
