@@ -165,6 +165,7 @@ def run_case(name, variant, layout, planned, reference) -> dict:
         loss, logits = pm(*inputs)
     res = {"loss": rel_err(loss, reference["loss"]), "tokens": rel_err(_token_losses(logits, inputs[2]),
                                                                         reference["tokens"])}
+    res["experts_calls"] = [ln for ln in pm.program.splitlines() if "autoshard_runtime_experts_grouped_mm(" in ln]
     res["grads"] = {}
     if training:
         loss.backward()
@@ -211,8 +212,11 @@ def test_matches_single_device(results, name, variant, layout):
             assert not bad, f"rank {r}: gradients differ: {bad}"
     plan = prep["plans"][layout]
     axis = LAYOUTS[layout][1]
-    if axis is not None:   # the experts held as pinned
+    if axis is not None:   # the experts held as pinned, their rows exchanged by all-to-all on that axis
         assert plan["experts"] == [tuple("S(0)" if a == axis else "B" for a in range(2))], plan["experts"]
+        calls = results["runs"][name, variant, layout][0]["experts_calls"]
+        assert len(calls) == 3 * sum(n.endswith("w1_EFD") for n in prep["reference"]["grads"]), calls
+        assert all(f", ({axis},), ({axis},), " in ln for ln in calls), calls
 
 
 @pytest.mark.parametrize("name,variant", MODELS, ids=_ids(MODELS))
