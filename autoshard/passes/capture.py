@@ -172,7 +172,10 @@ def retrace_vmap_regions(gm: fx.GraphModule, mode: FakeTensorMode) -> None:
         ext = list(dict.fromkeys(u for n in region for u in n.all_input_nodes if u not in inside))
         outs = [n for n in region if any(u not in inside for u in n.users)]
         sub = fx.Graph()
-        env = {u: sub.placeholder(f"in_{i}") for i, u in enumerate(ext)}
+        # an attribute the region reads (a mask mod's index spec) but export placed before it
+        env = {u: sub.get_attr(u.target) for u in ext if u.op == "get_attr"}
+        ext = [u for u in ext if u.op != "get_attr"]
+        env.update({u: sub.placeholder(f"in_{i}") for i, u in enumerate(ext)})
         for n in region:
             env[n] = sub.node_copy(n, env.__getitem__)
         sub.output(tuple(env[n] for n in outs))

@@ -78,11 +78,19 @@ def _indexing(gm: fx.GraphModule, node: fx.Node):
     return None
 
 
+# factories of a tensor like their first argument: they read its dtype and device, not its values
+# (``and_masks`` starts from ``b.new_ones((), dtype=torch.bool)``)
+_LIKE = (aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
+
+
 def _reads(gm: fx.GraphModule, index: fx.Node, buffers: list) -> Optional[dict]:
     """buffer placeholder -> the dim whose entries ``index`` picks, where the mod reads ``index``
-    in no way but that and reads each such buffer only at ``index`` on that dim; None otherwise."""
+    in no way but that (or for its dtype and device) and reads each such buffer only at ``index``
+    on that dim; None otherwise."""
     dims: dict = {}
     for use in index.users:
+        if use.op == "call_function" and use.target in _LIKE and use.args[0] is index and index not in use.args[1:]:
+            continue
         got = _indexing(gm, use)
         if got is None or got[0] not in buffers:
             return None
