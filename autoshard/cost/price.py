@@ -14,7 +14,7 @@ import torch
 
 from autoshard import placement as pl
 from autoshard.machine.cluster import Cluster
-from autoshard.cost import comm, compute, memory
+from autoshard.cost import attention, comm, compute, memory
 from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
@@ -198,12 +198,17 @@ class Costs:
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
         ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
         share = self._kept_blocks.get(node.name, 1.0)
-        t = compute.op_time(node.target, ins, outs, itemsize, cluster, share)
+        ring = attention.ring_axes(node, strat, mesh, metas[1].shape) if len(metas) > 1 else ()
+        computed = attention.whole_keys(ins, ring, mesh) if ring else ins   # every block of keys, in turn
+        t = compute.op_time(node.target, computed, outs, itemsize, cluster, share)
         bwd = 0.0
         if self.training and node.requires_grad:
-            bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster, share)
+            bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster, share)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
+        if ring:
+            blocking += attention.ring_comm(ins, itemsize, ring, mesh, self.links, t, bwd,
+                                            self.training and node.requires_grad)
         again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
         return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)
 

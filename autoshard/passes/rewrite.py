@@ -10,6 +10,7 @@ lowered by a small function from ``LOWERINGS``.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -268,10 +269,17 @@ def lower_flex(low: Lowering):
 
 
 def lower_sdpa(low: Lowering):
-    """Causal attention with the queries split along the sequence and the keys and values whole
-    (rules.nn.sdpa, Llama 3's context parallelism): this rank's queries start partway along the
-    sequence, so the causal mask is offset by their first position (``runtime.causal_attention``)."""
+    """Attention with the queries split along the sequence (rules.nn.sdpa, context parallelism).
+    Keys and values whole (Llama 3's form): causal attention offsets its mask by this rank's first
+    query (``runtime.causal_attention``). Keys and values split along the sequence too: they go
+    round the ring of the axes that split them (``runtime.ring_attention``), each block's first
+    key's position known from its coordinates."""
     seq = len(low.in_shapes[0]) - 2
+    kseq = len(low.in_shapes[1]) - 2
+    ring = tuple(a for a, q in enumerate(low.in_pl[1])
+                 if isinstance(q, pl.Split) and q.dim == kseq and low.mesh_shape[a] > 1)
+    if ring:
+        return _lower_ring(low, seq, kseq, ring)
     if not low.arg(5, "is_causal", False) or pl.split_factor(low.in_pl[0], low.mesh_shape, seq) == 1:
         return low.call()
     if low.coords is None:
@@ -281,6 +289,22 @@ def lower_sdpa(low: Lowering):
     return low.g.call_function(runtime.causal_attention, (
         *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p", 0.0), low.arg(6, "scale"),
         low.arg(7, "enable_gqa", False), start))
+
+
+def _lower_ring(low: Lowering, seq: int, kseq: int, ring: tuple):
+    if low.coords is None:
+        raise ValueError(f"node {low.node.name!r} is ring attention: rewrite(..., coords=) needs this rank's "
+                         "mesh coordinate")
+    starts = []
+    for at in itertools.product(*(range(low.mesh_shape[a]) for a in ring)):
+        coords = list(low.coords)
+        for a, c in zip(ring, at):
+            coords[a] = c
+        starts.append((tuple(coords), pl.rank_start(low.in_shapes[1], low.in_pl[1], low.mesh_shape, coords, kseq)))
+    causal = bool(low.arg(5, "is_causal", False))
+    q_start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
+    return low.g.call_function(runtime.ring_attention, (
+        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring))
 
 
 def default(low: Lowering):

@@ -1,0 +1,79 @@
+"""The price of ring attention (rules.nn.sdpa's keys and values split along the sequence,
+runtime.ring_attention): each rank attends its queries to every block of keys, so its compute is
+the all-gather form's; the blocks come round the ring, ``n - 1`` sends of this rank's keys and
+values in forward (n blocks over the ring axes), each started before the block it follows is
+computed, so a send costs only what that block's compute does not cover; in backward the same
+sends carry the keys' and values' gradients beside them, and one last send takes the gradients
+home, which nothing hides. Memory shrinks by itself: the keys and values the op keeps are its
+split inputs, priced as any input.
+
+    forward   sum over turns of max(0, send(kv) - block forward)
+    backward  sum over turns of max(0, send(kv) + send(dkv) - block backward) + send(dkv)
+
+A send on one axis costs the link's launch and one latency step and its bytes at the link's
+bandwidth.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoshard import placement as pl
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def ring_axes(node, strat, mesh_shape, key_shape) -> tuple:
+    """The mesh axes ``strat`` passes this attention's keys (of ``key_shape``) round: those that
+    split the keys' sequence dim; () for any other op or layout."""
+    if node.kind != "op" or node.target is not SDPA or len(strat.inputs) < 2:
+        return ()
+    kseq = len(key_shape) - 2
+    return tuple(a for a, q in enumerate(strat.inputs[1])
+                 if isinstance(q, pl.Split) and q.dim == kseq and mesh_shape[a] > 1)
+
+
+def whole_keys(ins: list, axes: tuple, mesh_shape) -> list:
+    """The local shapes the op computes on: the keys and values whole along the sequence."""
+    n = math.prod(mesh_shape[a] for a in axes)
+    out = list(ins)
+    for i in (1, 2):
+        s = list(out[i])
+        s[-2] *= n
+        out[i] = tuple(s)
+    return out
+
+
+def send_time(nbytes: float, link) -> float:
+    alpha, beta, overhead = link
+    return overhead + alpha + nbytes / beta
+
+
+def turns(axes: tuple, mesh_shape) -> list:
+    """The axis each send of the ring goes along (runtime.attention's odometer)."""
+    sizes = [mesh_shape[a] for a in axes]
+    count, out = [0] * len(sizes), []
+    for _ in range(math.prod(sizes) - 1):
+        i = len(sizes) - 1
+        while count[i] == sizes[i] - 1:
+            count[i] = 0
+            i -= 1
+        count[i] += 1
+        out.append(axes[i])
+    return out
+
+
+def ring_comm(ins: list, itemsize: int, axes: tuple, mesh_shape, links, fwd: float, bwd: float,
+              training: bool) -> float:
+    """Seconds of the ring's sends that its blocks' compute leaves exposed (``fwd``, ``bwd``: the
+    op's compute over all its blocks)."""
+    kv = (math.prod(ins[1]) + math.prod(ins[2])) * itemsize
+    steps = turns(axes, mesh_shape)
+    blocks = len(steps) + 1
+    out = sum(max(0.0, send_time(kv, links[a]) - fwd / blocks) for a in steps)
+    if training:
+        grads = (math.prod(ins[1]) + math.prod(ins[2])) * 4   # gradients accumulate in fp32
+        out += sum(max(0.0, send_time(kv, links[a]) + send_time(grads, links[a]) - bwd / blocks) for a in steps)
+        out += max(send_time(grads, links[a]) for a in axes)
+    return out
