@@ -240,3 +240,18 @@ def test_scheme_errors():
         schemes.context_parallel(model, inputs, (2,), axis=1)
     with pytest.raises(ValueError, match="cannot be split on dim 1"):
         schemes.context_parallel(model, inputs, (3,))
+
+
+def test_explain_says_which_form_and_why():
+    """``explain`` on an attention node names its form of context parallelism and prices the others
+    (each as the plan with only that node changed), with the pin that forces each."""
+    model, inputs = _model(seq=32768, batch=1, device="meta")
+    plan = autoshard.plan(model, inputs, mesh=(8,), verbose=False)
+    node = _attention_nodes(model, inputs)[0]
+    text = plan.explain(node)
+    assert plan.nodes[node].inputs == [("S(2)",)] * 3, text   # the ring's sends hide behind its blocks here
+    assert "attention: the keys and values passed round the ring" in text, text
+    gathered = next(line for line in text.splitlines() if "(Llama 3's all-gather form): +" in line)
+    assert "communication +" in gathered and "memory +" in gathered
+    assert "'(S(2)), (B), (B) -> (S(2))'" in gathered
+    assert "no split of the sequence: +" in text

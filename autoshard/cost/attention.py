@@ -34,6 +34,18 @@ def ring_axes(node, strat, mesh_shape, key_shape) -> tuple:
                  if isinstance(q, pl.Split) and q.dim == kseq and mesh_shape[a] > 1)
 
 
+def form(graph, node, strat, mesh_shape) -> str:
+    """How ``strat`` computes an attention node: "ring" (keys passed round), "allgather" (the
+    queries split along the sequence, keys whole there) or "" (no sequence split, or another op)."""
+    if node.kind != "op" or node.target is not SDPA or len(strat.inputs) < 3:
+        return ""
+    if ring_axes(node, strat, mesh_shape, graph.meta(node.inputs[1]).shape):
+        return "ring"
+    qseq = len(graph.meta(node.inputs[0]).shape) - 2
+    split = any(isinstance(q, pl.Split) and q.dim == qseq and n > 1 for q, n in zip(strat.inputs[0], mesh_shape))
+    return "allgather" if split else ""
+
+
 def whole_keys(ins: list, axes: tuple, mesh_shape) -> list:
     """The local shapes the op computes on: the keys and values whole along the sequence."""
     n = math.prod(mesh_shape[a] for a in axes)

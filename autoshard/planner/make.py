@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import NamedTuple, Optional
 
 from autoshard import placement as pl
-from autoshard.cost import comm, interleave
+from autoshard.cost import attention, comm, interleave
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.overlap import added, conversion_price, edge_overlap
 from autoshard.cost.step import Cost
@@ -262,7 +262,7 @@ def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
         for i, s in enumerate(strats):
             cost, mem = _local(graph, strategies, choice, costs, users, n, s)
             step = Cost(**{f: rest[f] + getattr(cost, f) for f in rest}).step
-            key = s.outputs
+            key = (s.outputs, attention.form(graph, n, s, costs.mesh_shape))   # attention: each form its own
             if i == chosen or key not in best or (step, mem) < best[key][:2]:
                 if best.get(key, (0, 0, None))[2] != chosen:
                     best[key] = (step, mem, i, cost)
@@ -276,12 +276,14 @@ def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
                     kept.append(v)
         kept.sort(key=lambda v: (v[0], v[1], v[2]))
         options = []
-        for step, mem, i, cost in [best[strats[chosen].outputs]] + kept:
+        mine = (strats[chosen].outputs, attention.form(graph, n, strats[chosen], costs.mesh_shape))
+        for step, mem, i, cost in [best[mine]] + kept:
             s = strats[i]
             memory = base_memory - here_mem + mem
             options.append({
                 "outputs": [list(pl.to_strings(p)) for p in s.outputs],
                 "inputs": [list(pl.to_strings(p)) for p in s.inputs],
+                **({"form": attention.form(graph, n, s, costs.mesh_shape)} if n.target is attention.SDPA else {}),
                 "step": step, "compute": cost.compute, "comm": cost.communication, "memory": mem,
                 "fits": budget is None or memory <= budget,
                 "collectives": _node_collectives(graph, strategies, choice, costs, users, n, s)})
