@@ -44,7 +44,7 @@ class GqaAttention(nn.Module):
         q, k = self.rope(q), self.rope(k)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=True)
-        return x + self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.wo(y.transpose(1, 2).reshape(b, t, -1))   # -1: tensor parallel holds a part of d
 
 class GqaLlama(RopeLlama):
     """tests/models.py's Llama-style decoder (RMSNorm, SwiGLU, the loss) with GQA attention."""
