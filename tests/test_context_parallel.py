@@ -97,7 +97,10 @@ def _assert_exact(res, pin):
         assert e <= 1e-5, (n, e)
     kv = tuple("B" if p == "S(2)" else p for p in pin)   # keys and values gathered whole
     assert res["attention"] == [([pin, kv, kv], [pin])] * 2
-    assert res["program"].count("autoshard_runtime_causal_attention(") == 2
+    # one axis splitting the sequence: causal work balanced (each rank a head and a tail of the
+    # queries); two: the mask offset alone
+    fn = "balanced_attention" if pin.count("S(2)") == 1 else "causal_attention"
+    assert res["program"].count(f"autoshard_runtime_{fn}(") == 2
 
 
 def test_world2_sequence_split_matches_single_device(world2):
@@ -127,7 +130,7 @@ def test_planner_splits_a_long_sequence_on_its_own():
 # ---- the scheme, both forms ---------------------------------------------------------------------
 
 RING = "autoshard_runtime_ring_attention("
-GATHERED = "autoshard_runtime_causal_attention("
+GATHERED = "autoshard_runtime_balanced_attention("   # one context axis: causal work balanced
 
 
 def scheme_case(mesh, form, fsdp=False, recompute="none"):

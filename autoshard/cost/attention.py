@@ -12,6 +12,13 @@ split inputs, priced as any input.
 
 A send on one axis costs the link's launch and one latency step and its bytes at the link's
 bandwidth.
+
+Causal attention with its queries' sequence split by one axis is balanced (runtime.attention):
+half the queries swapped with the partner rank, each half attending only the keys (or the ring's
+blocks) its positions see. Its slowest rank then computes (2p+1)/(4p) of the dense work with the
+keys whole ((p+1)/(2p) in the ring, by whole blocks), where unbalanced the last rank computes
+nearly all of it; the swap costs two exchanges of half the queries' bytes each way, forward and
+backward, which nothing hides.
 """
 from __future__ import annotations
 
@@ -44,6 +51,39 @@ def form(graph, node, strat, mesh_shape) -> str:
     qseq = len(graph.meta(node.inputs[0]).shape) - 2
     split = any(isinstance(q, pl.Split) and q.dim == qseq and n > 1 for q, n in zip(strat.inputs[0], mesh_shape))
     return "allgather" if split else ""
+
+
+def balance_axis(q_shape, q_pl, mesh_shape, causal: bool, masked: bool, dropout: float):
+    """The axis over which causal attention's work is balanced (the one axis that splits the
+    queries' sequence, into even halves on each rank), or None."""
+    seq = len(q_shape) - 2
+    axes = [a for a, q in enumerate(q_pl) if isinstance(q, pl.Split) and q.dim == seq and mesh_shape[a] > 1]
+    if len(axes) != 1 or not causal or masked or dropout:
+        return None
+    local = pl.local_shape(q_shape, q_pl, mesh_shape)
+    return axes[0] if local is not None and local[seq] % 2 == 0 else None
+
+
+def node_balance(graph, node, strat, mesh_shape):
+    """``balance_axis`` of an attention node in ``strat``; None for any other op."""
+    if node.kind != "op" or node.target is not SDPA or not strat.inputs:
+        return None
+    args, kwargs = node.fx_node.args, node.fx_node.kwargs
+    arg = lambda i, name, default: args[i] if len(args) > i else kwargs.get(name, default)
+    return balance_axis(graph.meta(node.inputs[0]).shape, strat.inputs[0], mesh_shape, arg(5, "is_causal", False),
+                        arg(3, "attn_mask", None) is not None, arg(4, "dropout_p", 0.0))
+
+
+def balanced_share(p: int, ring: bool) -> float:
+    """The slowest rank's share of the dense work once balanced."""
+    return (p + 1) / (2 * p) if ring else (2 * p + 1) / (4 * p)
+
+
+def swap_comm(ins: list, itemsize: int, link, training: bool) -> float:
+    """Seconds of the balancing swaps: half the queries and half the output, forward; their
+    gradients, backward."""
+    half = math.prod(ins[0]) * itemsize / 2
+    return (2 + 2 * training) * send_time(half, link)
 
 
 def whole_keys(ins: list, axes: tuple, mesh_shape) -> list:

@@ -206,6 +206,11 @@ class Costs:
             bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster, share)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
+        balance = attention.node_balance(self.graph, node, strat, mesh)
+        if balance is not None:   # causal work even: the slowest rank's share, and the swaps
+            share = attention.balanced_share(mesh[balance], bool(ring))
+            t, bwd = t * share, bwd * share
+            blocking += attention.swap_comm(ins, itemsize, self.links[balance], self.training and node.requires_grad)
         if ring:
             blocking += attention.ring_comm(ins, itemsize, ring, mesh, self.links, t, bwd,
                                             self.training and node.requires_grad)

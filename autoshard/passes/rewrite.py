@@ -20,7 +20,7 @@ from autoshard import placement as pl
 from autoshard.runtime import experts
 from autoshard import runtime
 from autoshard.convert import rank_sizes
-from autoshard.cost import comm
+from autoshard.cost import attention, comm
 from autoshard.outputs import WHOLE, kept_split
 from autoshard.runtime.outputs import to_dtensor
 from autoshard.passes.functionalize import SHARED_STORAGE, copied
@@ -280,6 +280,11 @@ def lower_sdpa(low: Lowering):
                  if isinstance(q, pl.Split) and q.dim == kseq and low.mesh_shape[a] > 1)
     if ring:
         return _lower_ring(low, seq, kseq, ring)
+    balance = _balance(low, seq)
+    if balance is not None:
+        return low.g.call_function(runtime.balanced_attention, (
+            *low.args[:3], low.arg(6, "scale"), low.arg(7, "enable_gqa", False),
+            pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq), *balance))
     if not low.arg(5, "is_causal", False) or pl.split_factor(low.in_pl[0], low.mesh_shape, seq) == 1:
         return low.call()
     if low.coords is None:
@@ -289,6 +294,19 @@ def lower_sdpa(low: Lowering):
     return low.g.call_function(runtime.causal_attention, (
         *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p", 0.0), low.arg(6, "scale"),
         low.arg(7, "enable_gqa", False), start))
+
+
+def _balance(low: Lowering, seq: int):
+    """(the partner's first query's position, the axis) where causal attention's work is balanced
+    (runtime.attention): causal, no mask, no dropout, the queries' sequence split by one axis
+    into even halves; None elsewhere."""
+    a = attention.balance_axis(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.arg(5, "is_causal", False),
+                               low.arg(3, "attn_mask") is not None, low.arg(4, "dropout_p", 0.0))
+    if a is None or low.coords is None:
+        return None
+    partner = list(low.coords)
+    partner[a] = low.mesh_shape[a] - 1 - partner[a]
+    return pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, partner, seq), a
 
 
 def _lower_ring(low: Lowering, seq: int, kseq: int, ring: tuple):
@@ -304,7 +322,7 @@ def _lower_ring(low: Lowering, seq: int, kseq: int, ring: tuple):
     causal = bool(low.arg(5, "is_causal", False))
     q_start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
     return low.g.call_function(runtime.ring_attention, (
-        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring))
+        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring, _balance(low, seq)))
 
 
 def default(low: Lowering):
