@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autoshard import _compat
 from autoshard.runtime.mesh import _mesh
 
 
@@ -143,73 +144,81 @@ def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_sta
     return _SwapHalf.apply(torch.cat(outs, -2), q.dim() - 2, partner)
 
 
-def _scores(q, k, scale, q_start, k_start, causal):
-    """(b, kv heads, group, q len, k len) scores in fp32, causal positions masked; None where the
-    block is all masked."""
-    tq, tk = q.shape[-2], k.shape[-2]
-    if causal and k_start > q_start + tq - 1:
+def _block_mask(first: int, n: int, k_start: int, m: int, causal: bool, device):
+    """(first row that sees the block, additive mask or None) of ``n`` queries from position
+    ``first`` against ``m`` keys from ``k_start``; None where no row sees the block."""
+    if not causal:
+        return 0, None
+    row = max(0, k_start - first)
+    if row >= n:
         return None
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal and k_start + tk - 1 > q_start:
-        rows = torch.arange(q_start, q_start + tq, device=q.device)
-        hidden = torch.arange(k_start, k_start + tk, device=q.device) > rows[:, None]
-        s = s.masked_fill(hidden, float("-inf"))
-    return s
+    if k_start + m - 1 <= first + row:   # every key seen by every row from ``row`` on
+        return row, None
+    rows = torch.arange(first + row, first + n, device=device)
+    hidden = torch.arange(k_start, k_start + m, device=device) > rows[:, None]
+    return row, torch.zeros(hidden.shape, device=device).masked_fill(hidden, float("-inf"))
 
 
 def _finite(x):
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
 
+def _heads(x, group: int):
+    """Key/value heads repeated for their group of query heads (the fused block wants equal heads)."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def _grouped(dx, group: int):
+    """A gradient of repeated key/value heads summed back to one per head."""
+    return dx if group == 1 else dx.unflatten(1, (-1, group)).sum(2)
+
+
 class _RingAttention(torch.autograd.Function):
     """``segments``: (first row, rows, first position) of each run of this rank's queries that lies
-    contiguous in the sequence; each attends only the blocks its positions see."""
+    contiguous in the sequence; each attends only the blocks (and rows only the keys) its
+    positions see. Blocks are computed in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, segments, k_starts, axes):
         ring = _Ring(axes)
-        b, h, tq, e = q.shape
-        hk = k.shape[1]
-        qg = q.float().reshape(b, hk, h // hk, tq, e)
-        outs = [torch.zeros(b, hk, h // hk, n, v.shape[-1], dtype=torch.float32, device=q.device) for _, n, _ in segments]
-        lses = [torch.full((b, hk, h // hk, n), float("-inf"), dtype=torch.float32, device=q.device)
-                for _, n, _ in segments]
+        group = q.shape[1] // k.shape[1]
+        qf = q.float()
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         held, kv = ring.coords, (k, v)
         turns = ring.turns()
         for i in range(len(turns) + 1):
             works = ()
             if i < len(turns):   # the next block on its way while this one is computed
                 nxt, works = ring.start_shift(kv, turns[i])
-            kf, vf = kv[0].float(), kv[1].float().unsqueeze(2)
-            for j, (row, n, first) in enumerate(segments):
-                s = _scores(qg.narrow(3, row, n), kf, scale, first, k_starts[held], causal)
-                if s is None:
+            kf, vf = _heads(kv[0].float(), group), _heads(kv[1].float(), group)
+            for row, n, first in segments:
+                seen = _block_mask(first, n, k_starts[held], kf.shape[-2], causal, q.device)
+                if seen is None:
                     continue
-                blk = torch.logsumexp(s, -1)
-                o = torch.matmul(torch.exp(s - _finite(blk)[..., None]), vf)
-                new = torch.logaddexp(lses[j], blk)
+                r0, mask = seen
+                rows = slice(row + r0, row + n)
+                o, blk = _compat.attention_block(qf[:, :, rows], kf, vf, scale, mask)
+                new = torch.logaddexp(lse[:, :, rows], blk)
                 safe = _finite(new)
-                outs[j] = outs[j] * torch.exp(lses[j] - safe)[..., None] + o * torch.exp(blk - safe)[..., None]
-                lses[j] = new
+                out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None] \
+                    + o * torch.exp(blk - safe)[..., None]
+                lse[:, :, rows] = new
             for w in works:
                 w.wait()
             if i < len(turns):
                 kv, held = tuple(nxt), ring.moved(held, turns[i], -1)
-        out, lse = torch.cat(outs, 3), torch.cat(lses, 3)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, causal, segments, k_starts, ring)   # backward runs outside the mesh's call
-        return out.reshape(b, h, tq, -1).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal, segments, k_starts, ring = ctx.args
-        b, h, tq, e = q.shape
-        hk = k.shape[1]
-        qg = q.float().reshape(b, hk, h // hk, tq, e)
-        do = grad.float().reshape(out.shape)
-        rowdot = (do * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qg)
+        group = q.shape[1] // k.shape[1]
+        qf, do = q.float(), grad.float().contiguous()
+        dq = torch.zeros_like(qf)
         held, kv = ring.coords, (k, v)
         dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                torch.zeros(v.shape, dtype=torch.float32, device=v.device))
@@ -218,19 +227,18 @@ class _RingAttention(torch.autograd.Function):
             works = ()
             if i < len(turns):   # the next keys and values on their way; the gradients follow them
                 nxt, works = ring.start_shift(kv, turns[i])
-            kf, vf = kv[0].float().unsqueeze(2), kv[1].float().unsqueeze(2)
+            kf, vf = _heads(kv[0].float(), group), _heads(kv[1].float(), group)
             for row, n, first in segments:
-                qs = qg.narrow(3, row, n)
-                s = _scores(qs, kv[0].float(), scale, first, k_starts[held], causal)
-                if s is None:
+                seen = _block_mask(first, n, k_starts[held], kf.shape[-2], causal, q.device)
+                if seen is None:
                     continue
-                p = torch.exp(s - _finite(lse.narrow(3, row, n))[..., None])
-                dos = do.narrow(3, row, n)
-                dv = torch.matmul(p.transpose(-1, -2), dos).sum(2)
-                ds = p * (torch.matmul(dos, vf.transpose(-1, -2)) - rowdot.narrow(3, row, n))
-                dq.narrow(3, row, n).add_(torch.matmul(ds, kf) * scale)
-                dk = torch.matmul(ds.transpose(-1, -2), qs).sum(2) * scale
-                dkv = (dkv[0] + dk, dkv[1] + dv)
+                r0, mask = seen
+                rows = slice(row + r0, row + n)
+                dqb, dk, dv = _compat.attention_block_backward(
+                    do[:, :, rows], qf[:, :, rows].contiguous(), kf, vf, out[:, :, rows].contiguous(),
+                    lse[:, :, rows].contiguous(), scale, mask)
+                dq[:, :, rows] += dqb
+                dkv = (dkv[0] + _grouped(dk, group), dkv[1] + _grouped(dv, group))
             for w in works:
                 w.wait()
             if i < len(turns):
@@ -239,7 +247,7 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
                 kv, held = tuple(nxt), ring.moved(held, turns[i], -1)
         dk, dv = ring.send_home(dkv, held)
-        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q, k, v, scale, causal: bool, q_start: int, k_starts: tuple, axes: tuple, balance=None):
