@@ -247,7 +247,8 @@ def test_scheme_errors():
 
 def test_explain_says_which_form_and_why():
     """``explain`` on an attention node names its form of context parallelism and prices the others
-    (each as the plan with only that node changed), with the pin that forces each."""
+    (each as the plan with only that node changed), with the pin that forces each; ``formula``
+    gives the plan's step."""
     model, inputs = _model(seq=32768, batch=1, device="meta")
     plan = autoshard.plan(model, inputs, mesh=(8,), verbose=False)
     node = _attention_nodes(model, inputs)[0]
@@ -258,3 +259,6 @@ def test_explain_says_which_form_and_why():
     assert "communication +" in gathered and "memory +" in gathered
     assert "'(S(2)), (B), (B) -> (S(2))'" in gathered
     assert "no split of the sequence: +" in text
+    # the plan's formula prices the ring and the balancing as the solver did
+    expr, values = plan.formula()
+    assert abs(float(expr.subs(values)) - plan.cost) <= 1e-9 * plan.cost
