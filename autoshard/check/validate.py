@@ -218,7 +218,7 @@ class _EagerGraph:
 
 
 # the lowerings whose local form needs a process group
-def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig, p: int = 2) -> Optional[str]:
+def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
     if target in (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default):
         return "dropout draws from the generator all ranks share (runtime.dropout)"
     if count_axes(target, fx_args, fx_kwargs, [(q,) for q in sig.inputs]):
@@ -231,12 +231,6 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig, p: int = 2) -> Option
     if target == aten.scaled_dot_product_attention.default and len(sig.inputs) > 1 and \
             sig.inputs[1] == Split(fx_args[1].meta["val"].dim() - 2):
         return "ring attention passes the keys and values round the ranks (runtime.ring_attention)"
-    if target == aten.scaled_dot_product_attention.default and sig.inputs:
-        q = fx_args[0].meta["val"]
-        causal = fx_kwargs.get("is_causal", fx_args[5] if len(fx_args) > 5 else False)
-        mask = fx_kwargs.get("attn_mask", fx_args[3] if len(fx_args) > 3 else None)
-        if sig.inputs[0] == Split(q.dim() - 2) and causal and mask is None and (q.shape[-2] // p) % 2 == 0:
-            return "balanced causal attention swaps half its queries between ranks (runtime.balanced_attention)"
     if sig.inputs and any(batch_norm_axes(target, fx_args, fx_kwargs, (sig.inputs[0],))):
         return ("batch norm in training gathers the statistics of a split batch, or the running-statistics "
                 "update of split channels (runtime.batch_norm_train)")
@@ -319,7 +313,7 @@ def _check_signature(target, args, kwargs, sig: Sig, p: int, seed, fx_args, fx_k
     for t, q in list(zip(ins, sig.inputs)) + list(zip(outs, sig.outputs)):
         if not pl.is_valid(tuple(t.shape), (q,), (p,), _floating(t)):
             return "n/a", ""
-    why = _runtime_lowered(target, fx_args, fx_kwargs, sig, p)
+    why = _runtime_lowered(target, fx_args, fx_kwargs, sig)
     if why:
         return "skip", why
 

@@ -18,7 +18,9 @@ half the queries swapped with the partner rank, each half attending only the key
 blocks) its positions see. Its slowest rank then computes (2p+1)/(4p) of the dense work with the
 keys whole ((p+1)/(2p) in the ring, by whole blocks), where unbalanced the last rank computes
 nearly all of it; the swap costs two exchanges of half the queries' bytes each way, forward and
-backward, which nothing hides.
+backward, which nothing hides. It is done where it pays: where the compute it saves the slowest
+rank exceeds the swaps (``balance_pays``); the plan lists those nodes
+(``plan.schedule["balanced_attention"]``) and the rewriter balances them.
 """
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ def node_balance(graph, node, strat, mesh_shape):
 def balanced_share(p: int, ring: bool) -> float:
     """The slowest rank's share of the dense work once balanced."""
     return (p + 1) / (2 * p) if ring else (2 * p + 1) / (4 * p)
+
+
+def balance_pays(fwd: float, bwd: float, share: float, swap: float) -> bool:
+    """Whether balancing saves more compute (``fwd``, ``bwd``: unbalanced) than its swaps cost."""
+    return (fwd + bwd) * (1 - share) > swap
 
 
 def swap_comm(ins: list, itemsize: int, link, training: bool) -> float:

@@ -41,10 +41,11 @@ class Lowering:
     chosen placements, and the captured graph."""
 
     def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape, graph=None,
-                 coords=None):
+                 coords=None, balanced=frozenset()):
         self.g, self.node, self.args, self.kwargs, self.graph = g, node, args, kwargs, graph
         self.in_pl, self.out_pl, self.in_shapes, self.out_shapes = in_pl, out_pl, in_shapes, out_shapes
         self.mesh_shape, self.coords = mesh_shape, coords
+        self.balanced = balanced   # attention nodes whose causal work the plan balances
 
     def local_out(self, i=0):
         return list(_rank_shape(self.out_shapes[i], self.out_pl[i], self.mesh_shape, self.coords))
@@ -297,9 +298,11 @@ def lower_sdpa(low: Lowering):
 
 
 def _balance(low: Lowering, seq: int):
-    """(the partner's first query's position, the axis) where causal attention's work is balanced
-    (runtime.attention): causal, no mask, no dropout, the queries' sequence split by one axis
-    into even halves; None elsewhere."""
+    """(the partner's first query's position, the axis) where the plan balances causal
+    attention's work (``plan.schedule["balanced_attention"]``, runtime.attention): causal, no
+    mask, no dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
+    if low.node.name not in low.balanced:
+        return None
     a = attention.balance_axis(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.arg(5, "is_causal", False),
                                low.arg(3, "attn_mask") is not None, low.arg(4, "dropout_p", 0.0))
     if a is None or low.coords is None:
@@ -426,6 +429,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
     regather = plan.training and plan.schedule.get("reshard_after_forward", False)
     kept = kept_split(graph, plan.schedule.get("outputs", WHOLE))
+    balanced = frozenset(plan.schedule.get("balanced_attention", ()))
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
     converted: dict = {}    # (Value, placement) -> fx node
@@ -501,7 +505,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
             g.output(args[0])
             continue
         low = Lowering(g, node, args, kwargs, ins, outs, [graph.meta(v).shape for v in node.inputs],
-                       [m.shape for m in node.outputs], mesh, graph, coords)
+                       [m.shape for m in node.outputs], mesh, graph, coords, balanced)
         out = lowering_for(node.target)(low)
         if len(node.outputs) > 1 or isinstance(node.fx_node.meta.get("val"), (tuple, list)):
             for i in range(len(node.outputs)):

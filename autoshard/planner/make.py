@@ -113,7 +113,10 @@ def make_plan(graph, strategies, solution, costs, *, budget: Optional[float] = N
     plan = Plan(tuple(mesh), nodes, params, colls, total.step - saved, costs.training, costs.cluster, solver,
                 input_shapes, memory, parts,
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
-                 "chunks": chunks, "interleave": k, "precision": graph.precision},
+                 "chunks": chunks, "interleave": k, "precision": graph.precision,
+                 # causal attention whose work is balanced (cost.attention: where it pays)
+                 "balanced_attention": [n.name for n in graph.nodes if n.kind == "op" and n.target is attention.SDPA
+                                        and costs.balances(n, strategies[n.name][solution.choice[n.name]])]},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {},
                 arrival={name: pl.to_strings(p) for name, p in costs.arrival.items()},
                 _priced=Priced(graph, strategies, solution.choice, costs, total))   # for the alternatives, on demand

@@ -284,7 +284,7 @@ class _Pricer:
         t = q(moved) / (self.efficiency * self.memory_bandwidth)
         if flops is not None:
             t = larger(q(flops) / (self.efficiency * self.peak(itemsize)), t)
-        balance = attention.node_balance(self.graph, n, strat, self.mesh_values)
+        balance = attention.node_balance(self.graph, n, strat, self.mesh_values) if costs.balances(n, strat) else None
         if balance is not None:
             t = t * q(attention.balanced_share(self.mesh_values[balance], bool(ring)))
         train = costs.training and n.requires_grad
