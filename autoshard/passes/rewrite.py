@@ -301,7 +301,7 @@ def _balance(low: Lowering, seq: int):
     """(the partner's first query's position, the axis) where the plan balances causal
     attention's work (``plan.schedule["balanced_attention"]``, runtime.attention): causal, no
     mask, no dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
-    if low.node.name not in low.balanced:
+    if not low.balanced or low.node.name not in low.balanced:
         return None
     a = attention.balance_axis(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.arg(5, "is_causal", False),
                                low.arg(3, "attn_mask") is not None, low.arg(4, "dropout_p", 0.0))
