@@ -277,6 +277,7 @@ def test_explain_says_which_form_and_why():
     assert "communication +" in gathered and "memory +" in gathered
     assert "'(S(2)), (B), (B) -> (S(2))'" in gathered
     assert "no split of the sequence: +" in text
+    assert "causal work balanced: each rank swaps half its queries" in text
     # the plan's formula prices the ring and the balancing as the solver did
     expr, values = plan.formula()
     assert abs(float(expr.subs(values)) - plan.cost) <= 1e-9 * plan.cost

@@ -116,6 +116,11 @@ def _attention(plan, name, n, chosen, others) -> list:
     axes = [a for a, p in enumerate(chosen["inputs"][0]) if p == f"S({seq})" and plan.mesh_shape[a] > 1]
     out = [f"attention: {FORMS[chosen['form']]}"
            + (f"; the queries split along the sequence on axes {fmt_axes(axes)}" if axes else "")]
+    if name in plan.schedule.get("balanced_attention", ()):
+        out.append("  causal work balanced: each rank swaps half its queries with its mirror rank and holds a head "
+                   "and a tail of the sequence (priced in, the swaps costing less than the compute they save)")
+    elif len(axes) == 1:
+        out.append("  causal work not balanced: the swaps would cost more than the compute they save")
     for form in ("allgather", "ring", ""):
         if form == chosen["form"]:
             continue
