@@ -197,13 +197,13 @@ class Costs:
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
         ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
-        share = self._kept_blocks.get(node.name, 1.0)
+        kept = self._kept_blocks.get(node.name, 1.0)
         ring = attention.ring_axes(node, strat, mesh, metas[1].shape) if len(metas) > 1 else ()
         computed = attention.whole_keys(ins, ring, mesh) if ring else ins   # every block of keys, in turn
-        t = compute.op_time(node.target, computed, outs, itemsize, cluster, share)
+        t = compute.op_time(node.target, computed, outs, itemsize, cluster, kept)
         bwd = 0.0
         if self.training and node.requires_grad:
-            bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster, share)
+            bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster, kept)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
         balanced = self.balanced_attention(node, strat, ins, itemsize, t, bwd, ring)
