@@ -117,7 +117,9 @@ def run_world(a):
         if hasattr(built[n], "plan"):
             p = built[n].plan
             sdpa = [c for c in p.nodes.values() if c.op.startswith("scaled_dot_product_attention")]
-            plans[n] = f"mesh {tuple(p.mesh_shape)}, attention {sdpa[0].inputs} -> {sdpa[0].outputs}" if sdpa else ""
+            balanced = len(p.schedule.get("balanced_attention", ()))
+            plans[n] = (f"mesh {tuple(p.mesh_shape)}, attention {sdpa[0].inputs} -> {sdpa[0].outputs}, "
+                        f"{balanced} of {len(sdpa)} balanced") if sdpa else ""
     times = {n: [] for n in NAMES}
     first = {}
     for r in range(a.warmup + a.rounds):
