@@ -623,16 +623,19 @@ def axonn_4d(model, example_inputs, mesh, *, x: Optional[int] = 0, y: Optional[i
 FORMS = ("allgather", "ring")
 
 
-def _attention_pin(lay_mesh, per: dict, form: Optional[str], cp: int) -> object:
+def _attention_pin(mesh: tuple, per: dict, form: Optional[str], cp: int):
     """An attention node's pin: its output alone, or with ``form`` its whole strategy
     (``"inputs -> output"``), the keys and values gathered whole on ``cp`` (all-gather) or kept
     split there (ring)."""
-    out = tuple(per.get(a, "B") for a in range(len(lay_mesh)))
+    out = tuple(per.get(a, "B") for a in range(len(mesh)))
     if form is None:
         return out
     kv = tuple("B" if a == cp and form == "allgather" else p for a, p in enumerate(out))
-    fmt = lambda t: "(" + ", ".join(t) + ")"
-    return f"{fmt(out)}, {fmt(kv)}, {fmt(kv)} -> {fmt(out)}"
+    return " -> ".join([", ".join(_paren(t) for t in (out, kv, kv)), _paren(out)])
+
+
+def _paren(placements: tuple) -> str:
+    return "(" + ", ".join(placements) + ")"
 
 
 def context_parallel(model, example_inputs, mesh, *, axis: int = -1, fsdp: bool = False,
