@@ -13,6 +13,8 @@ every contender starts every round from the same weights):
   cp gather    autoshard pinned ``schemes.context_parallel(form="allgather")``: the sequence split,
                keys and values gathered whole for attention (Llama 3's form)
   cp ring      the same pinned ``form="ring"``: keys and values passed round the ring
+  gather bal,  the two, their causal work balanced whatever the cost model says
+  ring bal     (``plan.schedule["balanced_attention"]``: each rank a head and a tail of the queries)
   autoshard    ``autoshard.parallelize(model, batch)``: the plan autoshard chooses itself
 
 Rounds interleave the contenders (an order shuffled anew each round, the same on every rank); a
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import random
 import statistics
@@ -52,7 +55,7 @@ from autoshard import schemes  # noqa: E402
 from autoshard.testing.launch import LocalWorld  # noqa: E402
 from test_context_parallel import GqaLlama  # noqa: E402
 
-NAMES = ("torch TP", "cp gather", "cp ring", "autoshard")
+NAMES = ("torch TP", "cp gather", "cp ring", "gather bal", "ring bal", "autoshard")
 
 
 def _model(a):
@@ -100,9 +103,13 @@ def build(name, a, model, batch):
     w = dist.get_world_size()
     if name == "autoshard":
         return autoshard.parallelize(model, batch, world=w, verbose=False)
-    form = "allgather" if name == "cp gather" else "ring"
-    return autoshard.parallelize(model, batch, mesh=(w,), verbose=False,
-                                 pin=schemes.context_parallel(model, batch, (w,), form=form))
+    form = "allgather" if name in ("cp gather", "gather bal") else "ring"
+    plan = autoshard.plan(model, batch, mesh=(w,), verbose=False,
+                          pin=schemes.context_parallel(model, batch, (w,), form=form))
+    if name.endswith("bal"):
+        attention = [n for n, c in plan.nodes.items() if c.op.startswith("scaled_dot_product_attention")]
+        plan = dataclasses.replace(plan, schedule={**plan.schedule, "balanced_attention": attention})
+    return autoshard.parallelize(model, batch, plan=plan)
 
 
 def run_world(a):
