@@ -2,7 +2,10 @@
 
 torch.utils._pytree flattens and rebuilds nested inputs and outputs exactly as torch.export saw
 them (ExportedProgram.call_spec holds its TreeSpecs); torch has no public equivalent yet.
+Ring attention's blocks need attention's log-sum-exp beside its output, which only torch's
+private fused kernels return (``attention_block``).
 """
+import torch
 import torch.utils._pytree as _pytree
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # noqa: F401
 
@@ -351,3 +354,34 @@ def custom_op_overload(op):
     """The OpOverload that ``torch.library.custom_op`` made for the function it returns: the
     function holds it only as a private attribute (``rules.custom.register`` takes either)."""
     return op._opoverload
+
+
+def attention_block(q, k, v, scale: float, mask):
+    """(output, log-sum-exp over the keys) of attention of ``q`` (b, h, n, e) to one block of
+    keys and values (b, h, m, e), ``mask`` additive (n, m) or None: ring attention's block.
+    torch's CPU flash kernel gives both (a private op: runtime.attention's only way to a fused
+    block with its log-sum-exp); other devices compute it from matmuls."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                            scale=scale)
+        return out, lse
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+def attention_block_backward(grad, q, k, v, out, lse, scale: float, mask):
+    """(dq, dk, dv) of one block, given the output and log-sum-exp over every block (so each
+    block's share of the gradients is exact)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    p = torch.exp(s - lse[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), grad)
+    ds = p * (torch.matmul(grad, v.transpose(-1, -2)) - (grad * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv

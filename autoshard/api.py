@@ -99,7 +99,14 @@ def resolve_pins(graph: Graph, pin: Optional[dict], naxes: int) -> dict:
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise ValueError(f"cannot pin {name!r}: it is neither a parameter of the model nor a node of "
                              f"its graph.{hint}")
-        out[node] = pl.parse_nd(value, naxes)
+        if isinstance(value, str) and "->" in value:   # the node's whole strategy: inputs too
+            ins, outs = pl.parse_strategy(value)
+            if len(outs[0]) != naxes:
+                raise ValueError(f"pin {name!r}: strategy {value!r} names {len(outs[0])} mesh axes, but the mesh "
+                                 f"has {naxes}: give one placement per axis")
+            out[node] = (ins, outs)
+        else:
+            out[node] = pl.parse_nd(value, naxes)
     return out
 
 
@@ -193,7 +200,8 @@ def search_mesh(graph: Graph, world: int, options: PlanOptions = PlanOptions()) 
     cluster = resolve_cluster(options.cluster)
     budget = _budget(options, cluster)
     pin = options.pin
-    arity = {1 if isinstance(v, str) else len(tuple(v)) for v in (pin or {}).values()}
+    arity = {len(pl.parse_strategy(v)[1][0]) if isinstance(v, str) and "->" in v else 1 if isinstance(v, str)
+             else len(tuple(v)) for v in (pin or {}).values()}
     if len(arity) > 1:
         raise ValueError(f"the pins name different numbers of mesh axes ({sorted(arity)}); give every pin "
                          "one placement per axis of one mesh, or pass mesh=")

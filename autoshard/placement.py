@@ -123,6 +123,31 @@ def parse_nd(value: "str | Iterable", naxes: int) -> NdPlacement:
     return tuple(parse(i) for i in items)
 
 
+_GROUP = re.compile(r"\(((?:[^()]|\([^()]*\))*)\)")
+
+
+def parse_strategy(text: str) -> tuple:
+    """``"(S(2)), (B), (B) -> (S(2))"``: a node's whole strategy, an nd placement per tensor input
+    and per output (as ``passes.annotate.Strategy`` prints) -> (inputs, outputs), tuples of nd
+    placements."""
+    if text.count("->") != 1:
+        raise ValueError(f"cannot read strategy {text!r}: write '(placements of input 1), ... -> (of the output)'")
+    sides = []
+    for side in text.split("->"):
+        groups = _GROUP.findall(side)
+        if not groups or _GROUP.sub("", side).replace(",", "").strip():
+            raise ValueError(f"cannot read strategy {text!r}: each tensor's placements go in parentheses, "
+                             "one per mesh axis, e.g. '(S(0), S(2)), (S(0), B) -> (S(0), S(2))'")
+        sides.append(tuple(tuple(parse(p) for p in _ITEM.findall(g)) for g in groups))
+    naxes = {len(p) for side in sides for p in side}
+    if len(naxes) != 1:
+        raise ValueError(f"strategy {text!r} gives its tensors different numbers of mesh axes")
+    return tuple(sides)
+
+
+_ITEM = re.compile(r"S\(-?\d+\)(?:/\d+)?|B|P")
+
+
 def format_nd(pl: Sequence[Placement]) -> str:
     return "(" + ", ".join(repr(p) for p in pl) + ")"
 

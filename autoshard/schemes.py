@@ -73,6 +73,8 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.numpy_T.default}
 _ATTENTION = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
               aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_efficient_attention,
               aten._scaled_dot_product_cudnn_attention, aten.softmax, aten._softmax, aten._safe_softmax}
+# the fused attention whose queries a context axis splits along the sequence (rules.nn.sdpa)
+_SDPA = {aten.scaled_dot_product_attention.default}
 _PRODUCTS = {aten.matmul, aten.bmm, aten.baddbmm, aten.mm, aten.einsum}
 _NONLINEAR = {aten.gelu, aten.silu, aten.relu, aten.tanh, aten.sigmoid, aten.elu, aten.selu, aten.celu,
               aten.leaky_relu, aten.hardswish, aten.hardsigmoid, aten.hardtanh, aten.mish, aten.softplus,
@@ -271,6 +273,7 @@ class _Layout:
     blocked: dict             # matmul node -> the number of blocks its output is split into downstream
     residual: dict = field(default_factory=dict)   # the residual stream and its norms: node -> shape
     missing: Optional[str] = None                  # why the model has no blocks to lay out
+    attention: dict = field(default_factory=dict)  # fused attention nodes -> output shape
 
 
 def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layout:
@@ -282,8 +285,9 @@ def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layo
     inputs = {n.name: n.outputs[0].shape for n in graph.nodes if n.kind == "input" and n.outputs}
     blocks = _find_blocks(graph)
     blocked = {name: g for name, (_, g) in blocked_splits(graph).items()}
+    attention = {n.name: n.outputs[0].shape for n in graph.nodes if n.kind == "op" and n.target in _SDPA}
     return _Layout(mesh, inputs, params, blocks.linears, blocked, _residual_stream(graph, blocks),
-                   _missing(blocks))
+                   _missing(blocks), attention)
 
 
 def _residual_stream(graph: Graph, blocks: _Blocks) -> dict:
@@ -437,12 +441,20 @@ def fsdp(model, example_inputs, mesh, *, shard=None, graph: Optional[Graph] = No
     shard = list(range(n)) if shard is None else list(_axes(lay, **{f"shard[{i}]": a for i, a in enumerate(
         [shard] if isinstance(shard, int) else shard)}).values())
     pins = _batch_pins(lay, range(n))
+    pins.update(_sharded_params(lay, shard))
+    for l in lay.linears:
+        pins[l.node] = _out(lay, l, {a: "S(0)" for a in range(n)})
+    return pins
+
+
+def _sharded_params(lay: _Layout, shard: Sequence[int]) -> dict:
+    """Every parameter stored split over the ``shard`` axes on the first dim their sizes divide
+    (``B`` where none does), as FSDP stores it."""
     ways = math.prod(lay.mesh[a] for a in shard)
+    pins = {}
     for name, shape in lay.params.items():
         dim = next((d for d, s in enumerate(shape) if s % ways == 0 and s >= ways), None)
         pins[name] = _nd(lay, name, shape, {} if dim is None else {a: _s(dim) for a in shard})
-    for l in lay.linears:
-        pins[l.node] = _out(lay, l, {a: "S(0)" for a in range(n)})
     return pins
 
 
@@ -608,6 +620,64 @@ def axonn_4d(model, example_inputs, mesh, *, x: Optional[int] = 0, y: Optional[i
     return _block_fused(lay, pins)
 
 
+FORMS = ("allgather", "ring")
+
+
+def _attention_pin(mesh: tuple, per: dict, form: Optional[str], cp: int):
+    """An attention node's pin: its output alone, or with ``form`` its whole strategy
+    (``"inputs -> output"``), the keys and values gathered whole on ``cp`` (all-gather) or kept
+    split there (ring)."""
+    out = tuple(per.get(a, "B") for a in range(len(mesh)))
+    if form is None:
+        return out
+    kv = tuple("B" if a == cp and form == "allgather" else p for a, p in enumerate(out))
+    return " -> ".join([", ".join(_paren(t) for t in (out, kv, kv)), _paren(out)])
+
+
+def _paren(placements: tuple) -> str:
+    return "(" + ", ".join(placements) + ")"
+
+
+def context_parallel(model, example_inputs, mesh, *, axis: int = -1, fsdp: bool = False,
+                     form: Optional[str] = None, graph: Optional[Graph] = None) -> dict:
+    """Context parallelism on mesh axis ``axis``, the other axes data parallel: every activation
+    split along the sequence on ``axis``, attention's queries too, each rank's keys and values
+    gathered whole (Llama 3's all-gather form) or passed round the ring (``form``: "allgather",
+    "ring", or None for the solver's choice). Parameters are ``B`` (gradients all-reduced over
+    every axis), or with ``fsdp=True`` stored split over every axis as ``fsdp`` stores them
+    (torchtitan shards over data and context axes together).
+
+    Pins the inputs ``S(0)`` (batch) on data axes and ``S(1)`` (sequence) on ``axis``; every
+    linear's output ``S(1)`` on ``axis`` (``S(0)`` where the model flattens tokens); each fused
+    attention's output (batch, heads, seq, head_dim) ``S(2)`` on ``axis``; the parameters."""
+    if form is not None and form not in FORMS:
+        raise ValueError(f"form is one of {', '.join(map(repr, FORMS))}, or None for the solver's choice; got {form!r}")
+    if not isinstance(fsdp, bool):
+        raise TypeError(f"fsdp is True or False; got {fsdp!r}")
+    lay = _layout(model, example_inputs, mesh, graph)
+    cp = _axes(lay, axis=axis)["axis"]
+    data = [a for a in range(len(lay.mesh)) if a != cp]
+    pins = {}
+    for name, shape in lay.inputs.items():
+        if len(shape) < 2:
+            raise ValueError(f"context_parallel splits the inputs by sequence (dim 1 of (batch, seq, ...)), but input "
+                             f"{name!r} has shape {list(shape)}: give each input a batch and a sequence dim")
+        pins[name] = _nd(lay, f"input {name!r}", shape, {**{a: "S(0)" for a in data}, cp: "S(1)"})
+    pins.update(_sharded_params(lay, range(len(lay.mesh))) if fsdp else
+                {name: ("B",) * len(lay.mesh) for name in lay.params})
+    for l in lay.linears:
+        seq = {cp: "S(1)"} if len(l.out_shape) >= 3 else {cp: "S(0)"}
+        pins[l.node] = _out(lay, l, {**{a: "S(0)" for a in data}, **seq})
+    if not lay.attention:
+        raise ValueError("context_parallel splits attention along the sequence, but the model has no "
+                         "scaled_dot_product_attention: use data_parallel or sequence_parallel")
+    for name, shape in lay.attention.items():
+        per = {**{a: "S(0)" for a in data}, cp: _s(len(shape) - 2)}
+        _nd(lay, f"the output of {name} (attention)", shape, per)
+        pins[name] = _attention_pin(lay.mesh, per, form, cp)
+    return pins
+
+
 SCHEMES = {
     "data_parallel": data_parallel,
     "fsdp": fsdp,
@@ -616,6 +686,7 @@ SCHEMES = {
     "tensor_2d": tensor_2d,
     "tensor_3d": tensor_3d,
     "axonn_4d": axonn_4d,
+    "context_parallel": context_parallel,
 }
 
 # (scheme, mesh, roles): each scheme on the mesh it is usually run on at 256 GPUs in nodes of 8,

@@ -228,6 +228,9 @@ def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
         return "an expert matmul on a rank's rows or experts reads its coordinate (experts.grouped_mm)"
     if target == aten.index.Tensor and sig.inputs[0] == Split(0) and fx_args[1][0] is not None:
         return "rows of a split tensor at a whole index come by all-to-all (experts.gather_rows)"
+    if target == aten.scaled_dot_product_attention.default and len(sig.inputs) > 1 and \
+            sig.inputs[1] == Split(fx_args[1].meta["val"].dim() - 2):
+        return "ring attention passes the keys and values round the ranks (runtime.ring_attention)"
     if sig.inputs and any(batch_norm_axes(target, fx_args, fx_kwargs, (sig.inputs[0],))):
         return ("batch norm in training gathers the statistics of a split batch, or the running-statistics "
                 "update of split channels (runtime.batch_norm_train)")

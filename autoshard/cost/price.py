@@ -14,7 +14,7 @@ import torch
 
 from autoshard import placement as pl
 from autoshard.machine.cluster import Cluster
-from autoshard.cost import comm, compute, memory
+from autoshard.cost import attention, comm, compute, memory
 from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
@@ -197,15 +197,56 @@ class Costs:
         outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
         ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
-        share = self._kept_blocks.get(node.name, 1.0)
-        t = compute.op_time(node.target, ins, outs, itemsize, cluster, share)
+        kept = self._kept_blocks.get(node.name, 1.0)
+        ring = attention.ring_axes(node, strat, mesh, metas[1].shape) if len(metas) > 1 else ()
+        computed = attention.whole_keys(ins, ring, mesh) if ring else ins   # every block of keys, in turn
+        t = compute.op_time(node.target, computed, outs, itemsize, cluster, kept)
         bwd = 0.0
         if self.training and node.requires_grad:
-            bwd = compute.backward_time(node.target, ins, outs, itemsize, cluster, share)
+            bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster, kept)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
+        balanced = self.balanced_attention(node, strat, ins, itemsize, t, bwd, ring)
+        if balanced is not None:   # causal work even: the slowest rank's share, and the swaps
+            share, swap = balanced
+            t, bwd = t * share, bwd * share
+            blocking += swap
+        if ring:
+            blocking += attention.ring_comm(ins, itemsize, ring, mesh, self.links, t, bwd,
+                                            self.training and node.requires_grad)
         again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
         return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)
+
+    def balanced_attention(self, node: Node, strat, ins, itemsize: int, fwd: float, bwd: float, ring) -> Optional[tuple]:
+        """(the slowest rank's share of the work, the swaps' seconds) where causal attention's
+        work is balanced in ``strat`` (legal, and it pays: ``cost.attention``); None elsewhere."""
+        axis = attention.node_balance(self.graph, node, strat, self.mesh_shape)
+        if axis is None:
+            return None
+        share = attention.balanced_share(self.mesh_shape[axis], bool(ring))
+        swap = attention.swap_comm(ins, itemsize, self.links[axis], self.training and node.requires_grad)
+        return (share, swap) if attention.balance_pays(fwd, bwd, share, swap) else None
+
+    def balances(self, node: Node, strat) -> bool:
+        """Whether the plan balances this attention node's causal work in ``strat``."""
+        if attention.node_balance(self.graph, node, strat, self.mesh_shape) is None:
+            return False
+        return self._attention_parts(node, strat)[3] is not None
+
+    def _attention_parts(self, node: Node, strat) -> tuple:
+        """(local input shapes, itemsize, ring axes, ``balanced_attention``'s answer) of an
+        attention node, as ``_price_node`` works them out."""
+        mesh, cluster = self.mesh_shape, self.cluster
+        metas = [self.graph.meta(v) for v in node.inputs]
+        ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
+        outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
+        itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
+        ring = attention.ring_axes(node, strat, mesh, metas[1].shape)
+        computed = attention.whole_keys(ins, ring, mesh) if ring else ins
+        t = compute.op_time(node.target, computed, outs, itemsize, cluster)
+        bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster) \
+            if self.training and node.requires_grad else 0.0
+        return ins, itemsize, ring, self.balanced_attention(node, strat, ins, itemsize, t, bwd, ring)
 
     def arrival_times(self, node: Node, strat) -> tuple:
         """(steps, their duals, the seconds of each, as ``step_times``) of converting a user input

@@ -6,7 +6,8 @@ the ops ``rules.uneven`` names, unevenly where the chunks line up), puts no part
 non-float tensor and splits no input a signature needs whole on the axes after its own
 (``Sig.whole_after``: the index of a split tensor's rows taken by all-to-all). Graph inputs may
 be split or broadcast on each axis; parameters likewise (their placement is how they are
-stored). Pins narrow a node to the strategies whose output matches.
+stored). Pins narrow a node to the strategies whose output matches (or, pinned as
+``"inputs -> output"``, to that whole strategy).
 """
 from __future__ import annotations
 
@@ -231,14 +232,18 @@ def _annotate(graph: Graph, mesh_shape, pins) -> dict:
                       "maybe slower)", UnknownOpWarning, stacklevel=3)
     strategies = dict(unpinned)
     for name, want in (pins or {}).items():
-        keep = [s for s in strategies[name] if s.outputs and s.outputs[0] == want]
+        whole = isinstance(want[0], tuple)   # (inputs, outputs): the node's whole strategy
+        keep = [s for s in strategies[name] if ((s.inputs, s.outputs) == want if whole else
+                                                s.outputs and s.outputs[0] == want)]
         if not keep:
             node = graph.by_name[name]
-            choices = sorted({pl.format_nd(s.outputs[0]) for s in strategies[name] if s.outputs})
+            choices = sorted({repr(s) if whole else pl.format_nd(s.outputs[0]) for s in strategies[name] if s.outputs})
+            want = pl.format_nd(want) if not whole else \
+                ", ".join(map(pl.format_nd, want[0])) + " -> " + ", ".join(map(pl.format_nd, want[1]))
             what = f"parameter {node.fqn!r}" if node.kind == "param" else f"node {name!r} ({node.op_name})"
             shape = node.outputs[0].shape if node.outputs else ()
             raise ValueError(
-                f"cannot pin {what} of shape {list(shape)} to {pl.format_nd(want)} on mesh "
+                f"cannot pin {what} of shape {list(shape)} to {want} on mesh "
                 f"{tuple(mesh_shape)}: no legal layout has it (a split dim must divide evenly, "
                 f"parameters are never P). Legal placements: {', '.join(choices)}")
         strategies[name] = keep

@@ -10,6 +10,7 @@ lowered by a small function from ``LOWERINGS``.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -19,7 +20,7 @@ from autoshard import placement as pl
 from autoshard.runtime import experts
 from autoshard import runtime
 from autoshard.convert import rank_sizes
-from autoshard.cost import comm
+from autoshard.cost import attention, comm
 from autoshard.outputs import WHOLE, kept_split
 from autoshard.runtime.outputs import to_dtensor
 from autoshard.passes.functionalize import SHARED_STORAGE, copied
@@ -40,10 +41,11 @@ class Lowering:
     chosen placements, and the captured graph."""
 
     def __init__(self, g, node, args, kwargs, in_pl, out_pl, in_shapes, out_shapes, mesh_shape, graph=None,
-                 coords=None):
+                 coords=None, balanced=frozenset()):
         self.g, self.node, self.args, self.kwargs, self.graph = g, node, args, kwargs, graph
         self.in_pl, self.out_pl, self.in_shapes, self.out_shapes = in_pl, out_pl, in_shapes, out_shapes
         self.mesh_shape, self.coords = mesh_shape, coords
+        self.balanced = balanced   # attention nodes whose causal work the plan balances
 
     def local_out(self, i=0):
         return list(_rank_shape(self.out_shapes[i], self.out_pl[i], self.mesh_shape, self.coords))
@@ -268,10 +270,22 @@ def lower_flex(low: Lowering):
 
 
 def lower_sdpa(low: Lowering):
-    """Causal attention with the queries split along the sequence and the keys and values whole
-    (rules.nn.sdpa, Llama 3's context parallelism): this rank's queries start partway along the
-    sequence, so the causal mask is offset by their first position (``runtime.causal_attention``)."""
+    """Attention with the queries split along the sequence (rules.nn.sdpa, context parallelism).
+    Keys and values whole (Llama 3's form): causal attention offsets its mask by this rank's first
+    query (``runtime.causal_attention``). Keys and values split along the sequence too: they go
+    round the ring of the axes that split them (``runtime.ring_attention``), each block's first
+    key's position known from its coordinates."""
     seq = len(low.in_shapes[0]) - 2
+    kseq = len(low.in_shapes[1]) - 2
+    ring = tuple(a for a, q in enumerate(low.in_pl[1])
+                 if isinstance(q, pl.Split) and q.dim == kseq and low.mesh_shape[a] > 1)
+    if ring:
+        return _lower_ring(low, seq, kseq, ring)
+    balance = _balance(low, seq)
+    if balance is not None:
+        return low.g.call_function(runtime.balanced_attention, (
+            *low.args[:3], low.arg(6, "scale"), low.arg(7, "enable_gqa", False),
+            pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq), *balance))
     if not low.arg(5, "is_causal", False) or pl.split_factor(low.in_pl[0], low.mesh_shape, seq) == 1:
         return low.call()
     if low.coords is None:
@@ -281,6 +295,37 @@ def lower_sdpa(low: Lowering):
     return low.g.call_function(runtime.causal_attention, (
         *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p", 0.0), low.arg(6, "scale"),
         low.arg(7, "enable_gqa", False), start))
+
+
+def _balance(low: Lowering, seq: int):
+    """(the partner's first query's position, the axis) where the plan balances causal
+    attention's work (``plan.schedule["balanced_attention"]``, runtime.attention): causal, no
+    mask, no dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
+    if not low.balanced or low.node.name not in low.balanced:
+        return None
+    a = attention.balance_axis(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.arg(5, "is_causal", False),
+                               low.arg(3, "attn_mask") is not None, low.arg(4, "dropout_p", 0.0))
+    if a is None or low.coords is None:
+        return None
+    partner = list(low.coords)
+    partner[a] = low.mesh_shape[a] - 1 - partner[a]
+    return pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, partner, seq), a
+
+
+def _lower_ring(low: Lowering, seq: int, kseq: int, ring: tuple):
+    if low.coords is None:
+        raise ValueError(f"node {low.node.name!r} is ring attention: rewrite(..., coords=) needs this rank's "
+                         "mesh coordinate")
+    starts = []
+    for at in itertools.product(*(range(low.mesh_shape[a]) for a in ring)):
+        coords = list(low.coords)
+        for a, c in zip(ring, at):
+            coords[a] = c
+        starts.append((tuple(coords), pl.rank_start(low.in_shapes[1], low.in_pl[1], low.mesh_shape, coords, kseq)))
+    causal = bool(low.arg(5, "is_causal", False))
+    q_start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
+    return low.g.call_function(runtime.ring_attention, (
+        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring, _balance(low, seq)))
 
 
 def default(low: Lowering):
@@ -384,6 +429,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
     regather = plan.training and plan.schedule.get("reshard_after_forward", False)
     kept = kept_split(graph, plan.schedule.get("outputs", WHOLE))
+    balanced = frozenset(plan.schedule.get("balanced_attention", ()))
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
     converted: dict = {}    # (Value, placement) -> fx node
@@ -459,7 +505,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
             g.output(args[0])
             continue
         low = Lowering(g, node, args, kwargs, ins, outs, [graph.meta(v).shape for v in node.inputs],
-                       [m.shape for m in node.outputs], mesh, graph, coords)
+                       [m.shape for m in node.outputs], mesh, graph, coords, balanced)
         out = lowering_for(node.target)(low)
         if len(node.outputs) > 1 or isinstance(node.fx_node.meta.get("val"), (tuple, list)):
             for i in range(len(node.outputs)):

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import NamedTuple, Optional
 
 from autoshard import placement as pl
-from autoshard.cost import comm, interleave
+from autoshard.cost import attention, comm, interleave
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.overlap import added, conversion_price, edge_overlap
 from autoshard.cost.step import Cost
@@ -113,7 +113,10 @@ def make_plan(graph, strategies, solution, costs, *, budget: Optional[float] = N
     plan = Plan(tuple(mesh), nodes, params, colls, total.step - saved, costs.training, costs.cluster, solver,
                 input_shapes, memory, parts,
                 {"bucket_bytes": costs.bucket_bytes, "reshard_after_forward": costs.reshard, "outputs": graph.outputs,
-                 "chunks": chunks, "interleave": k, "precision": graph.precision},
+                 "chunks": chunks, "interleave": k, "precision": graph.precision,
+                 # causal attention whose work is balanced (cost.attention: where it pays)
+                 "balanced_attention": [n.name for n in graph.nodes if n.kind == "op" and n.target is attention.SDPA
+                                        and costs.balances(n, strategies[n.name][solution.choice[n.name]])]},
                 aliases={a: f for a, f in graph.param_aliases.items() if a != f}, recompute=again or {},
                 arrival={name: pl.to_strings(p) for name, p in costs.arrival.items()},
                 _priced=Priced(graph, strategies, solution.choice, costs, total))   # for the alternatives, on demand
@@ -262,7 +265,7 @@ def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
         for i, s in enumerate(strats):
             cost, mem = _local(graph, strategies, choice, costs, users, n, s)
             step = Cost(**{f: rest[f] + getattr(cost, f) for f in rest}).step
-            key = s.outputs
+            key = (s.outputs, attention.form(graph, n, s, costs.mesh_shape))   # attention: each form its own
             if i == chosen or key not in best or (step, mem) < best[key][:2]:
                 if best.get(key, (0, 0, None))[2] != chosen:
                     best[key] = (step, mem, i, cost)
@@ -276,12 +279,14 @@ def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
                     kept.append(v)
         kept.sort(key=lambda v: (v[0], v[1], v[2]))
         options = []
-        for step, mem, i, cost in [best[strats[chosen].outputs]] + kept:
+        mine = (strats[chosen].outputs, attention.form(graph, n, strats[chosen], costs.mesh_shape))
+        for step, mem, i, cost in [best[mine]] + kept:
             s = strats[i]
             memory = base_memory - here_mem + mem
             options.append({
                 "outputs": [list(pl.to_strings(p)) for p in s.outputs],
                 "inputs": [list(pl.to_strings(p)) for p in s.inputs],
+                **({"form": attention.form(graph, n, s, costs.mesh_shape)} if n.target is attention.SDPA else {}),
                 "step": step, "compute": cost.compute, "comm": cost.communication, "memory": mem,
                 "fits": budget is None or memory <= budget,
                 "collectives": _node_collectives(graph, strategies, choice, costs, users, n, s)})

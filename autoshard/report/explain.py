@@ -100,7 +100,40 @@ def explain(plan, name: str) -> str:
                      fmt_bytes(o["memory"]), "" if o["fits"] else "over the memory budget"))
     lines += ["  " + r for r in columns(rows)]
     lines += _why(plan, param or node_name, chosen, options[1:])
+    if "form" in chosen:
+        lines += _attention(plan, node_name, n, chosen, options[1:])
     return "\n".join(lines)
+
+
+FORMS = {"allgather": "the keys and values gathered whole on each rank (Llama 3's all-gather form)",
+         "ring": "the keys and values passed round the ring, the partial outputs merged by log-sum-exp (ring form)",
+         "": "no split of the sequence"}
+
+
+def _attention(plan, name, n, chosen, others) -> list:
+    """Attention: which form of context parallelism it takes, and what the others would cost."""
+    seq = len(n.shapes[0]) - 2 if n.shapes else 2
+    axes = [a for a, p in enumerate(chosen["inputs"][0]) if p == f"S({seq})" and plan.mesh_shape[a] > 1]
+    out = [f"attention: {FORMS[chosen['form']]}"
+           + (f"; the queries split along the sequence on axes {fmt_axes(axes)}" if axes else "")]
+    if name in plan.schedule.get("balanced_attention", ()):
+        out.append("  causal work balanced: each rank swaps half its queries with its mirror rank and holds a head "
+                   "and a tail of the sequence (priced in, the swaps costing less than the compute they save)")
+    elif len(axes) == 1:
+        out.append("  causal work not balanced: the swaps would cost more than the compute they save")
+    for form in ("allgather", "ring", ""):
+        if form == chosen["form"]:
+            continue
+        o = next((o for o in others if o.get("form") == form), None)
+        if o is None:
+            continue
+        d = o["step"] - chosen["step"]
+        pin = ", ".join(map(_nd, o["inputs"])) + " -> " + _nd(o["outputs"][0])
+        out.append(f"  {FORMS[form]}: {_signed(d)} per step (communication {_signed(o['comm'] - chosen['comm'])}, "
+                   f"compute {_signed(o['compute'] - chosen['compute'])}, memory "
+                   f"{_signed_bytes(o['memory'] - chosen['memory'])} per rank"
+                   + ("" if o["fits"] else ", over the memory budget") + f"); to force it: pin={{{name!r}: {pin!r}}}")
+    return out
 
 
 def _why(plan, name, chosen, others) -> list:

@@ -32,7 +32,7 @@ import sympy
 
 from autoshard import placement as pl
 from autoshard.convert import apply_shape, dual_steps
-from autoshard.cost import comm, compute
+from autoshard.cost import attention, comm, compute
 from autoshard.cost.compute import BACKWARD_FACTOR
 from autoshard.cost.overlap import edge_price
 from autoshard.cost.step import DRAG
@@ -276,15 +276,30 @@ class _Pricer:
         ins = [self.local(m, p) for m, p in zip(metas, strat.inputs)]
         outs = [self.local(m, p) for m, p in zip(n.outputs, strat.outputs)]
         itemsize = max([m.itemsize for m in metas + n.outputs if m.floating] or [4])
-        flops, moved = compute.work(n.target, ins, outs, itemsize)
+        # context parallelism (cost.attention): the ring computes on every block of keys, and
+        # causal work balanced is the slowest rank's share; their sends enter as numbers
+        ring = attention.ring_axes(n, strat, self.mesh_values, metas[1].shape) if len(metas) > 1 else ()
+        flops, moved = compute.work(n.target, attention.whole_keys(ins, ring, self.mesh_values) if ring else ins,
+                                    outs, itemsize)
         t = q(moved) / (self.efficiency * self.memory_bandwidth)
         if flops is not None:
             t = larger(q(flops) / (self.efficiency * self.peak(itemsize)), t)
+        balance = attention.node_balance(self.graph, n, strat, self.mesh_values) if costs.balances(n, strat) else None
+        if balance is not None:
+            t = t * q(attention.balanced_share(self.mesh_values[balance], bool(ring)))
+        train = costs.training and n.requires_grad
         out = {"compute_fwd": t}
-        if costs.training and n.requires_grad:
+        if train:
             out["compute_bwd"] = BACKWARD_FACTOR * t
         for c in comm.op_collectives(n, strat, self.graph, self.mesh_values, costs.arrival):
             out = _plus(out, {"comm": self.all_reduce(q(c.nbytes), (c.axis,))})
+        values = [tuple(q(x).v for x in shape) for shape in ins]
+        if balance is not None:
+            out = _plus(out, {"comm": q(attention.swap_comm(values, itemsize, costs.links[balance], train))})
+        if ring:
+            bwd = out.get("compute_bwd", q(0)).v
+            out = _plus(out, {"comm": q(attention.ring_comm(values, itemsize, ring, self.mesh_values, costs.links,
+                                                            t.v, bwd, train))})
         return out
 
     def convert(self, value, src, dst, consumer) -> dict:

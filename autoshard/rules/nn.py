@@ -72,6 +72,10 @@ def sdpa(ctx: OpCtx):
     if has_mask:
         ins.append(_mask_placement(ctx.in_shapes[3], out, nd - 2))
     sigs.append(Sig(tuple(ins), (Split(nd - 2),)))
+    # ring attention: keys and values split along the sequence too, passed round the ranks and
+    # merged by log-sum-exp (runtime.ring_attention); four-dim tensors, no mask
+    if not has_mask and len(q) == len(k) == len(v) == nd == 4:
+        sigs.append(Sig((Split(2), Split(2), Split(2)), (Split(2),)))
     return sigs
 
 

@@ -16,11 +16,14 @@ the modules below, each importing from the others directly, never through this p
     grads      param_share, gradient all-reduces and their buckets, gather buckets
     reshard    regather: parameters converted again for backward (reshard_after_forward)
     ops        dropout, cross_entropy_mean, batch_norm_train, causal_attention
+    attention  ring_attention: keys and values passed round the ranks, merged by log-sum-exp;
+               balanced_attention: causal work even, each rank a head and a tail of the queries
     experts, optim, outputs, agree: expert layers, the optimizer's step, outputs kept as
                DTensors, and the ranks' agreement check (imported by name, not re-exported here)
 """
 from __future__ import annotations
 
+from autoshard.runtime.attention import balanced_attention, ring_attention
 from autoshard.runtime.edges import Arriving, to_local, to_whole
 from autoshard.runtime.grads import bucket_start, bucket_wait, grad_bucket, grad_sync, grad_wait, param_share
 from autoshard.runtime.handles import Pending, pending
@@ -48,7 +51,8 @@ __all__ = [
     "Arriving", "to_local", "to_whole",
     "grad_sync", "param_share", "grad_wait", "grad_bucket", "bucket_start", "bucket_wait",
     "regather", "regather_member", "regathering",
-    "dropout", "cross_entropy_mean", "batch_norm_train", "causal_attention",
+    "dropout", "cross_entropy_mean", "batch_norm_train", "causal_attention", "ring_attention",
+    "balanced_attention",
 ]
 
 # torch.fx names a called function by its module (the printed program reads
