@@ -1,0 +1,258 @@
+"""Pipeline plans: the model cut into stages along one more mesh axis, each stage planned by the
+same ILP on the other axes.
+
+The pipeline axis comes first in the mesh (its coordinates are the furthest apart, across the
+slowest links): the ranks of stage ``s`` are those at coordinate ``s`` on it. The cut falls
+between the model's repeated blocks (``passes.stages``); every stage is captured on its own, with
+one microbatch's shapes, and planned on the remaining axes (``plan_stage``, ``api.plan_graph``).
+
+Priced (DESIGN.md section 11): a microbatch's forward and backward through stage ``s`` takes
+``t_s``, its plan's step; 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
+``(m + k - 1) * max(t_s)``, of which ``(k - 1) / (m + k - 1)`` is the bubble.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.passes.capture import capture, normalize_inputs
+from autoshard.passes.stages import block_stack, even_cuts, split
+from autoshard.plan import Plan
+from autoshard.runtime.pipeline import schedule_name
+
+
+@dataclass
+class StagePlan:
+    """One stage: its index, the blocks it holds, the ranks that run it (global ranks, in the
+    order of the mesh of the other axes) and its plan on that mesh."""
+    index: int
+    blocks: tuple
+    ranks: tuple
+    plan: Plan
+
+    @property
+    def params(self) -> tuple:
+        return tuple(self.plan.params)
+
+
+@dataclass
+class PipelinePlan:
+    """A plan whose first mesh axis is a pipeline: ``stages[s]`` runs at coordinate ``s`` on it."""
+    mesh_shape: tuple
+    microbatches: int
+    schedule: str
+    stages: list
+    training: bool = True
+    input_shapes: list = field(default_factory=list)   # the whole batch's, as given
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def cost(self) -> float:
+        """Estimated seconds per step: the slowest stage's microbatch, ``m + k - 1`` times."""
+        k, m = len(self.stages), self.microbatches
+        return (m + k - 1) * max(s.plan.cost for s in self.stages)
+
+    @property
+    def bubble(self) -> float:
+        """The part of a step the stages stand idle: ``(k - 1) / (m + k - 1)``."""
+        k, m = len(self.stages), self.microbatches
+        return (k - 1) / (m + k - 1)
+
+    def stage_of(self, name: str) -> list:
+        """The stages that hold parameter (or node) ``name``."""
+        return [s for s in self.stages if name in s.plan.params or name in s.plan.nodes]
+
+    def placement(self, name: str) -> tuple:
+        """Per-axis placements of a parameter on the mesh of its stage's axes: ``"stage s"`` on
+        the pipeline axis, then its stage plan's."""
+        held = self.stage_of(name)
+        if not held:
+            raise KeyError(f"{name!r} is held by no stage; parameters: "
+                           f"{', '.join(sorted({p for s in self.stages for p in s.plan.params})[:8])}...")
+        return (f"stage {held[0].index}",) + held[0].plan.placement(name)
+
+    def explain(self, name: str) -> str:
+        held = self.stage_of(name)
+        if not held:
+            self.placement(name)
+        where = ", ".join(f"stage {s.index} (ranks {_ranks(s.ranks)})" for s in held)
+        return f"{name}: held by {where}\n" + held[0].plan.explain(name)
+
+    def __str__(self) -> str:
+        k, m = len(self.stages), self.microbatches
+        slow = max(s.plan.cost for s in self.stages)
+        lines = [f"autoshard pipeline plan: {self.world} devices as mesh {tuple(self.mesh_shape)}, the first axis "
+                 f"a pipeline of {k} stages, {m} microbatches, schedule {self.schedule} "
+                 f"(torch.distributed.pipelining)",
+                 f"step {_ms(self.cost)} (estimated) = ({m} microbatches + {k - 1}) x slowest stage {_ms(slow)}; "
+                 f"bubble {self.bubble:.0%} of the step",
+                 "", f"{'stage':<6} {'ranks':<10} {'blocks':<24} {'microbatch':>11} {'memory':>9}"]
+        for s in self.stages:
+            first = s.index == 0
+            last = s.index == k - 1
+            held = ("embedding + " if first else "") + _blocks(s.blocks) + (" + head" if last else "")
+            lines.append(f"{s.index:<6} {_ranks(s.ranks):<10} {held:<24} {_ms(s.plan.cost):>11} "
+                         f"{s.plan.memory.get('total', 0) / 1e9:>7.2f}GB")
+        lines += ["", "schedule (F forward, B backward of microbatch n; . idle):"]
+        lines += timeline(self.schedule, k, m)
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"pipeline": True, "mesh_shape": list(self.mesh_shape), "microbatches": self.microbatches,
+                           "schedule": self.schedule, "training": self.training,
+                           "input_shapes": [list(s) for s in self.input_shapes],
+                           "stages": [{"index": s.index, "blocks": list(s.blocks), "ranks": list(s.ranks),
+                                       "plan": json.loads(s.plan.to_json())} for s in self.stages]}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "PipelinePlan":
+        d = json.loads(text)
+        stages = [StagePlan(s["index"], tuple(s["blocks"]), tuple(s["ranks"]), Plan.from_json(json.dumps(s["plan"])))
+                  for s in d["stages"]]
+        return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
+                            [tuple(s) for s in d.get("input_shapes", [])])
+
+
+def timeline(schedule: str, k: int, m: int, width: int = 110) -> list:
+    """One row per stage, one column per time slot (a forward takes one, a backward two, as
+    its FLOPs do), each stage's forwards and backwards in the schedule's order, each as early as
+    the stage before (forward) or after (backward) allows: where the bubble is, drawn."""
+    done: dict = {}   # (kind, microbatch, stage) -> the slot it ends at
+    rows = []
+    for s in range(k):
+        if schedule == "GPipe":
+            order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        else:   # 1F1B: k - s - 1 forwards to fill the pipe, then one forward and one backward in turn
+            warm = min(k - s - 1, m)
+            order = [("F", i) for i in range(warm)]
+            for i in range(m):
+                if warm + i < m:
+                    order.append(("F", warm + i))
+                order.append(("B", i))
+        rows.append(order)
+    cells = [dict() for _ in range(k)]
+    free = [0] * k
+    pending = [list(r) for r in rows]
+    while any(pending):
+        moved = False
+        for s in list(range(k)) + list(reversed(range(k))):
+            while pending[s]:
+                kind, i = pending[s][0]
+                dep = ("F", i, s - 1) if kind == "F" and s > 0 else ("F", i, s) if kind == "B" and s == k - 1 \
+                    else ("B", i, s + 1) if kind == "B" else None
+                if dep is not None and dep not in done:
+                    break
+                t0 = max(free[s], done.get(dep, 0))
+                span = 1 if kind == "F" else 2
+                for t in range(t0, t0 + span):
+                    cells[s][t] = f"{kind}{i}"
+                done[(kind, i, s)] = free[s] = t0 + span
+                pending[s].pop(0)
+                moved = True
+        if not moved:
+            break
+    end = max(free)
+    out = []
+    for s in range(k):
+        text = "".join(f"{cells[s].get(t, '.'):<4}" for t in range(end)).rstrip()
+        out.append(f"  stage {s}: {text[:width]}")
+    return out
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _blocks(names) -> str:
+    if len(names) == 1:
+        return names[0]
+    container = names[0].rpartition(".")[0]
+    return f"{container}.{names[0].rpartition('.')[2]}-{names[-1].rpartition('.')[2]}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f}us"
+
+
+def microbatch_inputs(example_inputs, m: int):
+    """(args, kwargs) of one microbatch: every tensor of one dim or more its first ``1/m`` of
+    rows; the batch must split evenly."""
+    args, kwargs = normalize_inputs(example_inputs)
+    leaves, spec = tree_flatten((args, kwargs))
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            if x.shape[0] % m:
+                raise ValueError(f"microbatches={m} must divide the batch, {x.shape[0]} rows (dim 0 of every input); "
+                                 "pass microbatches= a divisor of it")
+            x = x[: x.shape[0] // m]
+        out.append(x)
+    return tree_unflatten(out, spec)
+
+
+def default_microbatches(example_inputs, k: int) -> int:
+    """Twice the stages where the batch allows (a bubble of at most a third), else the largest
+    divisor of the batch up to that."""
+    args, kwargs = normalize_inputs(example_inputs)
+    rows = [x.shape[0] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not rows:
+        raise ValueError("pipeline= splits the batch into microbatches along dim 0, and no input has a dim")
+    return max(d for d in range(1, 2 * k + 1) if rows[0] % d == 0)
+
+
+def stage_inputs(stages, s: int, device, grads: bool = False) -> tuple:
+    """Zeros of the shapes stage ``s`` takes (one microbatch), to capture it with; ``grads``:
+    the floating ones requiring gradients."""
+    return tuple(torch.zeros(shape, dtype=dtype, device=device).requires_grad_(grads and dtype.is_floating_point)
+                 for shape, dtype in stages.inputs[s])
+
+
+def cut(model, example_inputs, k: int, m: int, outputs: str):
+    """The stages of ``model`` for ``k`` stages and ``m`` microbatches (``passes.stages``)."""
+    args, kwargs = microbatch_inputs(example_inputs, m)
+    graph = capture(model, args, kwargs or None, outputs)
+    _, indices = block_stack(graph)
+    return split(graph, model, even_cuts(len(indices), k))
+
+
+def input_device(example_inputs):
+    args, kwargs = normalize_inputs(example_inputs)
+    return next((x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage) -> PipelinePlan:
+    """The plan of ``model`` with ``mesh_shape[0]`` pipeline stages; ``plan_stage(graph,
+    mesh_shape, options)`` plans each stage's captured graph on the other axes."""
+    k = mesh_shape[0]
+    inner = tuple(mesh_shape[1:]) or (1,)
+    m = options.microbatches or default_microbatches(example_inputs, k)
+    stages = cut(model, example_inputs, k, m, options.outputs)
+    device = input_device(example_inputs)
+    stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None)
+    size = math.prod(inner)
+    planned, pinned = [], set()
+    for s in range(k):
+        graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, options.outputs)
+        # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
+        pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
+        pinned.update(pins)
+        planned.append(StagePlan(s, stages.blocks[s], tuple(range(s * size, (s + 1) * size)),
+                                 plan_stage(graph, inner, dataclasses.replace(stage_options, pin=pins or None))))
+    unknown = sorted(set(options.pin or {}) - pinned)
+    if unknown:
+        raise ValueError(f"cannot pin {', '.join(map(repr, unknown))} with pipeline=: a pin names a parameter of the "
+                         "model (its placements on the axes after the pipeline's), and no stage holds these")
+    args, kwargs = normalize_inputs(example_inputs)
+    shapes = [tuple(x.shape) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    return PipelinePlan((k,) + inner, m, schedule_name(k, m), planned, options.training, shapes)

@@ -1,0 +1,153 @@
+"""Running a rank's pipeline stage on torch's own engine, ``torch.distributed.pipelining``.
+
+Each rank holds one stage: the program lowered for it on the mesh of the other axes
+(``StageProgram``, the module a ``PipelineStage`` wraps), run by one of torch's schedules
+(``Schedule1F1B``, or ``ScheduleGPipe`` where there are fewer microbatches than stages). A
+schedule's ``step`` runs forward and backward together; ``run_step`` presents it as a training
+loop expects: it returns the whole batch's loss on every rank, as a tensor whose backward puts
+the gradients the step made into ``param.grad`` (scaled by the gradient the loss is given, so
+``(loss * c).backward()`` is exact too). Until that backward the step's gradients wait aside,
+and ``param.grad`` holds what it held before the call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoshard.runtime.grads import param_share
+from autoshard.runtime.mesh import RankMesh, active
+
+GPIPE, ONE_F_ONE_B = "GPipe", "1F1B"
+
+
+def schedule_name(stages: int, microbatches: int) -> str:
+    """1F1B keeps at most ``stages`` microbatches in flight; torch runs it where there are at
+    least as many microbatches as stages, and GPipe (all forwards, then all backwards) else."""
+    return ONE_F_ONE_B if microbatches >= stages else GPIPE
+
+
+class StageProgram(nn.Module):
+    """One stage's per-rank program as a module: it holds the stage's parameters (DTensor shares
+    on the mesh of the other axes, under their names in the model) and takes and returns the
+    tensors that cross between stages, whole on every rank of that mesh."""
+
+    def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh):
+        super().__init__()
+        self.held = held
+        self.program = program
+        self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
+        self.rank_mesh = rank_mesh
+
+    def forward(self, *crossing):
+        feed = []
+        for slot in self._slots:
+            if isinstance(slot, torch.Tensor):
+                feed.append(slot)
+            elif slot[0] == "param":
+                feed.append(param_share(self.held.get_parameter(slot[1])))
+            else:
+                feed.append(self.held.get_buffer(slot[1]))
+        with active(self.rank_mesh):
+            out = self.program(*feed, *crossing)
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def _given_loss(output, target):
+    """The last stage's program computes the loss itself: the schedule's loss is its output."""
+    return output
+
+
+class Runner:
+    """A rank's stage and schedule, and what one call needs around them."""
+
+    def __init__(self, stage_program: StageProgram, stage: int, stages: int, microbatches: int,
+                 pipe_group, last_rank: int, device, ties: list, takes: tuple, gives: tuple):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.module = stage_program
+        self.stage, self.stages, self.microbatches = stage, stages, microbatches
+        self.group, self.last_rank, self.device = pipe_group, last_rank, device
+        self.ties = ties   # [(parameter name, process group of its holders, same placements)]
+        # what it takes and gives, given: nothing runs to find them out
+        self.pipe_stage = PipelineStage(stage_program, stage, stages, device, input_args=takes, output_args=gives,
+                                        group=pipe_group)
+        kind = ScheduleGPipe if schedule_name(stages, microbatches) == GPIPE else Schedule1F1B
+        self.schedule = kind(self.pipe_stage, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+
+    def named_params(self) -> list:
+        return list(self.module.held.named_parameters())
+
+    def step(self, inputs: list) -> torch.Tensor:
+        """Forward and backward of the whole batch ``inputs`` (the first stage's, split into the
+        microbatches along dim 0); the mean of the microbatches' losses on every rank, whose
+        backward places the gradients."""
+        named = self.named_params()
+        params = [p for _, p in named]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses: list = []
+        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
+        args = inputs if self.stage == 0 else []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        made = {n: p.grad for n, p in named}
+        for p, g in zip(params, before):
+            p.grad = g
+        self._sum_tied(made)
+        made = [made[n] for n, _ in named]
+        if losses:
+            loss = torch.stack([x.detach() for x in losses]).mean().reshape(())
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        return _Placed.apply(anchor, loss, params, made)
+
+    def evaluate(self, inputs: list) -> torch.Tensor:
+        """The whole batch's loss on every rank, forward only."""
+        losses: list = []
+        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
+        args = inputs if self.stage == 0 else []
+        with torch.no_grad():
+            self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        loss = torch.stack([x.detach() for x in losses]).mean().reshape(()) if losses else \
+            torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    def _sum_tied(self, grads: dict) -> None:
+        """A parameter two stages use (an embedding tied to the head) is held by both, each
+        with its own stage's share of the gradient: summed over its holders, both step alike."""
+        for name, group, same in self.ties:
+            g = grads.get(name)
+            p = self.module.held.get_parameter(name)
+            if g is None:   # this stage's part of it had no gradient: its holders still all take part
+                g = grads[name] = torch.zeros_like(p)
+            if same:
+                dist.all_reduce(g.to_local(), group=group)
+            else:
+                from torch.distributed.tensor import distribute_tensor
+                whole = g.full_tensor()
+                dist.all_reduce(whole, group=group)
+                g.to_local().copy_(distribute_tensor(whole, g.device_mesh, g.placements, src_data_rank=None).to_local())
+
+
+class _Placed(torch.autograd.Function):
+    """The step's loss; its backward adds the step's gradients, times the loss's gradient, to
+    the parameters' (the schedule ran backward already: nothing flows further)."""
+
+    @staticmethod
+    def forward(ctx, anchor, loss, params, made):
+        ctx.held = (params, made)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        params, made = ctx.held
+        scale = float(g)
+        for p, d in zip(params, made):
+            if d is None:
+                continue
+            d = d if scale == 1.0 else d * scale
+            p.grad = d if p.grad is None else p.grad + d
+        return None, None, None, None
