@@ -11,7 +11,7 @@ import torch
 import autoshard
 from autoshard.planner.pipeline import PipelinePlan, timeline
 from cases import rel_err
-from models import GPT, TwoLayer
+from models import GPT, TwoLayer, megatron_pins
 
 TOL = 1e-5
 
@@ -21,14 +21,14 @@ def _batch(rows=8, seq=16, vocab=64):
     return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
 
 
-def _against_one_device(pipeline, microbatches=None, layers=4, plan=None):
+def _against_one_device(pipeline, microbatches=None, layers=4, plan=None, **options):
     """Loss and every held gradient of the pipelined GPT against the model's own, and what the
     rank holds."""
     torch.manual_seed(0)
     model = GPT(layers=layers)
     ref = copy.deepcopy(model)
     idx, tgt = _batch()
-    kwargs = dict(plan=plan) if plan is not None else dict(pipeline=pipeline, microbatches=microbatches)
+    kwargs = dict(plan=plan) if plan is not None else dict(pipeline=pipeline, microbatches=microbatches, **options)
     pm = autoshard.parallelize(model, (idx, tgt), verbose=False, cluster="a100-80gb-nvlink-ib", **kwargs)
     loss = pm(idx, tgt)
     untouched = all(p.grad is None for p in pm.parameters())   # the grads wait for backward
@@ -70,6 +70,16 @@ def test_two_stages_by_two_data_parallel_at_world_4(world4):
     assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
     # each stage data parallel on its axis: the weights' gradients all-reduced over it
     assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+
+
+def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
+    pins = megatron_pins([f"blocks.{i}." for i in range(4)])
+    results = world4.run(_against_one_device, 2, 2, pin=pins, recompute="blocks")
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    for s in plan.stages:   # tensor parallel on the stage's axis, every block run again in backward
+        assert s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",)
+        assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
 
 
 def _steps(pipeline):
