@@ -132,9 +132,30 @@ def test_plan_lists_stages_and_the_schedule():
     assert "a pipeline of 4 stages, 8 microbatches, schedule 1F1B" in text
     assert "embedding + blocks.0-1" in text and "blocks.5 + head" in text
     assert f"bubble {3 / 11:.0%}" in text and "stage 3: .   .   .   F0  B0" in text
-    assert plan.cost == pytest.approx(11 * max(s.plan.cost for s in plan.stages))
+    assert plan.cost == pytest.approx(11 * max(s.plan.cost + plan.send_time(s) for s in plan.stages))
     assert plan.placement("blocks.2.fc.weight")[0] == "stage 1"
     assert plan.explain("head.weight").startswith("head.weight: held by stage 0 (ranks 0,1), stage 3 (ranks 6,7)")
+
+
+def test_sends_and_activations_in_flight_are_priced():
+    """A microbatch crosses each cut as the residual stream (and the targets, on their way to the
+    loss): one send forward, its gradient back, on the pipeline axis's link; 1F1B keeps ``k - s``
+    microbatches' activations on stage ``s``."""
+    with torch.device("meta"):
+        model = GPT(layers=8, d=1024, heads=16, vocab=32000, seq=1024)
+    idx = torch.zeros(64, 1024, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, (idx, idx), world=64, pipeline=4, verbose=False)
+    assert plan.mesh_shape == (4, 16) and plan.microbatches == 8
+    first, last = plan.stages[0], plan.stages[-1]
+    assert first.sends == ((8 * 1024 * 8, False), (8 * 1024 * 1024 * 4, True))   # targets, then the residual
+    latency, bandwidth, _ = first.plan.cluster.group_link((4, 16), (0,))
+    assert bandwidth == 200e9 / 8   # stages 16 ranks apart: a node's network shared by its 8 GPUs
+    want = 2 * latency + (8 * 1024 * 8 + 2 * 8 * 1024 * 1024 * 4) / bandwidth
+    assert plan.send_time(first) == pytest.approx(want) and plan.send_time(last) == 0
+    assert [plan.in_flight(s) for s in plan.stages] == [4, 3, 2, 1]
+    mem = first.plan.memory
+    assert plan.memory(first) == pytest.approx(mem["total"] + 3 * mem["activations"])
+    assert "sends" in str(plan) and "in flight" in str(plan)
 
 
 def test_pins_go_to_the_stage_that_holds_them():

@@ -7,8 +7,13 @@ between the model's repeated blocks (``passes.stages``); every stage is captured
 one microbatch's shapes, and planned on the remaining axes (``plan_stage``, ``api.plan_graph``).
 
 Priced (DESIGN.md section 11): a microbatch's forward and backward through stage ``s`` takes
-``t_s``, its plan's step; 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
-``(m + k - 1) * max(t_s)``, of which ``(k - 1) / (m + k - 1)`` is the bubble.
+``t_s``, its plan's step, and its sends to the next stage ``c_s``: the tensors that cross forward
+and the gradients of the floating ones back, each one point-to-point transfer of ``alpha +
+bytes / beta`` on the links the pipeline axis spans (``machine.cluster``: across nodes where a
+stage's ranks fill a node). 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
+``(m + k - 1) * max(t_s + c_s)``, of which ``(k - 1) / (m + k - 1)`` is the bubble. Memory:
+stage ``s`` keeps the activations of the microbatches in flight on it, ``min(k - s, m)`` under
+1F1B, all ``m`` under GPipe, beside its parameters, gradients and optimizer state.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class StagePlan:
     blocks: tuple
     ranks: tuple
     plan: Plan
+    sends: tuple = ()        # (bytes, floating) of each tensor it hands the next stage, per microbatch
 
     @property
     def params(self) -> tuple:
@@ -56,9 +62,28 @@ class PipelinePlan:
 
     @property
     def cost(self) -> float:
-        """Estimated seconds per step: the slowest stage's microbatch, ``m + k - 1`` times."""
+        """Estimated seconds per step: the slowest stage's microbatch and sends, ``m + k - 1`` times."""
         k, m = len(self.stages), self.microbatches
-        return (m + k - 1) * max(s.plan.cost for s in self.stages)
+        return (m + k - 1) * max(s.plan.cost + self.send_time(s) for s in self.stages)
+
+    def send_time(self, stage: "StagePlan") -> float:
+        """Seconds of a microbatch's sends from ``stage`` to the next, forward and back."""
+        if not stage.sends or stage.plan.cluster is None:
+            return 0.0
+        latency, bandwidth, _ = stage.plan.cluster.group_link(tuple(self.mesh_shape), (0,))
+        forward = latency + sum(b for b, _ in stage.sends) / bandwidth
+        back = latency + sum(b for b, floating in stage.sends if floating) / bandwidth
+        return forward + back
+
+    def in_flight(self, stage: "StagePlan") -> int:
+        """How many microbatches' activations ``stage`` keeps at once."""
+        k, m = len(self.stages), self.microbatches
+        return m if self.schedule == "GPipe" else min(k - stage.index, m)
+
+    def memory(self, stage: "StagePlan") -> float:
+        """Bytes per rank of ``stage``: its plan's, with the activations of every microbatch in flight."""
+        mem = stage.plan.memory
+        return mem.get("total", 0) + (self.in_flight(stage) - 1) * mem.get("activations", 0)
 
     @property
     def bubble(self) -> float:
@@ -88,19 +113,20 @@ class PipelinePlan:
 
     def __str__(self) -> str:
         k, m = len(self.stages), self.microbatches
-        slow = max(s.plan.cost for s in self.stages)
+        slow = max(s.plan.cost + self.send_time(s) for s in self.stages)
         lines = [f"autoshard pipeline plan: {self.world} devices as mesh {tuple(self.mesh_shape)}, the first axis "
                  f"a pipeline of {k} stages, {m} microbatches, schedule {self.schedule} "
                  f"(torch.distributed.pipelining)",
                  f"step {_ms(self.cost)} (estimated) = ({m} microbatches + {k - 1}) x slowest stage {_ms(slow)}; "
                  f"bubble {self.bubble:.0%} of the step",
-                 "", f"{'stage':<6} {'ranks':<10} {'blocks':<24} {'microbatch':>11} {'memory':>9}"]
+                 "", f"{'stage':<6} {'ranks':<10} {'blocks':<24} {'microbatch':>11} {'sends':>9} {'in flight':>9} "
+                 f"{'memory':>9}"]
         for s in self.stages:
             first = s.index == 0
             last = s.index == k - 1
             held = ("embedding + " if first else "") + _blocks(s.blocks) + (" + head" if last else "")
             lines.append(f"{s.index:<6} {_ranks(s.ranks):<10} {held:<24} {_ms(s.plan.cost):>11} "
-                         f"{s.plan.memory.get('total', 0) / 1e9:>7.2f}GB")
+                         f"{_ms(self.send_time(s)):>9} {self.in_flight(s):>9} {self.memory(s) / 1e9:>7.2f}GB")
         lines += ["", "schedule (F forward, B backward of microbatch n; . idle):"]
         lines += timeline(self.schedule, k, m)
         return "\n".join(lines)
@@ -110,12 +136,14 @@ class PipelinePlan:
                            "schedule": self.schedule, "training": self.training,
                            "input_shapes": [list(s) for s in self.input_shapes],
                            "stages": [{"index": s.index, "blocks": list(s.blocks), "ranks": list(s.ranks),
+                                       "sends": [list(x) for x in s.sends],
                                        "plan": json.loads(s.plan.to_json())} for s in self.stages]}, indent=1)
 
     @staticmethod
     def from_json(text: str) -> "PipelinePlan":
         d = json.loads(text)
-        stages = [StagePlan(s["index"], tuple(s["blocks"]), tuple(s["ranks"]), Plan.from_json(json.dumps(s["plan"])))
+        stages = [StagePlan(s["index"], tuple(s["blocks"]), tuple(s["ranks"]), Plan.from_json(json.dumps(s["plan"])),
+                            tuple(tuple(x) for x in s.get("sends", ())))
                   for s in d["stages"]]
         return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
                             [tuple(s) for s in d.get("input_shapes", [])])
@@ -247,8 +275,10 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage)
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
+        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point)
+                      for shape, dtype in (stages.inputs[s + 1] if s + 1 < k else ()))
         planned.append(StagePlan(s, stages.blocks[s], tuple(range(s * size, (s + 1) * size)),
-                                 plan_stage(graph, inner, dataclasses.replace(stage_options, pin=pins or None))))
+                                 plan_stage(graph, inner, dataclasses.replace(stage_options, pin=pins or None)), sends))
     unknown = sorted(set(options.pin or {}) - pinned)
     if unknown:
         raise ValueError(f"cannot pin {', '.join(map(repr, unknown))} with pipeline=: a pin names a parameter of the "
