@@ -40,7 +40,7 @@ from autoshard.planner.reuse import Reuse, reuse
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan
 from autoshard.planner.make import make_plan
-from autoshard.planner.pipeline import PipelinePlan, plan_pipeline
+from autoshard.planner.pipeline import PipelinePlan, plan_pipeline, search_pipeline
 from autoshard.pipelined import parallelize_pipeline, pipeline_mesh
 from autoshard.precision import ambient_autocast, policy_from_record, reduce_dtype
 
@@ -165,8 +165,9 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     ``pipeline=k`` (k > 1) cuts the model between its repeated blocks into ``k`` stages along one
     more mesh axis, the first, each stage planned on the other axes (``mesh=(k, ...)``, or
     ``(k, world // k)``), its batch cut into ``microbatches`` (by default up to ``2 k``), and
-    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``); ``None`` and ``1``
-    plan without a pipeline.
+    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``); ``1`` plans without a
+    pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
+    network beats the best plan without (``planner.pipeline.search_pipeline``).
 
     ``recompute``: whether repeated blocks (``blocks.0``, ``blocks.1``, ...) keep their
     activations for backward or only their inputs, running their forward again in backward
@@ -189,7 +190,10 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     graph = capture(model, example_inputs, outputs=options.outputs, mp_policy=options.mp_policy,
                     autocast=ambient_autocast(_device_type(model)))
     if options.mesh is None and world > 1:
-        return search_mesh(graph, world, options)
+        best = search_mesh(graph, world, options)
+        if options.pipeline is None:   # where a pipeline across the nodes' network beats it (planner.pipeline)
+            return search_pipeline(model, example_inputs, graph, world, options, best, plan_graph)
+        return best
     return plan_graph(graph, mesh_shape, options)
 
 

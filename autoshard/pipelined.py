@@ -24,7 +24,7 @@ from autoshard.passes.lower import lower
 from autoshard.planner.pipeline import PipelinePlan, cut, input_device, plan_pipeline, stage_inputs
 from autoshard.runtime import optim
 from autoshard.runtime.mesh import RankMesh
-from autoshard.runtime.pipeline import Runner, StageProgram
+from autoshard.runtime.pipeline import Runner, StageProgram, chunked
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
 
@@ -92,7 +92,7 @@ class ParallelPipeline(nn.Module):
         with torch.no_grad():   # every rank starts from rank 0's values, as parallelize promises
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t, src=0)
-        stages = cut(model, example_inputs, k, plan.microbatches, outputs)
+        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts)
         mesh = _device_mesh(device.type, tuple(plan.mesh_shape))
         sub = mesh[AXIS_NAMES[1:len(plan.mesh_shape)]]
         s = mesh.get_coordinate()[0]
@@ -120,9 +120,12 @@ class ParallelPipeline(nn.Module):
         at = input_device(example_inputs)
         # what crosses between stages: a floating tensor carries a gradient back (torch's stage
         # reads which from these examples); the first stage's inputs carry none
-        takes = stage_inputs(stages, s, at, grads=s > 0)
-        gives = stage_inputs(stages, s + 1, at, grads=True) if s + 1 < k else torch.zeros((), device=at)
-        runner = Runner(StageProgram(program, held, slots, rank_mesh), s, k, plan.microbatches,
+        p = math.prod(inner)
+        takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=s > 0)) if s else \
+            stage_inputs(stages, s, at)
+        gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < k else \
+            torch.zeros((), device=at)
+        runner = Runner(StageProgram(program, held, slots, rank_mesh, first=s == 0, last=s == k - 1), s, k, plan.microbatches,
                         mesh.get_group("pipeline"), last, device, ties, takes, gives)
         self._modules = held._modules          # named_parameters and state_dict: the stage's, by their names
         self._parameters = held._parameters
@@ -159,6 +162,14 @@ class ParallelPipeline(nn.Module):
         if self.training and torch.is_grad_enabled():
             return self._runner.step(leaves)
         return self._runner.evaluate(leaves)
+
+
+def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """What one rank sends of a tensor that crosses between stages: its chunk of rows where
+    they split evenly (``runtime.pipeline.chunked``), else the whole."""
+    if not chunked(tuple(x.shape), ranks):
+        return x
+    return x[: x.shape[0] // ranks].detach().clone().requires_grad_(x.requires_grad)
 
 
 def _shard(held: nn.Module, splan, sub) -> None:

@@ -147,9 +147,10 @@ def test_sends_and_activations_in_flight_are_priced():
     plan = autoshard.plan(model, (idx, idx), world=64, pipeline=4, verbose=False)
     assert plan.mesh_shape == (4, 16) and plan.microbatches == 8
     first, last = plan.stages[0], plan.stages[-1]
-    assert first.sends == ((8 * 1024 * 8, False), (8 * 1024 * 1024 * 4, True))   # targets, then the residual
+    assert first.sends == ((8 * 1024 * 8, False, 8), (8 * 1024 * 1024 * 4, True, 8))   # targets, the residual
     latency, bandwidth, _ = first.plan.cluster.group_link((4, 16), (0,))
     assert bandwidth == 200e9 / 8   # stages 16 ranks apart: a node's network shared by its 8 GPUs
+    # 8 rows do not split over a stage's 16 ranks: every rank sends them whole
     want = 2 * latency + (8 * 1024 * 8 + 2 * 8 * 1024 * 1024 * 4) / bandwidth
     assert plan.send_time(first) == pytest.approx(want) and plan.send_time(last) == 0
     assert [plan.in_flight(s) for s in plan.stages] == [4, 3, 2, 1]
@@ -199,3 +200,42 @@ def test_a_model_without_blocks_or_loss_is_told():
         autoshard.plan(TwoLayer(8, 16), (torch.randn(4, 8), torch.randn(4, 8)), world=2, pipeline=2, verbose=False)
     with pytest.raises(ValueError, match="returns its training loss"):
         autoshard.plan(GPT(layers=4), (_batch()[0],), world=2, pipeline=2, verbose=False)
+
+
+# ---- the search: pipeline=None ------------------------------------------------------------------
+
+def test_cuts_balance_the_slowest_stage_with_its_sends():
+    from autoshard.planner.pipeline import Prices, best_cuts
+    free = Prices((1.0, 1.0, 1.0, 1.0, 4.0), ((),) * 5)
+    assert best_cuts(free, 2, lambda sends: 0.0) == (4.0, (0, 4))
+    assert best_cuts(free, 3, lambda sends: 0.0) == (4.0, (0, 2, 4))
+    # a cut before block 4 that sends a lot moves there no more: the stages before it pay the send
+    dear = Prices((1.0, 1.0, 1.0, 1.0, 4.0), ((), (), (), (), ((100, True, 8),)))
+    sends = lambda tensors: 10.0 * len(tensors)   # noqa: E731
+    assert best_cuts(dear, 2, sends) == (5.0, (0, 3))
+
+
+def _searched(cluster):
+    with torch.device("meta"):
+        model = GPT(layers=4, d=512, heads=8, vocab=32000, seq=256)
+    idx = torch.zeros(32, 256, dtype=torch.long, device="meta")
+    return autoshard.plan(model, (idx, idx), world=8, cluster=cluster, verbose=False)
+
+
+def test_search_cuts_stages_across_a_slow_network():
+    """Two nodes of 4 GPUs whose network carries 1 GB/s per GPU: the gradients' all-reduce across
+    it costs more than the bubble, so the planner cuts the model there, a stage per node."""
+    from autoshard.machine.cluster import PRESETS
+    plan = _searched(PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=4e9))
+    assert isinstance(plan, PipelinePlan)
+    assert plan.mesh_shape == (2, 4) and [s.ranks for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    unpiped = plan.candidates[-1]
+    assert unpiped["pipeline"] == 1 and plan.cost < unpiped["estimate"]
+    assert "pipelines searched" in str(plan)
+
+
+def test_search_keeps_an_nvlink_world_unpiped():
+    from autoshard.machine.cluster import PRESETS
+    fast = PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=600e9, inter_latency=5e-6)
+    plan = _searched(fast)
+    assert not isinstance(plan, PipelinePlan), str(plan)

@@ -28,7 +28,7 @@ from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, split
 from autoshard.plan import Plan
-from autoshard.runtime.pipeline import schedule_name
+from autoshard.runtime.pipeline import chunked, schedule_name
 
 
 @dataclass
@@ -39,7 +39,7 @@ class StagePlan:
     blocks: tuple
     ranks: tuple
     plan: Plan
-    sends: tuple = ()        # (bytes, floating) of each tensor it hands the next stage, per microbatch
+    sends: tuple = ()        # (bytes, floating, rows) of each tensor it hands the next stage, per microbatch
 
     @property
     def params(self) -> tuple:
@@ -55,6 +55,8 @@ class PipelinePlan:
     stages: list
     training: bool = True
     input_shapes: list = field(default_factory=list)   # the whole batch's, as given
+    starts: tuple = ()          # each stage's first block, where a search chose them (else as even as they go)
+    candidates: list = field(default_factory=list)   # pipeline=None: the degrees priced, and no pipeline
 
     @property
     def world(self) -> int:
@@ -70,10 +72,7 @@ class PipelinePlan:
         """Seconds of a microbatch's sends from ``stage`` to the next, forward and back."""
         if not stage.sends or stage.plan.cluster is None:
             return 0.0
-        latency, bandwidth, _ = stage.plan.cluster.group_link(tuple(self.mesh_shape), (0,))
-        forward = latency + sum(b for b, _ in stage.sends) / bandwidth
-        back = latency + sum(b for b, floating in stage.sends if floating) / bandwidth
-        return forward + back
+        return send_seconds(stage.sends, tuple(self.mesh_shape), stage.plan.cluster)
 
     def in_flight(self, stage: "StagePlan") -> int:
         """How many microbatches' activations ``stage`` keeps at once."""
@@ -129,12 +128,17 @@ class PipelinePlan:
                          f"{_ms(self.send_time(s)):>9} {self.in_flight(s):>9} {self.memory(s) / 1e9:>7.2f}GB")
         lines += ["", "schedule (F forward, B backward of microbatch n; . idle):"]
         lines += timeline(self.schedule, k, m)
+        if self.candidates:
+            lines += ["", "pipelines searched (estimated step; pipelines by their block prices):"]
+            lines += [f"  pipeline {c['pipeline']:<3} mesh {tuple(c['mesh'])!s:<16} {_ms(c['estimate'])}"
+                      for c in self.candidates]
         return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps({"pipeline": True, "mesh_shape": list(self.mesh_shape), "microbatches": self.microbatches,
                            "schedule": self.schedule, "training": self.training,
-                           "input_shapes": [list(s) for s in self.input_shapes],
+                           "input_shapes": [list(s) for s in self.input_shapes], "starts": list(self.starts),
+                           "candidates": self.candidates,
                            "stages": [{"index": s.index, "blocks": list(s.blocks), "ranks": list(s.ranks),
                                        "sends": [list(x) for x in s.sends],
                                        "plan": json.loads(s.plan.to_json())} for s in self.stages]}, indent=1)
@@ -146,7 +150,31 @@ class PipelinePlan:
                             tuple(tuple(x) for x in s.get("sends", ())))
                   for s in d["stages"]]
         return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
-                            [tuple(s) for s in d.get("input_shapes", [])])
+                            [tuple(s) for s in d.get("input_shapes", [])], tuple(d.get("starts", ())),
+                            d.get("candidates", []))
+
+
+def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
+    """Seconds of one microbatch's sends across a cut, forward and its gradients back: ``sends``,
+    (bytes, floating, rows) of each tensor. Each goes as one point-to-point transfer per rank
+    on the pipeline axis's link, in chunks of rows where they split over the ``p`` ranks of a
+    stage (``runtime.pipeline.chunked``), which the receiving stage all-gathers on its own axes'
+    links (and the sending one its gradient's chunks, in backward)."""
+    p = math.prod(mesh_shape[1:])
+    latency, bandwidth, _ = cluster.group_link(mesh_shape, (0,))
+    inner = cluster.group_link(mesh_shape, tuple(range(1, len(mesh_shape)))) if p > 1 else None
+    total = 0.0
+    for back in (False, True):
+        moved = [(b, rows) for b, floating, rows in sends if floating or not back]
+        if not moved:
+            continue
+        total += latency
+        for b, rows in moved:
+            if chunked((rows,), p):
+                total += b / p / bandwidth + inner[0] * (p - 1) + (p - 1) / p * b / inner[1]
+            else:
+                total += b / bandwidth
+    return total
 
 
 def timeline(schedule: str, k: int, m: int, width: int = 110) -> list:
@@ -246,12 +274,13 @@ def stage_inputs(stages, s: int, device, grads: bool = False) -> tuple:
                  for shape, dtype in stages.inputs[s])
 
 
-def cut(model, example_inputs, k: int, m: int, outputs: str):
-    """The stages of ``model`` for ``k`` stages and ``m`` microbatches (``passes.stages``)."""
+def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None):
+    """The stages of ``model`` for ``k`` stages and ``m`` microbatches (``passes.stages``),
+    beginning at blocks ``starts`` (by default as even as they go)."""
     args, kwargs = microbatch_inputs(example_inputs, m)
     graph = capture(model, args, kwargs or None, outputs)
     _, indices = block_stack(graph)
-    return split(graph, model, even_cuts(len(indices), k))
+    return split(graph, model, list(starts) if starts else even_cuts(len(indices), k))
 
 
 def input_device(example_inputs):
@@ -259,13 +288,14 @@ def input_device(example_inputs):
     return next((x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
-def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage) -> PipelinePlan:
-    """The plan of ``model`` with ``mesh_shape[0]`` pipeline stages; ``plan_stage(graph,
-    mesh_shape, options)`` plans each stage's captured graph on the other axes."""
+def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage, starts=None) -> PipelinePlan:
+    """The plan of ``model`` with ``mesh_shape[0]`` pipeline stages (the first beginning at
+    block ``starts[s]``; by default as even as they go); ``plan_stage(graph, mesh_shape,
+    options)`` plans each stage's captured graph on the other axes."""
     k = mesh_shape[0]
     inner = tuple(mesh_shape[1:]) or (1,)
     m = options.microbatches or default_microbatches(example_inputs, k)
-    stages = cut(model, example_inputs, k, m, options.outputs)
+    stages = cut(model, example_inputs, k, m, options.outputs, starts)
     device = input_device(example_inputs)
     stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None)
     size = math.prod(inner)
@@ -275,7 +305,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage)
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
-        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point)
+        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
                       for shape, dtype in (stages.inputs[s + 1] if s + 1 < k else ()))
         planned.append(StagePlan(s, stages.blocks[s], tuple(range(s * size, (s + 1) * size)),
                                  plan_stage(graph, inner, dataclasses.replace(stage_options, pin=pins or None)), sends))
@@ -285,4 +315,162 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage)
                          "model (its placements on the axes after the pipeline's), and no stage holds these")
     args, kwargs = normalize_inputs(example_inputs)
     shapes = [tuple(x.shape) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    return PipelinePlan((k,) + inner, m, schedule_name(k, m), planned, options.training, shapes)
+    return PipelinePlan((k,) + inner, m, schedule_name(k, m), planned, options.training, shapes,
+                        starts=tuple(starts) if starts else ())
+
+
+# ---- the search: pipeline=None ------------------------------------------------------------------
+#
+# Tied blocks price alike, so a stage's time is the sum of its blocks' prices: one plan of the
+# whole model (one microbatch, on the mesh each stage would have) prices every block, the ops
+# before the first block going with it and those after the last with the last; a dynamic program
+# over the block sequence then finds the cuts whose slowest stage (its blocks and its sends) is
+# fastest, ``min over cuts of max_s (t_s + c_s)``: O(k n^2) for n blocks, not one more solver
+# variable (Alpa's inter-op pass, on these prices).
+
+@dataclass(frozen=True)
+class Prices:
+    """Per block of the stack, in order: its seconds (a microbatch's forward and backward, the
+    ops before the stack in the first, after it in the last) and the (bytes, floating, rows) of
+    each tensor that crosses a cut just before it (the first: none)."""
+    seconds: tuple
+    crossing: tuple
+
+
+def block_prices(graph, plan) -> Prices:
+    """``graph``'s blocks priced by ``plan`` (its nodes' compute and communication, scaled so
+    that they add up to the plan's step), and the bytes each cut would send."""
+    from autoshard.planner.repeat import _block_of
+    container, indices = block_stack(graph)
+    position = {b: i for i, b in enumerate(indices)}
+    n = len(indices)
+    segment: dict = {}
+    current = 0
+    for node in graph.nodes:
+        if node.kind == "op":
+            b = _block_of(node)
+            if b is not None and b[0] == container:
+                current = position[b[1]]
+            segment[node.name] = max([current] + [segment[v[0]] for v in node.inputs if v[0] in segment])
+        elif node.kind == "input":
+            segment[node.name] = 0
+    users = graph.users()
+    for node in graph.nodes:   # a parameter's collectives go with the first block that reads it
+        if node.kind == "param":
+            readers = [segment[u] for u, _ in users.get((node.name, 0), []) if u in segment]
+            segment[node.name] = min(readers, default=0)
+    seconds = [0.0] * n
+    for name, choice in plan.nodes.items():
+        if name in segment:
+            seconds[segment[name]] += choice.compute + choice.comm
+    total = sum(seconds)
+    scale = plan.cost / total if total > 0 else 1.0
+    last_read: dict = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            if node.kind == "output":
+                last_read[v] = n - 1
+            elif node.name in segment:
+                last_read[v] = max(last_read.get(v, 0), segment[node.name])
+    crossing = [[] for _ in range(n)]   # a value made in block p and read in block r crosses the cuts p+1..r
+    for v, r in last_read.items():
+        if graph.by_name[v[0]].kind not in ("op", "input"):
+            continue
+        meta = graph.meta(v)
+        for j in range(segment[v[0]] + 1, r + 1):
+            crossing[j].append((meta.nbytes, meta.floating, meta.shape[0] if meta.shape else 0))
+    return Prices(tuple(s * scale for s in seconds), tuple(tuple(c) for c in crossing))
+
+
+def best_cuts(prices: Prices, k: int, sends) -> tuple:
+    """(slowest stage's seconds with its sends, first block of each stage) of the cut of the
+    priced blocks into ``k`` stages whose slowest stage is fastest; ``sends(tensors)``: the
+    seconds of sending those across a cut (``send_seconds``)."""
+    t, n = prices.seconds, len(prices.seconds)
+    prefix = [0.0]
+    for x in t:
+        prefix.append(prefix[-1] + x)
+
+    cost = [sends(prices.crossing[j]) if j < n else 0.0 for j in range(n + 1)]
+
+    def send(j):   # the sends of a stage that ends just before block j
+        return cost[j]
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]   # best[s][j]: blocks 0..j-1 in s stages
+    back = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for s in range(1, k + 1):
+        for j in range(s, n - (k - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                v = max(best[s - 1][i], prefix[j] - prefix[i] + send(j))
+                if v < best[s][j]:
+                    best[s][j], back[s][j] = v, i
+    starts, j = [], n
+    for s in range(k, 0, -1):
+        j = back[s][j]
+        starts.append(j)
+    return best[k][n], tuple(reversed(starts))
+
+
+def _inner(mesh_shape: tuple, k: int):
+    """The mesh each of ``k`` stages gets from the best mesh without a pipeline: its first axis
+    (the ranks furthest apart) shrunk ``k`` times; None where it does not divide."""
+    if mesh_shape[0] % k:
+        return None
+    first = mesh_shape[0] // k
+    rest = tuple(mesh_shape[1:])
+    return ((first,) + rest) if first > 1 or not rest else rest
+
+
+def search_pipeline(model, example_inputs, graph, world: int, options, base: Plan, plan_stage):
+    """``pipeline=None``: the best pipelined plan where one beats ``base``, the best plan without
+    a pipeline, else ``base`` itself. Pipelines are searched only across nodes: each stage whole
+    nodes, the pipeline axis on the network between them (within a node the links are fast, and a
+    pipeline would buy nothing but its bubble); ``k`` divides the world, each stage's mesh is
+    ``base``'s with its first axis ``k`` times smaller, and the microbatches are ``microbatches=``
+    or up to ``2 k``."""
+    cluster = base.cluster
+    if cluster is None or world <= cluster.gpus_per_node or not options.training:
+        return base
+    try:
+        _, indices = block_stack(graph)
+    except ValueError:
+        return base
+    out = graph.exported.graph_signature.output_specs
+    user = [n for n in graph.output.inputs]
+    if len(user) != 1 or graph.meta(user[0]).shape != () or not graph.meta(user[0]).floating or len(out) != 1:
+        return base
+    stage_options = dataclasses.replace(options, pipeline=None, microbatches=None)
+    captured: dict = {}
+    ranked = []
+    for k in range(2, min(world // cluster.gpus_per_node, len(indices)) + 1):
+        inner = _inner(tuple(base.mesh_shape), k) if world % k == 0 else None
+        if inner is None or math.prod(inner) % cluster.gpus_per_node:
+            continue
+        try:
+            m = options.microbatches or default_microbatches(example_inputs, k)
+            if m not in captured:
+                args, kwargs = microbatch_inputs(example_inputs, m)
+                captured[m] = capture(model, args, kwargs or None, options.outputs)
+            planned = plan_stage(captured[m], inner, dataclasses.replace(stage_options, mesh=inner))
+        except ValueError:   # no plan within the budget, or a batch that does not split: not this one
+            continue
+        slot, starts = best_cuts(block_prices(captured[m], planned), k,
+                                 lambda sends: send_seconds(sends, (k,) + inner, cluster))
+        ranked.append(((m + k - 1) * slot, k, inner, m, starts))
+    for estimate, k, inner, m, starts in sorted(ranked):
+        if estimate >= base.cost:
+            break
+        plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(options, pipeline=k,
+                             microbatches=m), plan_stage, starts=starts)
+        budget = options.memory_budget or cluster.memory
+        if plan.cost < base.cost and all(plan.memory(s) <= budget for s in plan.stages):
+            plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, estimate=e)
+                               for e, k, inner, m, _ in sorted(ranked)] + [dict(pipeline=1, mesh=list(base.mesh_shape),
+                                                                               estimate=base.cost)]
+            return plan
+        break
+    return base

@@ -27,19 +27,46 @@ def schedule_name(stages: int, microbatches: int) -> str:
     return ONE_F_ONE_B if microbatches >= stages else GPIPE
 
 
+def chunked(shape: tuple, ranks: int) -> bool:
+    """Whether a tensor of ``shape`` crosses between stages in ``ranks`` chunks of its rows, each
+    rank of a stage sending its own to the rank at its place in the next stage (``StageProgram``),
+    rather than whole from every rank: where its rows split evenly. Sender and receiver decide
+    alike from the shape."""
+    return ranks > 1 and len(shape) >= 1 and shape[0] % ranks == 0
+
+
 class StageProgram(nn.Module):
     """One stage's per-rank program as a module: it holds the stage's parameters (DTensor shares
     on the mesh of the other axes, under their names in the model) and takes and returns the
-    tensors that cross between stages, whole on every rank of that mesh."""
+    tensors that cross between stages. The program takes and gives them whole on every rank of
+    that mesh; between stages each rank sends only its chunk of rows (``chunked``), which the
+    next stage's ranks gather back within their own mesh (its fast links), and gradients go
+    back the same way."""
 
-    def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh):
+    def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh, first: bool = False,
+                 last: bool = False):
         super().__init__()
         self.held = held
         self.program = program
         self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
         self.rank_mesh = rank_mesh
+        self.first, self.last = first, last   # the first takes the user's batch whole; the last gives the loss
+        # the mesh of the other axes as one group (a pipeline runs with one such axis yet)
+        self.ranks = rank_mesh.shape[0] if len(rank_mesh.shape) == 1 else 1
+        self.coord = rank_mesh.coords[0] if self.ranks > 1 else 0
 
     def forward(self, *crossing):
+        if self.ranks > 1 and not self.first:
+            crossing = [_Gather.apply(x, self.rank_mesh.groups[0], self.ranks)
+                        if chunked((x.shape[0] * self.ranks,) + tuple(x.shape[1:]), self.ranks) else x
+                        for x in crossing]
+        out = self._run(crossing)
+        if self.ranks > 1 and not self.last:
+            out = [_Chunk.apply(x, self.rank_mesh.groups[0], self.ranks, self.coord)
+                   if chunked(tuple(x.shape), self.ranks) else x for x in out]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _run(self, crossing):
         feed = []
         for slot in self._slots:
             if isinstance(slot, torch.Tensor):
@@ -49,8 +76,42 @@ class StageProgram(nn.Module):
             else:
                 feed.append(self.held.get_buffer(slot[1]))
         with active(self.rank_mesh):
-            out = self.program(*feed, *crossing)
-        return out[0] if len(out) == 1 else tuple(out)
+            return list(self.program(*feed, *crossing))
+
+
+class _Gather(torch.autograd.Function):
+    """The stage's ranks' chunks of rows, gathered whole. Backward: the program gives every rank
+    the whole input's gradient alike; each sends back its own chunk of it."""
+
+    @staticmethod
+    def forward(ctx, x, group, ranks):
+        parts = [torch.empty_like(x) for _ in range(ranks)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.meta = (dist.get_group_rank(group, dist.get_rank()), x.shape[0])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        me, rows = ctx.meta
+        return g[me * rows:(me + 1) * rows].contiguous(), None, None
+
+
+class _Chunk(torch.autograd.Function):
+    """This rank's chunk of rows of a whole output, to send. Backward: the chunks' gradients,
+    gathered whole, are the whole output's gradient, which the program takes on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group, ranks, coord):
+        rows = x.shape[0] // ranks
+        ctx.meta = (group, ranks)
+        return x[coord * rows:(coord + 1) * rows].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        group, ranks = ctx.meta
+        parts = [torch.empty_like(g) for _ in range(ranks)]
+        dist.all_gather(parts, g.contiguous(), group=group)
+        return torch.cat(parts), None, None, None
 
 
 def _given_loss(output, target):
