@@ -85,7 +85,8 @@ def run(args) -> dict:
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    want = float(one(idx, tgt))
+    with torch.no_grad():
+        want = float(one(idx, tgt))
 
     t0 = time.perf_counter()
     pm = autoshard.parallelize(model, (idx, tgt), pipeline=dist.get_world_size(), microbatches=args.microbatches,
@@ -106,7 +107,7 @@ def run(args) -> dict:
     def step_auto():
         loss = pm(idx, tgt)
         loss.backward()
-        seen.setdefault("auto", float(loss))
+        seen.setdefault("auto", float(loss.detach()))
         opt_auto.step()
         opt_auto.zero_grad()
 
@@ -117,7 +118,7 @@ def run(args) -> dict:
             w = stage_mod.emb.weight if rank == 0 else stage_mod.head.weight
             dist.all_reduce(w.grad, group=tie)
         if losses:
-            seen.setdefault("hand", float(torch.stack(losses).mean()))
+            seen.setdefault("hand", float(torch.stack(losses).mean().detach()))
         opt_hand.step()
         opt_hand.zero_grad()
 
