@@ -262,6 +262,9 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if example_inputs is not None:
         normalize_inputs(example_inputs)
     if isinstance(plan, PipelinePlan) or (plan is None and plan_kwargs.get("pipeline") not in (None, 1)):
+        if inputs != "whole" or compile or timeout is not None:
+            raise ValueError("a pipeline does not yet take inputs=\"local\", compile=True or timeout=: leave them out, "
+                             "or parallelize without pipeline=")
         return _parallelize_pipeline(model, example_inputs, world, plan, overlap, plan_kwargs)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is an autoshard.Plan (Plan.from_json(text) reads one back), got {type(plan).__name__}")

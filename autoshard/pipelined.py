@@ -9,7 +9,6 @@ model + whole batch
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Optional
 
@@ -19,7 +18,7 @@ import torch.nn as nn
 
 from autoshard import placement as pl
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits, tree_flatten
-from autoshard.passes.capture import capture, normalize_inputs
+from autoshard.passes.capture import capture
 from autoshard.passes.lower import lower
 from autoshard.planner.pipeline import PipelinePlan, cut, input_device, plan_pipeline, stage_inputs
 from autoshard.runtime import optim
@@ -153,7 +152,7 @@ class ParallelPipeline(nn.Module):
         return super().train(mode)
 
     def forward(self, *args, **kwargs):
-        args, kwargs = normalize_inputs(args if not kwargs else kwargs) if not (args and kwargs) else (args, kwargs)
+        # in the order capture saw them: positional, then keywords by name (capture.normalize_inputs)
         leaves = [x for x in tree_flatten((args, dict(sorted(kwargs.items()))))[0] if isinstance(x, torch.Tensor)]
         shapes = [tuple(x.shape) for x in leaves]
         if shapes != self._shapes:
@@ -210,7 +209,3 @@ def _tie_groups(plan: PipelinePlan, s: int, coord: int) -> list:
             out.append((name, groups[hs], same))
     return out
 
-
-def plan_json(text: str) -> bool:
-    """Whether a plan's JSON is a pipeline's."""
-    return bool(json.loads(text).get("pipeline"))

@@ -431,7 +431,9 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     nodes, the pipeline axis on the network between them (within a node the links are fast, and a
     pipeline would buy nothing but its bubble); ``k`` divides the world, each stage's mesh is
     ``base``'s with its first axis ``k`` times smaller, and the microbatches are ``microbatches=``
-    or up to ``2 k``."""
+    or up to twice the deepest pipeline's stages, for every degree alike (one capture).
+    Each degree costs one plan of the whole model on its stages' mesh; the degree whose cut is
+    cheapest by those prices is then planned stage by stage, and kept where it beats ``base``."""
     cluster = base.cluster
     if cluster is None or world <= cluster.gpus_per_node or not options.training:
         return base
@@ -444,22 +446,26 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     if len(user) != 1 or graph.meta(user[0]).shape != () or not graph.meta(user[0]).floating or len(out) != 1:
         return base
     stage_options = dataclasses.replace(options, pipeline=None, microbatches=None)
-    captured: dict = {}
+    degrees = [k for k in range(2, min(world // cluster.gpus_per_node, len(indices)) + 1)
+               if world % k == 0 and _inner(tuple(base.mesh_shape), k) is not None
+               and math.prod(_inner(tuple(base.mesh_shape), k)) % cluster.gpus_per_node == 0]
+    if not degrees:
+        return base
+    # one microbatch size for every degree (captured once): enough microbatches for the deepest
+    try:
+        m = options.microbatches or default_microbatches(example_inputs, max(degrees))
+        args, kwargs = microbatch_inputs(example_inputs, m)
+    except ValueError:
+        return base
+    one = capture(model, args, kwargs or None, options.outputs)
     ranked = []
-    for k in range(2, min(world // cluster.gpus_per_node, len(indices)) + 1):
-        inner = _inner(tuple(base.mesh_shape), k) if world % k == 0 else None
-        if inner is None or math.prod(inner) % cluster.gpus_per_node:
-            continue
+    for k in degrees:
+        inner = _inner(tuple(base.mesh_shape), k)
         try:
-            m = options.microbatches or default_microbatches(example_inputs, k)
-            if m not in captured:
-                args, kwargs = microbatch_inputs(example_inputs, m)
-                captured[m] = capture(model, args, kwargs or None, options.outputs)
-            planned = plan_stage(captured[m], inner, dataclasses.replace(stage_options, mesh=inner))
-        except ValueError:   # no plan within the budget, or a batch that does not split: not this one
+            planned = plan_stage(one, inner, dataclasses.replace(stage_options, mesh=inner))
+        except ValueError:   # no plan within the budget on this mesh: not this degree
             continue
-        slot, starts = best_cuts(block_prices(captured[m], planned), k,
-                                 lambda sends: send_seconds(sends, (k,) + inner, cluster))
+        slot, starts = best_cuts(block_prices(one, planned), k, lambda sends: send_seconds(sends, (k,) + inner, cluster))
         ranked.append(((m + k - 1) * slot, k, inner, m, starts))
     for estimate, k, inner, m, starts in sorted(ranked):
         if estimate >= base.cost:
