@@ -2,6 +2,7 @@
 stage planned on the others and run on torch.distributed.pipelining. Exact against the
 single-device model (fp32, gloo) with 2 stages at world 2, 4 stages at world 4, and 2 stages by
 2-way data parallel at world 4; planning checked without processes."""
+import contextlib
 import copy
 import json
 
@@ -82,8 +83,9 @@ def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
         assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
 
 
-def _steps(pipeline):
-    """Accumulation over two calls, a scaled loss, an SGD step and evaluation, beside the model's own."""
+def _steps(pipeline, no_sync=False):
+    """Accumulation over two calls (the first under ``no_sync``), a scaled loss, an SGD step and
+    evaluation, beside the model's own."""
     torch.manual_seed(0)
     model = GPT(layers=4)
     ref = copy.deepcopy(model)
@@ -91,10 +93,12 @@ def _steps(pipeline):
     idx2, tgt2 = _batch()[1], _batch()[0]
     pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, verbose=False, cluster="a100-80gb-nvlink-ib")
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    pm(idx, tgt).backward()
-    (pm(idx2, tgt2) * 3).backward()
+    scale = 1 if no_sync else 3   # steps under no_sync take their loss's backward unscaled
+    with pm.no_sync() if no_sync else contextlib.nullcontext():
+        pm(idx, tgt).backward()
+    (pm(idx2, tgt2) * scale).backward()
     ref(idx, tgt).backward()
-    (ref(idx2, tgt2) * 3).backward()
+    (ref(idx2, tgt2) * scale).backward()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     grads = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())
     opt.step()
@@ -107,8 +111,9 @@ def _steps(pipeline):
     return grads, after, evaluated
 
 
-def test_accumulation_scaled_loss_sgd_step_and_eval(world4):
-    for grads, after, evaluated in world4.run(_steps, 2):
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync):
+    for grads, after, evaluated in world4.run(_steps, 2, no_sync):
         assert grads < TOL and after < TOL and evaluated < TOL, (grads, after, evaluated)
 
 

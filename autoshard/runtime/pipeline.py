@@ -134,6 +134,7 @@ class Runner:
                                         group=pipe_group)
         kind = ScheduleGPipe if schedule_name(stages, microbatches) == GPIPE else Schedule1F1B
         self.schedule = kind(self.pipe_stage, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+        self.held_back = False   # whether the last step ran under no_sync
 
     def named_params(self) -> list:
         return list(self.module.held.named_parameters())
@@ -162,7 +163,11 @@ class Runner:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
-        return _Placed.apply(anchor, loss, params, made)
+        # a step under no_sync keeps its gradients' sums in the program, and the next synced step
+        # hands them on with its own: neither can scale them by its loss's gradient
+        held = not self.module.rank_mesh.sync_grads or self.held_back
+        self.held_back = not self.module.rank_mesh.sync_grads
+        return _Placed.apply(anchor, loss, params, made, held)
 
     def evaluate(self, inputs: list) -> torch.Tensor:
         """The whole batch's loss on every rank, forward only."""
@@ -198,17 +203,20 @@ class _Placed(torch.autograd.Function):
     the parameters' (the schedule ran backward already: nothing flows further)."""
 
     @staticmethod
-    def forward(ctx, anchor, loss, params, made):
-        ctx.held = (params, made)
+    def forward(ctx, anchor, loss, params, made, held):
+        ctx.held = (params, made, held)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, g):
-        params, made = ctx.held
+        params, made, held = ctx.held
         scale = float(g)
+        if held and scale != 1.0:
+            raise RuntimeError("a pipeline's steps under no_sync (and the step after them) take the loss's backward "
+                               "unscaled: call loss.backward(), and scale the learning rate instead")
         for p, d in zip(params, made):
             if d is None:
                 continue
             d = d if scale == 1.0 else d * scale
             p.grad = d if p.grad is None else p.grad + d
-        return None, None, None, None
+        return None, None, None, None, None
