@@ -449,11 +449,19 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     degrees = [k for k in range(2, min(world // cluster.gpus_per_node, len(indices)) + 1)
                if world % k == 0 and _inner(tuple(base.mesh_shape), k) is not None
                and math.prod(_inner(tuple(base.mesh_shape), k)) % cluster.gpus_per_node == 0]
+    # a pipeline runs the same work on the same devices and adds its bubble, (k - 1) / m of the
+    # compute: it can pay only where the plan without one waits on more communication than that
+    try:
+        m = options.microbatches or default_microbatches(example_inputs, max(degrees, default=2))
+    except ValueError:   # no input with a batch dim to cut
+        return base
+    compute, exposed = base.breakdown.get("compute"), base.breakdown.get("exposed")
+    if compute is not None and exposed is not None:
+        degrees = [k for k in degrees if compute * (k - 1) / m < exposed]
     if not degrees:
         return base
     # one microbatch size for every degree (captured once): enough microbatches for the deepest
     try:
-        m = options.microbatches or default_microbatches(example_inputs, max(degrees))
         args, kwargs = microbatch_inputs(example_inputs, m)
     except ValueError:
         return base
