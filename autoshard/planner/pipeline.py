@@ -467,10 +467,12 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         return base
     one = capture(model, args, kwargs or None, options.outputs)
     ranked = []
+    # the degrees share one solve's time limit: their plans only price the blocks
+    limit = options.time_limit / len(degrees)
     for k in degrees:
         inner = _inner(tuple(base.mesh_shape), k)
         try:
-            planned = plan_stage(one, inner, dataclasses.replace(stage_options, mesh=inner))
+            planned = plan_stage(one, inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit))
         except ValueError:   # no plan within the budget on this mesh: not this degree
             continue
         slot, starts = best_cuts(block_prices(one, planned), k, lambda sends: send_seconds(sends, (k,) + inner, cluster))
@@ -478,8 +480,9 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     for estimate, k, inner, m, starts in sorted(ranked):
         if estimate >= base.cost:
             break
+        # and the chosen degree's stages share another
         plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(options, pipeline=k,
-                             microbatches=m), plan_stage, starts=starts)
+                             microbatches=m, time_limit=options.time_limit / k), plan_stage, starts=starts)
         budget = options.memory_budget or cluster.memory
         if plan.cost < base.cost and all(plan.memory(s) <= budget for s in plan.stages):
             plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, estimate=e)
