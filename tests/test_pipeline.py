@@ -163,7 +163,8 @@ def test_plan_lists_stages_and_the_schedule():
     assert "a pipeline of 4 stages, 8 microbatches, schedule 1F1B" in text
     assert "embedding + blocks.0-1" in text and "blocks.5 + head" in text
     assert f"bubble {3 / 11:.0%}" in text and "stage 3: .   .   .   F0  B0" in text
-    assert plan.cost == pytest.approx(11 * max(s.plan.cost + plan.send_time(s) for s in plan.stages))
+    assert plan.cost == pytest.approx(11 * max(s.plan.cost - plan.reduction(s) + plan.send_time(s) for s in plan.stages)
+                                      + max(plan.reduction(s) for s in plan.stages))
     assert plan.placement("blocks.2.fc.weight")[0] == "stage 1"
     assert plan.explain("head.weight").startswith("head.weight: held by stage 0 (ranks 0,1), stage 3 (ranks 6,7)")
 

@@ -64,9 +64,19 @@ class PipelinePlan:
 
     @property
     def cost(self) -> float:
-        """Estimated seconds per step: the slowest stage's microbatch and sends, ``m + k - 1`` times."""
+        """Estimated seconds per step: the slowest stage's microbatch and sends, ``m + k - 1``
+        times, and the gradients' reduction the stages wait on, once."""
         k, m = len(self.stages), self.microbatches
-        return (m + k - 1) * max(s.plan.cost + self.send_time(s) for s in self.stages)
+        return (m + k - 1) * max(self.slot(s) for s in self.stages) + max(self.reduction(s) for s in self.stages)
+
+    def slot(self, stage: "StagePlan") -> float:
+        """Seconds of one microbatch through ``stage`` (forward and backward) and its sends, its
+        gradients' reduction apart (the runtime reduces them once per step)."""
+        return stage.plan.cost - self.reduction(stage) + self.send_time(stage)
+
+    def reduction(self, stage: "StagePlan") -> float:
+        """Seconds of ``stage``'s plan waiting on its gradients' reduction (``reduction``)."""
+        return reduction(stage.plan)
 
     def send_time(self, stage: "StagePlan") -> float:
         """Seconds of a microbatch's sends from ``stage`` to the next, forward and back."""
@@ -112,12 +122,13 @@ class PipelinePlan:
 
     def __str__(self) -> str:
         k, m = len(self.stages), self.microbatches
-        slow = max(s.plan.cost + self.send_time(s) for s in self.stages)
+        slow = max(self.slot(s) for s in self.stages)
+        reduce = max(self.reduction(s) for s in self.stages)
         lines = [f"autoshard pipeline plan: {self.world} devices as mesh {tuple(self.mesh_shape)}, the first axis "
                  f"a pipeline of {k} stages, {m} microbatches, schedule {self.schedule} "
                  f"(torch.distributed.pipelining)",
-                 f"step {_ms(self.cost)} (estimated) = ({m} microbatches + {k - 1}) x slowest stage {_ms(slow)}; "
-                 f"bubble {self.bubble:.0%} of the step",
+                 f"step {_ms(self.cost)} (estimated) = ({m} microbatches + {k - 1}) x slowest stage {_ms(slow)} + "
+                 f"gradients reduced once {_ms(reduce)}; bubble {self.bubble:.0%} of the step",
                  "", f"{'stage':<6} {'ranks':<10} {'blocks':<24} {'microbatch':>11} {'sends':>9} {'in flight':>9} "
                  f"{'memory':>9}"]
         for s in self.stages:
@@ -152,6 +163,14 @@ class PipelinePlan:
         return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
                             [tuple(s) for s in d.get("input_shapes", [])], tuple(d.get("starts", ())),
                             d.get("candidates", []))
+
+
+def reduction(plan: Plan) -> float:
+    """Seconds of ``plan`` waiting on its parameters' gradient collectives: their time, at most
+    what of its communication it leaves exposed."""
+    params = {n for n, c in plan.nodes.items() if c.kind == "param"}
+    grads = sum(c.seconds for c in plan.collectives if c.phase == "backward" and c.node in params)
+    return min(grads, plan.breakdown.get("exposed", grads))
 
 
 def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
@@ -338,8 +357,9 @@ class Prices:
 
 
 def block_prices(graph, plan) -> Prices:
-    """``graph``'s blocks priced by ``plan`` (its nodes' compute and communication, scaled so
-    that they add up to the plan's step), and the bytes each cut would send."""
+    """``graph``'s blocks priced by ``plan`` (its ops' compute and communication, scaled so that
+    they add up to the plan's step without its gradients' reduction, which a pipeline runs once
+    a step), and the bytes each cut would send."""
     from autoshard.planner.repeat import _block_of
     container, indices = block_stack(graph)
     position = {b: i for i, b in enumerate(indices)}
@@ -354,17 +374,12 @@ def block_prices(graph, plan) -> Prices:
             segment[node.name] = max([current] + [segment[v[0]] for v in node.inputs if v[0] in segment])
         elif node.kind == "input":
             segment[node.name] = 0
-    users = graph.users()
-    for node in graph.nodes:   # a parameter's collectives go with the first block that reads it
-        if node.kind == "param":
-            readers = [segment[u] for u, _ in users.get((node.name, 0), []) if u in segment]
-            segment[node.name] = min(readers, default=0)
     seconds = [0.0] * n
-    for name, choice in plan.nodes.items():
-        if name in segment:
+    for name, choice in plan.nodes.items():   # the parameters' gradient reductions run once a step
+        if name in segment and choice.kind == "op":
             seconds[segment[name]] += choice.compute + choice.comm
     total = sum(seconds)
-    scale = plan.cost / total if total > 0 else 1.0
+    scale = (plan.cost - reduction(plan)) / total if total > 0 else 1.0
     last_read: dict = {}
     for node in graph.nodes:
         for v in node.inputs:
@@ -476,7 +491,7 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         except ValueError:   # no plan within the budget on this mesh: not this degree
             continue
         slot, starts = best_cuts(block_prices(one, planned), k, lambda sends: send_seconds(sends, (k,) + inner, cluster))
-        ranked.append(((m + k - 1) * slot, k, inner, m, starts))
+        ranked.append(((m + k - 1) * slot + reduction(planned) / k, k, inner, m, starts))
     for estimate, k, inner, m, starts in sorted(ranked):
         if estimate >= base.cost:
             break

@@ -54,8 +54,15 @@ class StageProgram(nn.Module):
         # the mesh of the other axes as one group (a pipeline runs with one such axis yet)
         self.ranks = rank_mesh.shape[0] if len(rank_mesh.shape) == 1 else 1
         self.coord = rank_mesh.coords[0] if self.ranks > 1 else 0
+        self.calls, self.reduce_at = 0, None   # microbatches run this step; the one whose backward reduces
 
     def forward(self, *crossing):
+        # the gradients of a step's microbatches are reduced over the stage's axes once: every
+        # microbatch's backward but the last keeps its sum (the program's no_sync), and the
+        # last's, run after all the others' (1F1B and GPipe alike), reduces them all
+        if self.reduce_at is not None:
+            self.rank_mesh.sync_grads = self.calls == self.reduce_at
+        self.calls += 1
         if self.ranks > 1 and not self.first:
             crossing = [_Gather.apply(x, self.rank_mesh.groups[0], self.ranks)
                         if chunked((x.shape[0] * self.ranks,) + tuple(x.shape[1:]), self.ranks) else x
@@ -151,7 +158,13 @@ class Runner:
         losses: list = []
         target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
         args = inputs if self.stage == 0 else []
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        mesh = self.module.rank_mesh
+        synced = mesh.sync_grads   # False under no_sync: no microbatch reduces
+        self.module.calls, self.module.reduce_at = 0, self.microbatches - 1 if synced else None
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self.module.reduce_at, mesh.sync_grads = None, synced
         made = {n: p.grad for n, p in named}
         for p, g in zip(params, before):
             p.grad = g
