@@ -28,6 +28,7 @@ from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, split
 from autoshard.plan import Plan
+from autoshard.planner.solution import NoPlanInTime
 from autoshard.runtime.pipeline import chunked, schedule_name
 
 
@@ -326,8 +327,22 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
         pinned.update(pins)
         sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
                       for shape, dtype in (stages.inputs[s + 1] if s + 1 < k else ()))
-        planned.append(StagePlan(s, stages.blocks[s], tuple(range(s * size, (s + 1) * size)),
-                                 plan_stage(graph, inner, dataclasses.replace(stage_options, pin=pins or None)), sends))
+        one = dataclasses.replace(stage_options, pin=pins or None)
+        splan = plan_stage(graph, inner, one)
+        # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
+        # see: where they overflow the budget, planned again within what they leave of it
+        flight = m if schedule_name(k, m) == "GPipe" else min(k - s, m)
+        budget = splan.memory.get("budget") or 0
+        extra = (flight - 1) * splan.memory.get("activations", 0)
+        if budget and splan.memory.get("total", 0) + extra > budget:
+            fixed = splan.memory.get("total", 0) - splan.memory.get("activations", 0)
+            allowed = (budget - fixed) / flight   # each microbatch's activations, all in flight within the budget
+            if allowed > 0:
+                try:
+                    splan = plan_stage(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed))
+                except (ValueError, NoPlanInTime):
+                    pass   # none fits: the plan says how far over it is (``PipelinePlan.memory``)
+        planned.append(StagePlan(s, stages.blocks[s], tuple(range(s * size, (s + 1) * size)), splan, sends))
     unknown = sorted(set(options.pin or {}) - pinned)
     if unknown:
         raise ValueError(f"cannot pin {', '.join(map(repr, unknown))} with pipeline=: a pin names a parameter of the "
@@ -490,16 +505,25 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         degrees = [k for k in degrees if compute * (k - 1) / micro[k] < exposed]
     captured: dict = {}   # microbatches -> the model captured with one microbatch's shapes
     ranked = []
-    # the degrees' plans only price the blocks: together they take a quarter of one solve's limit
-    limit = options.time_limit / (4 * max(len(degrees), 1))
+    # each degree's stages are priced, and the chosen one's planned, with the parameters laid out
+    # as in ``base`` (the same axes, the first smaller): a small solve for the activations alone
+    kept = {c.fqn: tuple(base.params[c.fqn]) for c in base.nodes.values() if c.kind == "param" and c.fqn in base.params}
+
+    def keeping(inner):   # base's parameter layouts on a stage's mesh: without the first axis where it is gone
+        drop = len(inner) < len(base.mesh_shape)
+        return {**{n: v[1:] if drop else v for n, v in kept.items()}, **(options.pin or {})}
+
+    # the degrees' plans only price the blocks: together they take half of one solve's limit
+    limit = options.time_limit / (2 * max(len(degrees), 1))
     for k in degrees:
         inner, m = _inner(tuple(base.mesh_shape), k), micro[k]
         try:
             if m not in captured:
                 args, kwargs = microbatch_inputs(example_inputs, m)
                 captured[m] = capture(model, args, kwargs or None, options.outputs)
-            planned = plan_stage(captured[m], inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit))
-        except ValueError:   # no plan within the budget on this mesh: not this degree
+            planned = plan_stage(captured[m], inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
+                                                                         pin=keeping(inner)))
+        except (ValueError, NoPlanInTime):   # none within the budget, or in its time: not this degree
             continue
         slot, starts = best_cuts(block_prices(captured[m], planned), k,
                                  lambda sends: send_seconds(sends, (k,) + inner, cluster))
@@ -508,8 +532,12 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         if estimate >= base.cost:
             break
         # and the chosen degree's stages share another
-        plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(options, pipeline=k,
-                             microbatches=m, time_limit=options.time_limit / k), plan_stage, starts=starts)
+        try:
+            plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(
+                stage_options, pipeline=k, microbatches=m, time_limit=options.time_limit / k, pin=keeping(inner)),
+                plan_stage, starts=starts)
+        except (ValueError, NoPlanInTime):
+            break
         budget = options.memory_budget or cluster.memory
         if plan.cost < base.cost and all(plan.memory(s) <= budget for s in plan.stages):
             plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, estimate=e)
