@@ -40,6 +40,8 @@ from autoshard.planner.reuse import Reuse, reuse
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan
 from autoshard.planner.make import make_plan
+from autoshard.planner.pipeline import PipelinePlan, plan_pipeline, search_pipeline
+from autoshard.pipelined import parallelize_pipeline, pipeline_mesh
 from autoshard.precision import ambient_autocast, policy_from_record, reduce_dtype
 
 
@@ -133,7 +135,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
          inputs: str = "whole", verbose: bool = True, recompute: str = AUTO,
-         mp_policy=None) -> Plan:
+         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None):
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -167,6 +169,13 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     priced (nothing for a data-parallel layout, a gather where an axis needs the batch whole)
     and the plan records the arrival (``plan.arrival``, ``autoshard.inputs``).
 
+    ``pipeline=k`` (k > 1) cuts the model between its repeated blocks into ``k`` stages along one
+    more mesh axis, the first, each stage planned on the other axes (``mesh=(k, ...)``, or
+    ``(k, world // k)``), its batch cut into ``microbatches`` (by default up to ``2 k``), and
+    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``); ``1`` plans without a
+    pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
+    network beats the best plan without (``planner.pipeline.search_pipeline``).
+
     ``recompute``: whether repeated blocks (``blocks.0``, ``blocks.1``, ...) keep their
     activations for backward or only their inputs, running their forward again in backward
     (``torch.utils.checkpoint``): ``"auto"`` lets the solver choose per block, against the memory
@@ -179,12 +188,19 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     options = PlanOptions(mesh=mesh, cluster=cluster, pin=pin, training=training, time_limit=time_limit,
                           bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                           reshard_after_forward=reshard_after_forward, outputs=outputs, verbose=verbose,
-                          recompute=recompute, mp_policy=mp_policy, inputs=inputs)
+                          recompute=recompute, mp_policy=mp_policy, inputs=inputs, pipeline=pipeline,
+                          microbatches=microbatches)
+    if options.pipelined:   # stages on a first mesh axis, each planned as a model of its own
+        mesh_shape = resolve_mesh(world, options.mesh)
+        return plan_pipeline(model, example_inputs, pipeline_mesh(math.prod(mesh_shape), options), options, plan_graph)
     mesh_shape = resolve_mesh(world, options.mesh)
     graph = capture(model, example_inputs, outputs=options.outputs, mp_policy=options.mp_policy,
                     autocast=ambient_autocast(_device_type(model)))
     if options.mesh is None and world > 1:
-        return search_mesh(graph, world, options)
+        best = search_mesh(graph, world, options)
+        if options.pipeline is None:   # where a pipeline across the nodes' network beats it (planner.pipeline)
+            return search_pipeline(model, example_inputs, graph, world, options, best, plan_graph)
+        return best
     return plan_graph(graph, mesh_shape, options)
 
 
@@ -253,6 +269,11 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     inputs_mod.check_inputs(inputs)
     if example_inputs is not None:
         normalize_inputs(example_inputs)
+    if isinstance(plan, PipelinePlan) or (plan is None and plan_kwargs.get("pipeline") not in (None, 1)):
+        if inputs != "whole" or compile or timeout is not None:
+            raise ValueError("a pipeline does not yet take inputs=\"local\", compile=True or timeout=: leave them out, "
+                             "or parallelize without pipeline=")
+        return _parallelize_pipeline(model, example_inputs, world, plan, overlap, plan_kwargs)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is an autoshard.Plan (Plan.from_json(text) reads one back), got {type(plan).__name__}")
     check_bool("overlap", overlap)
@@ -285,6 +306,23 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if example_inputs is not None:
         pm.prepare(example_inputs)
     return pm
+
+
+def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, plan_kwargs: dict):
+    """``parallelize`` with pipeline stages (``autoshard.pipelined``)."""
+    check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
+    options = PlanOptions(**plan_kwargs)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("autoshard.parallelize needs a process group: launch with torchrun and call "
+                           "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU)")
+    if plan is not None:
+        mesh_shape = tuple(plan.mesh_shape)
+    else:
+        mesh_shape = pipeline_mesh(world or dist.get_world_size(), options)
+    if math.prod(mesh_shape) != dist.get_world_size():
+        raise ValueError(f"planned for {math.prod(mesh_shape)} devices but the process group has "
+                         f"{dist.get_world_size()}; pass world={dist.get_world_size()}")
+    return parallelize_pipeline(model, example_inputs, mesh_shape, plan, options, plan_graph, overlap)
 
 
 def _options_of(plan: Optional[Plan], plan_kwargs: dict) -> PlanOptions:

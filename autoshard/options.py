@@ -37,6 +37,8 @@ class PlanOptions:
     verbose: bool = True
     recompute: str = "auto"                   # planner.recompute.AUTO: the solver chooses per block
     mp_policy: object = None                  # a torch.distributed.fsdp.MixedPrecisionPolicy
+    pipeline: Optional[int] = None            # pipeline stages: None or 1, none; k, k stages (planner.pipeline)
+    microbatches: Optional[int] = None        # with a pipeline: None, chosen from the batch
 
     def __post_init__(self):
         if self.cluster is not None and not isinstance(self.cluster, (str, Cluster)):
@@ -65,6 +67,25 @@ class PlanOptions:
         if self.mesh is not None:
             object.__setattr__(self, "mesh", check_mesh(self.mesh, MAX_AXES))
         check_policy(self.mp_policy)
+        self._check_pipeline()
+
+    def _check_pipeline(self):
+        """``pipeline``: None or 1 (no pipeline), or k stages; ``microbatches`` only with one."""
+        if self.pipeline is not None:
+            check_int("pipeline", self.pipeline, low=1, hint="the number of pipeline stages, such as 2, or None")
+        if self.microbatches is not None:
+            check_int("microbatches", self.microbatches, low=1, hint="how many microbatches a step's batch is cut "
+                      "into, such as 8")
+            if not self.pipelined:
+                raise ValueError("microbatches= cuts the batch for a pipeline's schedule; pass pipeline=k (k > 1) with "
+                                 "it, or leave it out")
+        if self.pipelined and self.mp_policy is not None:
+            raise ValueError("pipeline= does not yet run under a mixed-precision policy: pass mp_policy=None, or plan "
+                             "without pipeline=")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline is not None and self.pipeline > 1
 
 
 # the names ``parallelize`` passes on to the planner (``plan``'s keyword options but ``world``)

@@ -4,6 +4,8 @@
     python benchmarks/plan_scale.py --tiny       # tiny HuggingFace models at world 8, mesh search
     python benchmarks/plan_scale.py --tiny --first-call   # and parallelize's first call on 8 gloo processes
     python benchmarks/plan_scale.py --llama      # Llama-3-style, dim 2048, 16 layers, fixed mesh (8, 8)
+    python benchmarks/plan_scale.py --pipeline   # GPT-3 175B at 1024: search with pipelines and without;
+                                                 # Megatron-LM's tensor 8 x pipeline 8 x data 16 priced
 
 Everything runs on the meta device, with no process group. The phases are those of
 ``autoshard.planner.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
@@ -286,12 +288,47 @@ def first_calls(world=8):
                   f"({100 * planning / wall:.0f}%); mesh {mesh}")
 
 
+def pipelines(args):
+    """GPT-3 175B (96 blocks, d=12288, 96 heads, batch 1536 x 2048, vocab 50304) on 1,024 A100s:
+    the mesh search without pipelines (``pipeline=1``) and with (``pipeline=None``), timed; and
+    Megatron-LM's published configuration (pipeline 8, data 16, tensor 8 within a node, 96
+    microbatches of 16 sequences, its blocks Megatron-pinned) priced by the same model. Megatron ran
+    it interleaved; this prices it under 1F1B, the schedule autoshard runs."""
+    from plan_gpt import MEGATRON_BLOCK
+    layers = args.layers or 96
+    model, inputs = gpt(layers, 12288, 96, 1536)
+    print(f"== GPT-3 175B shape ({layers} blocks, d=12288), batch 1536 x 2048, world 1024, {CLUSTER} ==")
+    timings = {}
+    plans = {}
+    for name, extra in (("without pipelines", dict(pipeline=1)), ("with pipelines", {})):
+        start = time.perf_counter()
+        plans[name] = autoshard.plan(model, inputs, world=1024, cluster=CLUSTER, verbose=False, **extra)
+        timings[name] = time.perf_counter() - start
+        fanout.reap(wait=True)
+        p = plans[name]
+        print(f"{name:<18} {timings[name]:>6.1f} s  {type(p).__name__} mesh {tuple(p.mesh_shape)}  "
+              f"estimated step {p.cost:.3f} s")
+    print(f"search with pipelines / without: {timings['with pipelines'] / timings['without pipelines']:.2f}x")
+    pins = {f"blocks.{i}.{k}": ("B",) + v for i in range(layers) for k, v in MEGATRON_BLOCK.items()}
+    start = time.perf_counter()
+    megatron = autoshard.plan(model, inputs, world=1024, mesh=(8, 16, 8), pipeline=8, microbatches=96, pin=pins,
+                              cluster=CLUSTER, verbose=False)
+    print(f"Megatron-LM tensor 8 x pipeline 8 x data 16, 96 microbatches (1F1B), pinned: estimated step "
+          f"{megatron.cost:.3f} s ({time.perf_counter() - start:.1f} s to price)")
+    print(f"autoshard's own plan / Megatron-LM's: {plans['with pipelines'].cost / megatron.cost:.3f}")
+    print()
+    print(megatron)
+    print()
+    print(plans["with pipelines"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny HuggingFace models at world 8")
     ap.add_argument("--first-call", action="store_true",
                     help="with --tiny: also time parallelize's first call on 8 local gloo processes")
     ap.add_argument("--llama", action="store_true", help="the Llama-3-style model on the fixed mesh (8, 8)")
+    ap.add_argument("--pipeline", action="store_true", help="GPT-3 175B at 1024 with pipelines and without")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--alone", action="store_true", help="plan the GPT in one process too, first, for comparison")
@@ -301,6 +338,8 @@ def main():
         return tiny(args)
     if args.llama:
         return llama(args)
+    if args.pipeline:
+        return pipelines(args)
     layers = args.layers or 96
     plan_gpt(f"GPT {layers} layers, d=2048, 16 heads, batch 1024 x 2048, vocab 50304", *gpt(layers, 2048, 16, 1024),
              1024, before=BEFORE["gpt96"] if layers == 96 else None, alone=args.alone)

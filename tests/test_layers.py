@@ -213,6 +213,7 @@ FLOORS = [
     ("passes",),                     # rewrite, schedule, checkpoint, interleave, overdecompose; lower lists them
     ("schemes",),
     ("planner",),
+    ("pipelined",),                  # parallelize's pipeline: a stage per rank, built from planner.pipeline
     ("api", "machine.measure"),
     ("report.coverage", "cli", "__main__", "testing", "check"),
 ]

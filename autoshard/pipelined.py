@@ -1,0 +1,224 @@
+"""``parallelize`` with a pipeline: each rank builds and runs its own stage.
+
+model + whole batch
+  -> plan      rank 0 cuts and plans every stage (planner.pipeline); every rank takes its plan
+  -> cut       every rank cuts the model alike (passes.stages) and keeps its stage's program
+  -> lower     the stage captured on its own, lowered for this rank's place on the other axes
+  -> shard     the stage's parameters become this rank's DTensor shares on those axes
+  -> run       torch.distributed.pipelining's PipelineStage and schedule (runtime.pipeline)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoshard import placement as pl
+from autoshard._compat import blocked_shard, checkpoint_blocked_splits, tree_flatten
+from autoshard.passes.capture import capture
+from autoshard.passes.lower import lower
+from autoshard.planner.pipeline import PipelinePlan, cut, input_device, plan_pipeline, stage_inputs
+from autoshard.runtime import optim
+from autoshard.runtime.mesh import RankMesh
+from autoshard.runtime.pipeline import Runner, StageProgram, chunked
+
+AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
+
+
+def pipeline_mesh(world: int, options) -> tuple:
+    """The mesh of a pipelined plan: ``options.mesh`` (its first axis the pipeline's), else the
+    pipeline and one axis of the ranks each stage has."""
+    k = options.pipeline
+    if options.mesh is not None:
+        if options.mesh[0] != k:
+            raise ValueError(f"with pipeline={k} the mesh's first axis is the pipeline's: mesh {options.mesh} must "
+                             f"start with {k}, as mesh=({k}, ...)")
+        return tuple(options.mesh) if len(options.mesh) > 1 else (k, 1)
+    if world % k:
+        raise ValueError(f"pipeline={k} stages must divide the world, {world} devices: pass pipeline= a divisor of it")
+    return (k, world // k)
+
+
+def parallelize_pipeline(model: nn.Module, example_inputs, mesh_shape: tuple, plan: Optional[PipelinePlan],
+                         options, plan_stage, overlap: bool = True) -> "ParallelPipeline":
+    if example_inputs is None:
+        raise ValueError("parallelize with a pipeline needs example_inputs (the whole batch a step takes): the "
+                         "stages are cut and captured from them")
+    if len(mesh_shape) > 2:
+        raise ValueError(f"a pipeline runs with one more axis at most yet (mesh (k, n)), not {mesh_shape}")
+    if plan is None:
+        msg = [None]
+        if dist.get_rank() == 0:
+            try:
+                msg[0] = ("ok", plan_pipeline(model, example_inputs, mesh_shape, options, plan_stage).to_json())
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
+                msg[0] = ("error", type(e).__name__, str(e))
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0][0] == "error":
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(msg[0][1], RuntimeError)(msg[0][2])
+        plan = PipelinePlan.from_json(msg[0][1])
+    return ParallelPipeline(model, plan, example_inputs, options.outputs, overlap)
+
+
+_MESHES: dict = {}   # (rank, device type, shape) -> DeviceMesh with the pipeline axis named
+
+
+def _device_mesh(device_type: str, shape: tuple):
+    key = (dist.get_rank(), device_type, shape)
+    world, mesh = _MESHES.get(key, (None, None))
+    if world is not dist.group.WORLD:
+        from torch.distributed.device_mesh import init_device_mesh
+        world, mesh = dist.group.WORLD, init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES[:len(shape)])
+        _MESHES[key] = (world, mesh)
+    return mesh
+
+
+class ParallelPipeline(nn.Module):
+    """The model as one rank of a pipeline runs it: it holds its stage's parameters (their names
+    in the model) and ``module(*batch)`` returns the whole batch's loss on every rank; that
+    loss's ``backward()`` puts the step's gradients in ``param.grad`` (runtime.pipeline)."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, example_inputs, outputs: str, overlap: bool):
+        super().__init__()
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        k, inner = plan.mesh_shape[0], tuple(plan.mesh_shape[1:])
+        if math.prod(plan.mesh_shape) != dist.get_world_size():
+            raise ValueError(f"the plan is for {math.prod(plan.mesh_shape)} devices but the process group has "
+                             f"{dist.get_world_size()}")
+        with torch.no_grad():   # every rank starts from rank 0's values, as parallelize promises
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts)
+        mesh = _device_mesh(device.type, tuple(plan.mesh_shape))
+        sub = mesh[AXIS_NAMES[1:len(plan.mesh_shape)]]
+        s = mesh.get_coordinate()[0]
+        held = stages.modules[s]
+        splan = plan.stages[s].plan
+        graph = capture(held, stage_inputs(stages, s, input_device(example_inputs)), None, outputs)
+        seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(seed, src=0)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed[0]) % (2 ** 63))
+        rank_mesh = RankMesh(sub, gen, {})
+        program = lower(graph, splan, device=device, coords=rank_mesh.coords, overlap=overlap)
+        if program.meta["joint_axes"]:
+            raise ValueError("a pipeline's stages run on one more axis at most yet")
+        _shard(held, splan, sub)
+        slots = []
+        for n in graph.nodes:
+            if n.kind == "param":
+                slots.append(("param", n.fqn))
+            elif n.kind == "buffer":
+                slots.append(("buffer", n.fqn) if n.fqn in dict(held.named_buffers()) else
+                             graph.exported.constants[n.fqn].to(device))
+        ties = _tie_groups(plan, s, sub.get_coordinate()[0] if sub.ndim == 1 else 0)
+        last = plan.stages[k - 1].ranks[plan.stages[s].ranks.index(dist.get_rank())]
+        at = input_device(example_inputs)
+        # what crosses between stages: a floating tensor carries a gradient back (torch's stage
+        # reads which from these examples); the first stage's inputs carry none
+        p = math.prod(inner)
+        takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=s > 0)) if s else \
+            stage_inputs(stages, s, at)
+        gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < k else \
+            torch.zeros((), device=at)
+        runner = Runner(StageProgram(program, held, slots, rank_mesh, first=s == 0, last=s == k - 1), s, k, plan.microbatches,
+                        mesh.get_group("pipeline"), last, device, ties, takes, gives)
+        self._modules = held._modules          # named_parameters and state_dict: the stage's, by their names
+        self._parameters = held._parameters
+        self._buffers = held._buffers
+        self.__dict__.update(_model=model, _plan=plan, _runner=runner, _stage=s, device_mesh=mesh,
+                             _program=program, _shapes=[tuple(x) for x in plan.input_shapes])
+
+    @property
+    def plan(self) -> PipelinePlan:
+        return self._plan
+
+    @property
+    def stage(self) -> int:
+        """The stage this rank runs."""
+        return self._stage
+
+    @property
+    def program(self) -> str:
+        """This rank's stage program, as Python."""
+        return (f"# autoshard pipeline stage {self._stage}, built by: {', '.join(self._program.meta['passes'])}\n"
+                + self._program.code)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation, as ``ParallelModule.no_sync``: the steps run inside reduce no
+        gradient over the stages' data axes; each rank keeps its unreduced sum, which the first
+        step outside adds to what it reduces."""
+        m = self._runner.module.rank_mesh
+        before, m.sync_grads = m.sync_grads, False
+        try:
+            yield
+        finally:
+            m.sync_grads = before
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        return super().train(mode)
+
+    def forward(self, *args, **kwargs):
+        # in the order capture saw them: positional, then keywords by name (capture.normalize_inputs)
+        leaves = [x for x in tree_flatten((args, dict(sorted(kwargs.items()))))[0] if isinstance(x, torch.Tensor)]
+        shapes = [tuple(x.shape) for x in leaves]
+        if shapes != self._shapes:
+            raise ValueError(f"a pipeline runs the batch shapes it was cut for, {self._shapes}; got {shapes}. Pass "
+                             "batches of that shape (drop or pad a ragged last one)")
+        if self.training and torch.is_grad_enabled():
+            return self._runner.step(leaves)
+        return self._runner.evaluate(leaves)
+
+
+def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """What one rank sends of a tensor that crosses between stages: its chunk of rows where
+    they split evenly (``runtime.pipeline.chunked``), else the whole."""
+    if not chunked(tuple(x.shape), ranks):
+        return x
+    return x[: x.shape[0] // ranks].detach().clone().requires_grad_(x.requires_grad)
+
+
+def _shard(held: nn.Module, splan, sub) -> None:
+    """The stage's parameters as this rank's DTensor shares on ``sub``, the mesh of the other
+    axes (every rank has rank 0's values: each takes its share where it is)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    for fqn, p in list(held.named_parameters()):
+        placement = splan.params.get(fqn, ("B",) * sub.ndim)
+        parts = list(map(pl.parse, placement))
+        dt = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups, fqn))
+              if isinstance(q, pl.Split) else Replicate() for q in parts]
+        if any(isinstance(q, pl.Split) and q.groups > 1 for q in parts):
+            checkpoint_blocked_splits()
+        new = nn.Parameter(distribute_tensor(p.detach(), sub, dt, src_data_rank=None), requires_grad=p.requires_grad)
+        prefix, _, name = fqn.rpartition(".")
+        held.get_submodule(prefix)._parameters[name] = new
+        optim.adopt([new])
+        optim.retire(p, fqn, new)
+
+
+def _tie_groups(plan: PipelinePlan, s: int, coord: int) -> list:
+    """[(name, group, same placements)] for every parameter this rank's stage shares with
+    another. Collective: every rank makes every group, in one order."""
+    holders: dict = {}
+    for st in plan.stages:
+        for name in st.plan.params:
+            holders.setdefault(name, []).append(st.index)
+    shared = {name: tuple(h) for name, h in holders.items() if len(h) > 1}
+    groups = {}
+    for hs in sorted(set(shared.values())):
+        lists = [[plan.stages[h].ranks[c] for h in hs] for c in range(len(plan.stages[0].ranks))]
+        mine, _ = dist.new_subgroups_by_enumeration(lists)
+        groups[hs] = mine
+    out = []
+    for name, hs in sorted(shared.items()):
+        if s in hs:
+            same = len({tuple(plan.stages[h].plan.params[name]) for h in hs}) == 1
+            out.append((name, groups[hs], same))
+    return out
+

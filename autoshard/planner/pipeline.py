@@ -1,0 +1,548 @@
+"""Pipeline plans: the model cut into stages along one more mesh axis, each stage planned by the
+same ILP on the other axes.
+
+The pipeline axis comes first in the mesh (its coordinates are the furthest apart, across the
+slowest links): the ranks of stage ``s`` are those at coordinate ``s`` on it. The cut falls
+between the model's repeated blocks (``passes.stages``); every stage is captured on its own, with
+one microbatch's shapes, and planned on the remaining axes (``plan_stage``, ``api.plan_graph``).
+
+Priced (DESIGN.md section 11): a microbatch's forward and backward through stage ``s`` takes
+``t_s``, its plan's step, and its sends to the next stage ``c_s``: the tensors that cross forward
+and the gradients of the floating ones back, each one point-to-point transfer of ``alpha +
+bytes / beta`` on the links the pipeline axis spans (``machine.cluster``: across nodes where a
+stage's ranks fill a node). 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
+``(m + k - 1) * max(t_s + c_s)``, of which ``(k - 1) / (m + k - 1)`` is the bubble. Memory:
+stage ``s`` keeps the activations of the microbatches in flight on it, ``min(k - s, m)`` under
+1F1B, all ``m`` under GPipe, beside its parameters, gradients and optimizer state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.passes.capture import capture, normalize_inputs
+from autoshard.passes.stages import block_stack, even_cuts, split
+from autoshard.plan import Plan
+from autoshard.planner.solution import NoPlanInTime
+from autoshard.runtime.pipeline import chunked, schedule_name
+
+
+@dataclass
+class StagePlan:
+    """One stage: its index, the blocks it holds, the ranks that run it (global ranks, in the
+    order of the mesh of the other axes) and its plan on that mesh."""
+    index: int
+    blocks: tuple
+    ranks: tuple
+    plan: Plan
+    sends: tuple = ()        # (bytes, floating, rows) of each tensor it hands the next stage, per microbatch
+
+    @property
+    def params(self) -> tuple:
+        return tuple(self.plan.params)
+
+
+@dataclass
+class PipelinePlan:
+    """A plan whose first mesh axis is a pipeline: ``stages[s]`` runs at coordinate ``s`` on it."""
+    mesh_shape: tuple
+    microbatches: int
+    schedule: str
+    stages: list
+    training: bool = True
+    input_shapes: list = field(default_factory=list)   # the whole batch's, as given
+    starts: tuple = ()          # each stage's first block, where a search chose them (else as even as they go)
+    candidates: list = field(default_factory=list)   # pipeline=None: the degrees priced, and no pipeline
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def cost(self) -> float:
+        """Estimated seconds per step: the slowest stage's microbatch and sends, ``m + k - 1``
+        times, and the gradients' reduction the stages wait on, once."""
+        k, m = len(self.stages), self.microbatches
+        return (m + k - 1) * max(self.slot(s) for s in self.stages) + max(self.reduction(s) for s in self.stages)
+
+    def slot(self, stage: "StagePlan") -> float:
+        """Seconds of one microbatch through ``stage`` (forward and backward) and its sends, its
+        gradients' reduction apart (the runtime reduces them once per step)."""
+        return stage.plan.cost - self.reduction(stage) + self.send_time(stage)
+
+    def reduction(self, stage: "StagePlan") -> float:
+        """Seconds of ``stage``'s plan waiting on its gradients' reduction (``reduction``)."""
+        return reduction(stage.plan)
+
+    def send_time(self, stage: "StagePlan") -> float:
+        """Seconds of a microbatch's sends from ``stage`` to the next, forward and back."""
+        if not stage.sends or stage.plan.cluster is None:
+            return 0.0
+        return send_seconds(stage.sends, tuple(self.mesh_shape), stage.plan.cluster)
+
+    def in_flight(self, stage: "StagePlan") -> int:
+        """How many microbatches' activations ``stage`` keeps at once."""
+        k, m = len(self.stages), self.microbatches
+        return m if self.schedule == "GPipe" else min(k - stage.index, m)
+
+    def memory(self, stage: "StagePlan") -> float:
+        """Bytes per rank of ``stage``: its plan's, with the activations of every microbatch in flight."""
+        mem = stage.plan.memory
+        return mem.get("total", 0) + (self.in_flight(stage) - 1) * mem.get("activations", 0)
+
+    @property
+    def bubble(self) -> float:
+        """The part of a step the stages stand idle: ``(k - 1) / (m + k - 1)``."""
+        k, m = len(self.stages), self.microbatches
+        return (k - 1) / (m + k - 1)
+
+    def stage_of(self, name: str) -> list:
+        """The stages that hold parameter (or node) ``name``."""
+        return [s for s in self.stages if name in s.plan.params or name in s.plan.nodes]
+
+    def placement(self, name: str) -> tuple:
+        """Per-axis placements of a parameter on the mesh of its stage's axes: ``"stage s"`` on
+        the pipeline axis, then its stage plan's."""
+        held = self.stage_of(name)
+        if not held:
+            raise KeyError(f"{name!r} is held by no stage; parameters: "
+                           f"{', '.join(sorted({p for s in self.stages for p in s.plan.params})[:8])}...")
+        return (f"stage {held[0].index}",) + held[0].plan.placement(name)
+
+    def explain(self, name: str) -> str:
+        held = self.stage_of(name)
+        if not held:
+            self.placement(name)
+        where = ", ".join(f"stage {s.index} (ranks {_ranks(s.ranks)})" for s in held)
+        return f"{name}: held by {where}\n" + held[0].plan.explain(name)
+
+    def __str__(self) -> str:
+        k, m = len(self.stages), self.microbatches
+        slow = max(self.slot(s) for s in self.stages)
+        reduce = max(self.reduction(s) for s in self.stages)
+        lines = [f"autoshard pipeline plan: {self.world} devices as mesh {tuple(self.mesh_shape)}, the first axis "
+                 f"a pipeline of {k} stages, {m} microbatches, schedule {self.schedule} "
+                 f"(torch.distributed.pipelining)",
+                 f"step {_ms(self.cost)} (estimated) = ({m} microbatches + {k - 1}) x slowest stage {_ms(slow)} + "
+                 f"gradients reduced once {_ms(reduce)}; bubble {self.bubble:.0%} of the step",
+                 "", f"{'stage':<6} {'ranks':<10} {'blocks':<24} {'microbatch':>11} {'sends':>9} {'in flight':>9} "
+                 f"{'memory':>9}"]
+        for s in self.stages:
+            first = s.index == 0
+            last = s.index == k - 1
+            held = ("embedding + " if first else "") + _blocks(s.blocks) + (" + head" if last else "")
+            lines.append(f"{s.index:<6} {_ranks(s.ranks):<10} {held:<24} {_ms(s.plan.cost):>11} "
+                         f"{_ms(self.send_time(s)):>9} {self.in_flight(s):>9} {self.memory(s) / 1e9:>7.2f}GB")
+        lines += ["", "schedule (F forward, B backward of microbatch n; . idle):"]
+        lines += timeline(self.schedule, k, m)
+        if self.candidates:
+            lines += ["", "pipelines searched (estimated step; pipelines by their block prices):"]
+            lines += [f"  pipeline {c['pipeline']:<3} mesh {tuple(c['mesh'])!s:<16} {_ms(c['estimate'])}"
+                      for c in self.candidates]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"pipeline": True, "mesh_shape": list(self.mesh_shape), "microbatches": self.microbatches,
+                           "schedule": self.schedule, "training": self.training,
+                           "input_shapes": [list(s) for s in self.input_shapes], "starts": list(self.starts),
+                           "candidates": self.candidates,
+                           "stages": [{"index": s.index, "blocks": list(s.blocks), "ranks": list(s.ranks),
+                                       "sends": [list(x) for x in s.sends],
+                                       "plan": json.loads(s.plan.to_json())} for s in self.stages]}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "PipelinePlan":
+        d = json.loads(text)
+        stages = [StagePlan(s["index"], tuple(s["blocks"]), tuple(s["ranks"]), Plan.from_json(json.dumps(s["plan"])),
+                            tuple(tuple(x) for x in s.get("sends", ())))
+                  for s in d["stages"]]
+        return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
+                            [tuple(s) for s in d.get("input_shapes", [])], tuple(d.get("starts", ())),
+                            d.get("candidates", []))
+
+
+def reduction(plan: Plan) -> float:
+    """Seconds of ``plan`` waiting on its parameters' gradient collectives: their time, at most
+    what of its communication it leaves exposed."""
+    params = {n for n, c in plan.nodes.items() if c.kind == "param"}
+    grads = sum(c.seconds for c in plan.collectives if c.phase == "backward" and c.node in params)
+    return min(grads, plan.breakdown.get("exposed", grads))
+
+
+def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
+    """Seconds of one microbatch's sends across a cut, forward and its gradients back: ``sends``,
+    (bytes, floating, rows) of each tensor. Each goes as one point-to-point transfer per rank
+    on the pipeline axis's link, in chunks of rows where they split over the ``p`` ranks of a
+    stage (``runtime.pipeline.chunked``), which the receiving stage all-gathers on its own axes'
+    links (and the sending one its gradient's chunks, in backward)."""
+    p = math.prod(mesh_shape[1:])
+    latency, bandwidth, _ = cluster.group_link(mesh_shape, (0,))
+    inner = cluster.group_link(mesh_shape, tuple(range(1, len(mesh_shape)))) if p > 1 else None
+    total = 0.0
+    for back in (False, True):
+        moved = [(b, rows) for b, floating, rows in sends if floating or not back]
+        if not moved:
+            continue
+        total += latency
+        for b, rows in moved:
+            if chunked((rows,), p):
+                total += b / p / bandwidth + inner[0] * (p - 1) + (p - 1) / p * b / inner[1]
+            else:
+                total += b / bandwidth
+    return total
+
+
+def timeline(schedule: str, k: int, m: int, width: int = 110) -> list:
+    """One row per stage, one column per time slot (a forward takes one, a backward two, as
+    its FLOPs do), each stage's forwards and backwards in the schedule's order, each as early as
+    the stage before (forward) or after (backward) allows: where the bubble is, drawn."""
+    done: dict = {}   # (kind, microbatch, stage) -> the slot it ends at
+    rows = []
+    for s in range(k):
+        if schedule == "GPipe":
+            order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        else:   # 1F1B: k - s - 1 forwards to fill the pipe, then one forward and one backward in turn
+            warm = min(k - s - 1, m)
+            order = [("F", i) for i in range(warm)]
+            for i in range(m):
+                if warm + i < m:
+                    order.append(("F", warm + i))
+                order.append(("B", i))
+        rows.append(order)
+    cells = [dict() for _ in range(k)]
+    free = [0] * k
+    pending = [list(r) for r in rows]
+    while any(pending):
+        moved = False
+        for s in list(range(k)) + list(reversed(range(k))):
+            while pending[s]:
+                kind, i = pending[s][0]
+                dep = ("F", i, s - 1) if kind == "F" and s > 0 else ("F", i, s) if kind == "B" and s == k - 1 \
+                    else ("B", i, s + 1) if kind == "B" else None
+                if dep is not None and dep not in done:
+                    break
+                t0 = max(free[s], done.get(dep, 0))
+                span = 1 if kind == "F" else 2
+                for t in range(t0, t0 + span):
+                    cells[s][t] = f"{kind}{i}"
+                done[(kind, i, s)] = free[s] = t0 + span
+                pending[s].pop(0)
+                moved = True
+        if not moved:
+            break
+    end = max(free)
+    out = []
+    for s in range(k):
+        text = "".join(f"{cells[s].get(t, '.'):<4}" for t in range(end)).rstrip()
+        out.append(f"  stage {s}: {text[:width]}")
+    return out
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _blocks(names) -> str:
+    if len(names) == 1:
+        return names[0]
+    container = names[0].rpartition(".")[0]
+    return f"{container}.{names[0].rpartition('.')[2]}-{names[-1].rpartition('.')[2]}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f}us"
+
+
+def microbatch_inputs(example_inputs, m: int):
+    """(args, kwargs) of one microbatch: every tensor of one dim or more its first ``1/m`` of
+    rows; the batch must split evenly."""
+    args, kwargs = normalize_inputs(example_inputs)
+    leaves, spec = tree_flatten((args, kwargs))
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            if x.shape[0] % m:
+                raise ValueError(f"microbatches={m} must divide the batch, {x.shape[0]} rows (dim 0 of every input); "
+                                 "pass microbatches= a divisor of it")
+            x = x[: x.shape[0] // m]
+        out.append(x)
+    return tree_unflatten(out, spec)
+
+
+def default_microbatches(example_inputs, k: int) -> int:
+    """Twice the stages where the batch allows (a bubble of at most a third), else the largest
+    divisor of the batch up to that."""
+    args, kwargs = normalize_inputs(example_inputs)
+    rows = [x.shape[0] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not rows:
+        raise ValueError("pipeline= splits the batch into microbatches along dim 0, and no input has a dim")
+    return max(d for d in range(1, 2 * k + 1) if rows[0] % d == 0)
+
+
+def stage_inputs(stages, s: int, device, grads: bool = False) -> tuple:
+    """Zeros of the shapes stage ``s`` takes (one microbatch), to capture it with; ``grads``:
+    the floating ones requiring gradients."""
+    return tuple(torch.zeros(shape, dtype=dtype, device=device).requires_grad_(grads and dtype.is_floating_point)
+                 for shape, dtype in stages.inputs[s])
+
+
+def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None):
+    """The stages of ``model`` for ``k`` stages and ``m`` microbatches (``passes.stages``),
+    beginning at blocks ``starts`` (by default as even as they go)."""
+    args, kwargs = microbatch_inputs(example_inputs, m)
+    graph = capture(model, args, kwargs or None, outputs)
+    _, indices = block_stack(graph)
+    return split(graph, model, list(starts) if starts else even_cuts(len(indices), k))
+
+
+def input_device(example_inputs):
+    args, kwargs = normalize_inputs(example_inputs)
+    return next((x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage, starts=None) -> PipelinePlan:
+    """The plan of ``model`` with ``mesh_shape[0]`` pipeline stages (the first beginning at
+    block ``starts[s]``; by default as even as they go); ``plan_stage(graph, mesh_shape,
+    options)`` plans each stage's captured graph on the other axes."""
+    k = mesh_shape[0]
+    inner = tuple(mesh_shape[1:]) or (1,)
+    m = options.microbatches or default_microbatches(example_inputs, k)
+    stages = cut(model, example_inputs, k, m, options.outputs, starts)
+    device = input_device(example_inputs)
+    stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None)
+    size = math.prod(inner)
+    planned, pinned = [], set()
+    for s in range(k):
+        graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, options.outputs)
+        # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
+        pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
+        pinned.update(pins)
+        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
+                      for shape, dtype in (stages.inputs[s + 1] if s + 1 < k else ()))
+        one = dataclasses.replace(stage_options, pin=pins or None)
+        splan = plan_stage(graph, inner, one)
+        # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
+        # see: where they overflow the budget, planned again within what they leave of it
+        flight = m if schedule_name(k, m) == "GPipe" else min(k - s, m)
+        budget = splan.memory.get("budget") or 0
+        extra = (flight - 1) * splan.memory.get("activations", 0)
+        if budget and splan.memory.get("total", 0) + extra > budget:
+            fixed = splan.memory.get("total", 0) - splan.memory.get("activations", 0)
+            allowed = (budget - fixed) / flight   # each microbatch's activations, all in flight within the budget
+            if allowed > 0:
+                try:
+                    splan = plan_stage(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed))
+                except (ValueError, NoPlanInTime):
+                    pass   # none fits: the plan says how far over it is (``PipelinePlan.memory``)
+        planned.append(StagePlan(s, stages.blocks[s], tuple(range(s * size, (s + 1) * size)), splan, sends))
+    unknown = sorted(set(options.pin or {}) - pinned)
+    if unknown:
+        raise ValueError(f"cannot pin {', '.join(map(repr, unknown))} with pipeline=: a pin names a parameter of the "
+                         "model (its placements on the axes after the pipeline's), and no stage holds these")
+    args, kwargs = normalize_inputs(example_inputs)
+    shapes = [tuple(x.shape) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    return PipelinePlan((k,) + inner, m, schedule_name(k, m), planned, options.training, shapes,
+                        starts=tuple(starts) if starts else ())
+
+
+# ---- the search: pipeline=None ------------------------------------------------------------------
+#
+# Tied blocks price alike, so a stage's time is the sum of its blocks' prices: one plan of the
+# whole model (one microbatch, on the mesh each stage would have) prices every block, the ops
+# before the first block going with it and those after the last with the last; a dynamic program
+# over the block sequence then finds the cuts whose slowest stage (its blocks and its sends) is
+# fastest, ``min over cuts of max_s (t_s + c_s)``: O(k n^2) for n blocks, not one more solver
+# variable (Alpa's inter-op pass, on these prices).
+
+@dataclass(frozen=True)
+class Prices:
+    """Per block of the stack, in order: its seconds (a microbatch's forward and backward, the
+    ops before the stack in the first, after it in the last) and the (bytes, floating, rows) of
+    each tensor that crosses a cut just before it (the first: none)."""
+    seconds: tuple
+    crossing: tuple
+
+
+def block_prices(graph, plan) -> Prices:
+    """``graph``'s blocks priced by ``plan`` (its ops' compute and communication, scaled so that
+    they add up to the plan's step without its gradients' reduction, which a pipeline runs once
+    a step), and the bytes each cut would send."""
+    from autoshard.planner.repeat import _block_of
+    container, indices = block_stack(graph)
+    position = {b: i for i, b in enumerate(indices)}
+    n = len(indices)
+    segment: dict = {}
+    current = 0
+    for node in graph.nodes:
+        if node.kind == "op":
+            b = _block_of(node)
+            if b is not None and b[0] == container:
+                current = position[b[1]]
+            segment[node.name] = max([current] + [segment[v[0]] for v in node.inputs if v[0] in segment])
+        elif node.kind == "input":
+            segment[node.name] = 0
+    seconds = [0.0] * n
+    for name, choice in plan.nodes.items():   # the parameters' gradient reductions run once a step
+        if name in segment and choice.kind == "op":
+            seconds[segment[name]] += choice.compute + choice.comm
+    total = sum(seconds)
+    scale = (plan.cost - reduction(plan)) / total if total > 0 else 1.0
+    last_read: dict = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            if node.kind == "output":
+                last_read[v] = n - 1
+            elif node.name in segment:
+                last_read[v] = max(last_read.get(v, 0), segment[node.name])
+    crossing = [[] for _ in range(n)]   # a value made in block p and read in block r crosses the cuts p+1..r
+    for v, r in last_read.items():
+        if graph.by_name[v[0]].kind not in ("op", "input"):
+            continue
+        meta = graph.meta(v)
+        for j in range(segment[v[0]] + 1, r + 1):
+            crossing[j].append((meta.nbytes, meta.floating, meta.shape[0] if meta.shape else 0))
+    return Prices(tuple(s * scale for s in seconds), tuple(tuple(c) for c in crossing))
+
+
+def best_cuts(prices: Prices, k: int, sends) -> tuple:
+    """(slowest stage's seconds with its sends, first block of each stage) of the cut of the
+    priced blocks into ``k`` stages whose slowest stage is fastest; ``sends(tensors)``: the
+    seconds of sending those across a cut (``send_seconds``)."""
+    t, n = prices.seconds, len(prices.seconds)
+    prefix = [0.0]
+    for x in t:
+        prefix.append(prefix[-1] + x)
+
+    cost = [sends(prices.crossing[j]) if j < n else 0.0 for j in range(n + 1)]
+
+    def send(j):   # the sends of a stage that ends just before block j
+        return cost[j]
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]   # best[s][j]: blocks 0..j-1 in s stages
+    back = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for s in range(1, k + 1):
+        for j in range(s, n - (k - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                v = max(best[s - 1][i], prefix[j] - prefix[i] + send(j))
+                if v < best[s][j]:
+                    best[s][j], back[s][j] = v, i
+    starts, j = [], n
+    for s in range(k, 0, -1):
+        j = back[s][j]
+        starts.append(j)
+    return best[k][n], tuple(reversed(starts))
+
+
+def _rows(example_inputs):
+    """The batch's rows (dim 0 of the first input with a dim), or None."""
+    args, kwargs = normalize_inputs(example_inputs)
+    rows = [x.shape[0] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    return rows[0] if rows else None
+
+
+def _microbatches(rows: int, k: int, inner: tuple) -> int:
+    """The most microbatches, up to ``8 k`` (a bubble of at most a ninth), whose rows split evenly
+    over the stages' first axis (their data-parallel one, where they have it): Megatron-LM's
+    GPT-3 175B took 96 of 16 sequences for 8 stages of data 16; else up to ``2 k``."""
+    fits = [m for m in range(1, 8 * k + 1) if rows % m == 0 and (rows // m) % inner[0] == 0]
+    return max(fits) if fits else max(d for d in range(1, 2 * k + 1) if rows % d == 0)
+
+
+def _inner(mesh_shape: tuple, k: int):
+    """The mesh each of ``k`` stages gets from the best mesh without a pipeline: its first axis
+    (the ranks furthest apart) shrunk ``k`` times; None where it does not divide."""
+    if mesh_shape[0] % k:
+        return None
+    first = mesh_shape[0] // k
+    rest = tuple(mesh_shape[1:])
+    return ((first,) + rest) if first > 1 or not rest else rest
+
+
+def search_pipeline(model, example_inputs, graph, world: int, options, base: Plan, plan_stage):
+    """``pipeline=None``: the best pipelined plan where one beats ``base``, the best plan without
+    a pipeline, else ``base`` itself. Pipelines are searched only across nodes: each stage whole
+    nodes, the pipeline axis on the network between them (within a node the links are fast, and a
+    pipeline would buy nothing but its bubble); ``k`` divides the world, each stage's mesh is
+    ``base``'s with its first axis ``k`` times smaller, and the microbatches are ``microbatches=``
+    or ``_microbatches``' choice. Each degree costs one plan of the whole model on its stages'
+    mesh (one capture per microbatch size); the degree whose cut is cheapest by those prices is
+    then planned stage by stage, and kept where it beats ``base``."""
+    cluster = base.cluster
+    if cluster is None or world <= cluster.gpus_per_node or not options.training:
+        return base
+    try:
+        _, indices = block_stack(graph)
+    except ValueError:
+        return base
+    out = graph.exported.graph_signature.output_specs
+    user = [n for n in graph.output.inputs]
+    if len(user) != 1 or graph.meta(user[0]).shape != () or not graph.meta(user[0]).floating or len(out) != 1:
+        return base
+    stage_options = dataclasses.replace(options, pipeline=None, microbatches=None)
+    degrees = [k for k in range(2, min(world // cluster.gpus_per_node, len(indices)) + 1)
+               if world % k == 0 and _inner(tuple(base.mesh_shape), k) is not None
+               and math.prod(_inner(tuple(base.mesh_shape), k)) % cluster.gpus_per_node == 0]
+    rows = _rows(example_inputs)
+    if rows is None:   # no input with a batch dim to cut
+        return base
+    micro = {k: options.microbatches or _microbatches(rows, k, _inner(tuple(base.mesh_shape), k)) for k in degrees}
+    # a pipeline runs the same work on the same devices and adds its bubble, (k - 1) / m of the
+    # compute: it can pay only where the plan without one waits on more communication than that
+    compute, exposed = base.breakdown.get("compute"), base.breakdown.get("exposed")
+    if compute is not None and exposed is not None:
+        degrees = [k for k in degrees if compute * (k - 1) / micro[k] < exposed]
+    captured: dict = {}   # microbatches -> the model captured with one microbatch's shapes
+    ranked = []
+    # each degree's stages are priced, and the chosen one's planned, with the parameters laid out
+    # as in ``base`` (the same axes, the first smaller): a small solve for the activations alone
+    kept = {c.fqn: tuple(base.params[c.fqn]) for c in base.nodes.values() if c.kind == "param" and c.fqn in base.params}
+
+    def keeping(inner):   # base's parameter layouts on a stage's mesh: without the first axis where it is gone
+        drop = len(inner) < len(base.mesh_shape)
+        return {**{n: v[1:] if drop else v for n, v in kept.items()}, **(options.pin or {})}
+
+    # the degrees' plans only price the blocks: together they take half of one solve's limit
+    limit = options.time_limit / (2 * max(len(degrees), 1))
+    for k in degrees:
+        inner, m = _inner(tuple(base.mesh_shape), k), micro[k]
+        try:
+            if m not in captured:
+                args, kwargs = microbatch_inputs(example_inputs, m)
+                captured[m] = capture(model, args, kwargs or None, options.outputs)
+            planned = plan_stage(captured[m], inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
+                                                                         pin=keeping(inner)))
+        except (ValueError, NoPlanInTime):   # none within the budget, or in its time: not this degree
+            continue
+        slot, starts = best_cuts(block_prices(captured[m], planned), k,
+                                 lambda sends: send_seconds(sends, (k,) + inner, cluster))
+        ranked.append(((m + k - 1) * slot + reduction(planned) / k, k, inner, m, starts))
+    for estimate, k, inner, m, starts in sorted(ranked):
+        if estimate >= base.cost:
+            break
+        # and the chosen degree's stages share another
+        try:
+            plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(
+                stage_options, pipeline=k, microbatches=m, time_limit=options.time_limit / k, pin=keeping(inner)),
+                plan_stage, starts=starts)
+        except (ValueError, NoPlanInTime):
+            break
+        budget = options.memory_budget or cluster.memory
+        if plan.cost < base.cost and all(plan.memory(s) <= budget for s in plan.stages):
+            plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, estimate=e)
+                               for e, k, inner, m, _ in sorted(ranked)] + [dict(pipeline=1, mesh=list(base.mesh_shape),
+                                                                               estimate=base.cost)]
+            return plan
+        break
+    return base

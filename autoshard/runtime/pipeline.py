@@ -1,0 +1,235 @@
+"""Running a rank's pipeline stage on torch's own engine, ``torch.distributed.pipelining``.
+
+Each rank holds one stage: the program lowered for it on the mesh of the other axes
+(``StageProgram``, the module a ``PipelineStage`` wraps), run by one of torch's schedules
+(``Schedule1F1B``, or ``ScheduleGPipe`` where there are fewer microbatches than stages). A
+schedule's ``step`` runs forward and backward together; ``run_step`` presents it as a training
+loop expects: it returns the whole batch's loss on every rank, as a tensor whose backward puts
+the gradients the step made into ``param.grad`` (scaled by the gradient the loss is given, so
+``(loss * c).backward()`` is exact too). Until that backward the step's gradients wait aside,
+and ``param.grad`` holds what it held before the call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoshard.runtime.grads import param_share
+from autoshard.runtime.mesh import RankMesh, active
+
+GPIPE, ONE_F_ONE_B = "GPipe", "1F1B"
+
+
+def schedule_name(stages: int, microbatches: int) -> str:
+    """1F1B keeps at most ``stages`` microbatches in flight; torch runs it where there are at
+    least as many microbatches as stages, and GPipe (all forwards, then all backwards) else."""
+    return ONE_F_ONE_B if microbatches >= stages else GPIPE
+
+
+def chunked(shape: tuple, ranks: int) -> bool:
+    """Whether a tensor of ``shape`` crosses between stages in ``ranks`` chunks of its rows, each
+    rank of a stage sending its own to the rank at its place in the next stage (``StageProgram``),
+    rather than whole from every rank: where its rows split evenly. Sender and receiver decide
+    alike from the shape."""
+    return ranks > 1 and len(shape) >= 1 and shape[0] % ranks == 0
+
+
+class StageProgram(nn.Module):
+    """One stage's per-rank program as a module: it holds the stage's parameters (DTensor shares
+    on the mesh of the other axes, under their names in the model) and takes and returns the
+    tensors that cross between stages. The program takes and gives them whole on every rank of
+    that mesh; between stages each rank sends only its chunk of rows (``chunked``), which the
+    next stage's ranks gather back within their own mesh (its fast links), and gradients go
+    back the same way."""
+
+    def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh, first: bool = False,
+                 last: bool = False):
+        super().__init__()
+        self.held = held
+        self.program = program
+        self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
+        self.rank_mesh = rank_mesh
+        self.first, self.last = first, last   # the first takes the user's batch whole; the last gives the loss
+        # the mesh of the other axes as one group (a pipeline runs with one such axis yet)
+        self.ranks = rank_mesh.shape[0] if len(rank_mesh.shape) == 1 else 1
+        self.coord = rank_mesh.coords[0] if self.ranks > 1 else 0
+        self.calls, self.reduce_at = 0, None   # microbatches run this step; the one whose backward reduces
+
+    def forward(self, *crossing):
+        # the gradients of a step's microbatches are reduced over the stage's axes once: every
+        # microbatch's backward but the last keeps its sum (the program's no_sync), and the
+        # last's, run after all the others' (1F1B and GPipe alike), reduces them all
+        if self.reduce_at is not None:
+            self.rank_mesh.sync_grads = self.calls == self.reduce_at
+        self.calls += 1
+        if self.ranks > 1 and not self.first:
+            crossing = [_Gather.apply(x, self.rank_mesh.groups[0], self.ranks)
+                        if chunked((x.shape[0] * self.ranks,) + tuple(x.shape[1:]), self.ranks) else x
+                        for x in crossing]
+        out = self._run(crossing)
+        if self.ranks > 1 and not self.last:
+            out = [_Chunk.apply(x, self.rank_mesh.groups[0], self.ranks, self.coord)
+                   if chunked(tuple(x.shape), self.ranks) else x for x in out]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _run(self, crossing):
+        feed = []
+        for slot in self._slots:
+            if isinstance(slot, torch.Tensor):
+                feed.append(slot)
+            elif slot[0] == "param":
+                feed.append(param_share(self.held.get_parameter(slot[1])))
+            else:
+                feed.append(self.held.get_buffer(slot[1]))
+        with active(self.rank_mesh):
+            return list(self.program(*feed, *crossing))
+
+
+class _Gather(torch.autograd.Function):
+    """The stage's ranks' chunks of rows, gathered whole. Backward: the program gives every rank
+    the whole input's gradient alike; each sends back its own chunk of it."""
+
+    @staticmethod
+    def forward(ctx, x, group, ranks):
+        parts = [torch.empty_like(x) for _ in range(ranks)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.meta = (dist.get_group_rank(group, dist.get_rank()), x.shape[0])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        me, rows = ctx.meta
+        return g[me * rows:(me + 1) * rows].contiguous(), None, None
+
+
+class _Chunk(torch.autograd.Function):
+    """This rank's chunk of rows of a whole output, to send. Backward: the chunks' gradients,
+    gathered whole, are the whole output's gradient, which the program takes on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group, ranks, coord):
+        rows = x.shape[0] // ranks
+        ctx.meta = (group, ranks)
+        return x[coord * rows:(coord + 1) * rows].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        group, ranks = ctx.meta
+        parts = [torch.empty_like(g) for _ in range(ranks)]
+        dist.all_gather(parts, g.contiguous(), group=group)
+        return torch.cat(parts), None, None, None
+
+
+def _given_loss(output, target):
+    """The last stage's program computes the loss itself: the schedule's loss is its output."""
+    return output
+
+
+class Runner:
+    """A rank's stage and schedule, and what one call needs around them."""
+
+    def __init__(self, stage_program: StageProgram, stage: int, stages: int, microbatches: int,
+                 pipe_group, last_rank: int, device, ties: list, takes: tuple, gives: tuple):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.module = stage_program
+        self.stage, self.stages, self.microbatches = stage, stages, microbatches
+        self.group, self.last_rank, self.device = pipe_group, last_rank, device
+        self.ties = ties   # [(parameter name, process group of its holders, same placements)]
+        # what it takes and gives, given: nothing runs to find them out
+        self.pipe_stage = PipelineStage(stage_program, stage, stages, device, input_args=takes, output_args=gives,
+                                        group=pipe_group)
+        kind = ScheduleGPipe if schedule_name(stages, microbatches) == GPIPE else Schedule1F1B
+        self.schedule = kind(self.pipe_stage, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+        self.held_back = False   # whether the last step ran under no_sync
+
+    def named_params(self) -> list:
+        return list(self.module.held.named_parameters())
+
+    def step(self, inputs: list) -> torch.Tensor:
+        """Forward and backward of the whole batch ``inputs`` (the first stage's, split into the
+        microbatches along dim 0); the mean of the microbatches' losses on every rank, whose
+        backward places the gradients."""
+        named = self.named_params()
+        params = [p for _, p in named]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses: list = []
+        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
+        args = inputs if self.stage == 0 else []
+        mesh = self.module.rank_mesh
+        synced = mesh.sync_grads   # False under no_sync: no microbatch reduces
+        self.module.calls, self.module.reduce_at = 0, self.microbatches - 1 if synced else None
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self.module.reduce_at, mesh.sync_grads = None, synced
+        made = {n: p.grad for n, p in named}
+        for p, g in zip(params, before):
+            p.grad = g
+        self._sum_tied(made)
+        made = [made[n] for n, _ in named]
+        if losses:
+            loss = torch.stack([x.detach() for x in losses]).mean().reshape(())
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        # a step under no_sync keeps its gradients' sums in the program, and the next synced step
+        # hands them on with its own: neither can scale them by its loss's gradient
+        held = not self.module.rank_mesh.sync_grads or self.held_back
+        self.held_back = not self.module.rank_mesh.sync_grads
+        return _Placed.apply(anchor, loss, params, made, held)
+
+    def evaluate(self, inputs: list) -> torch.Tensor:
+        """The whole batch's loss on every rank, forward only."""
+        losses: list = []
+        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
+        args = inputs if self.stage == 0 else []
+        with torch.no_grad():
+            self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        loss = torch.stack([x.detach() for x in losses]).mean().reshape(()) if losses else \
+            torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    def _sum_tied(self, grads: dict) -> None:
+        """A parameter two stages use (an embedding tied to the head) is held by both, each
+        with its own stage's share of the gradient: summed over its holders, both step alike."""
+        for name, group, same in self.ties:
+            g = grads.get(name)
+            p = self.module.held.get_parameter(name)
+            if g is None:   # this stage's part of it had no gradient: its holders still all take part
+                g = grads[name] = torch.zeros_like(p)
+            if same:
+                dist.all_reduce(g.to_local(), group=group)
+            else:
+                from torch.distributed.tensor import distribute_tensor
+                whole = g.full_tensor()
+                dist.all_reduce(whole, group=group)
+                g.to_local().copy_(distribute_tensor(whole, g.device_mesh, g.placements, src_data_rank=None).to_local())
+
+
+class _Placed(torch.autograd.Function):
+    """The step's loss; its backward adds the step's gradients, times the loss's gradient, to
+    the parameters' (the schedule ran backward already: nothing flows further)."""
+
+    @staticmethod
+    def forward(ctx, anchor, loss, params, made, held):
+        ctx.held = (params, made, held)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        params, made, held = ctx.held
+        scale = float(g)
+        if held and scale != 1.0:
+            raise RuntimeError("a pipeline's steps under no_sync (and the step after them) take the loss's backward "
+                               "unscaled: call loss.backward(), and scale the learning rate instead")
+        for p, d in zip(params, made):
+            if d is None:
+                continue
+            d = d if scale == 1.0 else d * scale
+            p.grad = d if p.grad is None else p.grad + d
+        return None, None, None, None, None

@@ -1,0 +1,273 @@
+"""Pipeline parallelism: the model cut between its blocks into stages on a first mesh axis, each
+stage planned on the others and run on torch.distributed.pipelining. Exact against the
+single-device model (fp32, gloo) with 2 stages at world 2, 4 stages at world 4, and 2 stages by
+2-way data parallel at world 4; planning checked without processes."""
+import contextlib
+import copy
+import json
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.planner.pipeline import PipelinePlan, timeline
+from cases import rel_err
+from models import GPT, TwoLayer, megatron_pins
+
+TOL = 1e-5
+
+
+def _batch(rows=8, seq=16, vocab=64):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
+
+
+def _against_one_device(pipeline, microbatches=None, layers=4, plan=None, **options):
+    """Loss and every held gradient of the pipelined GPT against the model's own, and what the
+    rank holds."""
+    torch.manual_seed(0)
+    model = GPT(layers=layers)
+    ref = copy.deepcopy(model)
+    idx, tgt = _batch()
+    kwargs = dict(plan=plan) if plan is not None else dict(pipeline=pipeline, microbatches=microbatches, **options)
+    pm = autoshard.parallelize(model, (idx, tgt), verbose=False, cluster="a100-80gb-nvlink-ib", **kwargs)
+    loss = pm(idx, tgt)
+    untouched = all(p.grad is None for p in pm.parameters())   # the grads wait for backward
+    loss.backward()
+    want = ref(idx, tgt)
+    want.backward()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    grads = {n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()}
+    return {"stage": pm.stage, "loss": rel_err(loss, want), "grads": grads, "untouched": untouched,
+            "held": sorted(n for n, _ in pm.named_parameters()), "plan": pm.plan.to_json()}
+
+
+def _check(results, stages):
+    assert sorted(r["stage"] for r in results) == sorted(s for s in range(stages) for _ in range(len(results) // stages))
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    for r in results:
+        assert r["loss"] < TOL, r["loss"]
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        assert r["untouched"]
+        assert r["held"] == sorted(n for n in plan.stages[r["stage"]].plan.params if n != "emb.weight")
+    held = [set(r["held"]) for r in results]
+    assert "blocks.0.qkv.weight" in held[0] and "blocks.3.qkv.weight" not in held[0]
+    assert all("head.weight" in h for h, r in zip(held, results) if r["stage"] in (0, stages - 1))   # tied: both ends
+
+
+def test_two_stages_at_world_2(world2):
+    _check(world2.run(_against_one_device, 2), 2)
+
+
+def test_four_stages_at_world_4(world4):
+    _check(world4.run(_against_one_device, 4), 4)
+
+
+def test_two_stages_by_two_data_parallel_at_world_4(world4):
+    results = world4.run(_against_one_device, 2, 2)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.mesh_shape == (2, 2) and plan.microbatches == 2 and plan.schedule == "1F1B"
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
+    # each stage data parallel on its axis: the weights' gradients all-reduced over it
+    assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+
+
+def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
+    pins = megatron_pins([f"blocks.{i}." for i in range(4)])
+    results = world4.run(_against_one_device, 2, 2, pin=pins, recompute="blocks")
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    for s in plan.stages:   # tensor parallel on the stage's axis, every block run again in backward
+        assert s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",)
+        assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
+
+
+def _steps(pipeline, no_sync=False):
+    """Accumulation over two calls (the first under ``no_sync``), a scaled loss, an SGD step and
+    evaluation, beside the model's own."""
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    ref = copy.deepcopy(model)
+    idx, tgt = _batch()
+    idx2, tgt2 = _batch()[1], _batch()[0]
+    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, verbose=False, cluster="a100-80gb-nvlink-ib")
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scale = 1 if no_sync else 3   # steps under no_sync take their loss's backward unscaled
+    with pm.no_sync() if no_sync else contextlib.nullcontext():
+        pm(idx, tgt).backward()
+    (pm(idx2, tgt2) * scale).backward()
+    ref(idx, tgt).backward()
+    (ref(idx2, tgt2) * scale).backward()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    grads = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())
+    opt.step()
+    ref_opt.step()
+    after = rel_err(pm(idx, tgt), ref(idx, tgt))
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        evaluated = rel_err(pm(idx2, tgt2), ref(idx2, tgt2))
+    return grads, after, evaluated
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync):
+    for grads, after, evaluated in world4.run(_steps, 2, no_sync):
+        assert grads < TOL and after < TOL and evaluated < TOL, (grads, after, evaluated)
+
+
+def _checkpointed(path):
+    """A step at 2 stages by 2-way data parallel, saved with torch.distributed.checkpoint, loaded
+    onto 4 stages of a model started from other weights: the same loss."""
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    idx, tgt = _batch()
+    pm = autoshard.parallelize(GPT(layers=4), (idx, tgt), pipeline=2, verbose=False, cluster="a100-80gb-nvlink-ib")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    pm(idx, tgt).backward()
+    opt.step()
+    want = pm(idx, tgt).detach()
+    dcp.save(pm.state_dict(), checkpoint_id=path)
+    torch.manual_seed(1)
+    other = autoshard.parallelize(GPT(layers=4), (idx, tgt), pipeline=4, verbose=False, cluster="a100-80gb-nvlink-ib")
+    before = other(idx, tgt).detach()
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    return rel_err(before, want), rel_err(other(idx, tgt).detach(), want)
+
+
+def test_a_checkpoint_loads_onto_another_pipeline_degree(world4, tmp_path):
+    for before, after in world4.run(_checkpointed, str(tmp_path)):
+        assert before > 1e-3 and after < TOL, (before, after)
+
+
+def test_a_saved_plan_runs(world2):
+    torch.manual_seed(0)
+    plan = autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, microbatches=2, verbose=False)
+    again = PipelinePlan.from_json(plan.to_json())
+    _check(world2.run(_against_one_device, None, plan=again), 2)
+
+
+# ---- planning, without processes ----------------------------------------------------------------
+
+def test_plan_lists_stages_and_the_schedule():
+    torch.manual_seed(0)
+    plan = autoshard.plan(GPT(layers=6), _batch(16), world=8, pipeline=4, verbose=False)
+    assert plan.mesh_shape == (4, 2) and plan.microbatches == 8
+    assert [s.blocks for s in plan.stages] == [("blocks.0", "blocks.1"), ("blocks.2", "blocks.3"), ("blocks.4",),
+                                               ("blocks.5",)]
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    text = str(plan)
+    assert "a pipeline of 4 stages, 8 microbatches, schedule 1F1B" in text
+    assert "embedding + blocks.0-1" in text and "blocks.5 + head" in text
+    assert f"bubble {3 / 11:.0%}" in text and "stage 3: .   .   .   F0  B0" in text
+    assert plan.cost == pytest.approx(11 * max(s.plan.cost - plan.reduction(s) + plan.send_time(s) for s in plan.stages)
+                                      + max(plan.reduction(s) for s in plan.stages))
+    assert plan.placement("blocks.2.fc.weight")[0] == "stage 1"
+    assert plan.explain("head.weight").startswith("head.weight: held by stage 0 (ranks 0,1), stage 3 (ranks 6,7)")
+
+
+def test_sends_and_activations_in_flight_are_priced():
+    """A microbatch crosses each cut as the residual stream (and the targets, on their way to the
+    loss): one send forward, its gradient back, on the pipeline axis's link; 1F1B keeps ``k - s``
+    microbatches' activations on stage ``s``."""
+    with torch.device("meta"):
+        model = GPT(layers=8, d=1024, heads=16, vocab=32000, seq=1024)
+    idx = torch.zeros(64, 1024, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, (idx, idx), world=64, pipeline=4, verbose=False)
+    assert plan.mesh_shape == (4, 16) and plan.microbatches == 8
+    first, last = plan.stages[0], plan.stages[-1]
+    assert first.sends == ((8 * 1024 * 8, False, 8), (8 * 1024 * 1024 * 4, True, 8))   # targets, the residual
+    latency, bandwidth, _ = first.plan.cluster.group_link((4, 16), (0,))
+    assert bandwidth == 200e9 / 8   # stages 16 ranks apart: a node's network shared by its 8 GPUs
+    # 8 rows do not split over a stage's 16 ranks: every rank sends them whole
+    want = 2 * latency + (8 * 1024 * 8 + 2 * 8 * 1024 * 1024 * 4) / bandwidth
+    assert plan.send_time(first) == pytest.approx(want) and plan.send_time(last) == 0
+    assert [plan.in_flight(s) for s in plan.stages] == [4, 3, 2, 1]
+    mem = first.plan.memory
+    assert plan.memory(first) == pytest.approx(mem["total"] + 3 * mem["activations"])
+    assert "sends" in str(plan) and "in flight" in str(plan)
+
+
+def test_pins_go_to_the_stage_that_holds_them():
+    torch.manual_seed(0)
+    pins = {"blocks.3.fc.weight": ("S(0)",), "blocks.0.proj.weight": ("S(1)",)}
+    plan = autoshard.plan(GPT(layers=4), _batch(), world=4, pipeline=2, pin=pins, verbose=False)
+    assert plan.placement("blocks.3.fc.weight") == ("stage 1", "S(0)")
+    assert plan.placement("blocks.0.proj.weight") == ("stage 0", "S(1)")
+    with pytest.raises(ValueError, match="no stage holds"):
+        autoshard.plan(GPT(layers=4), _batch(), world=4, pipeline=2, pin={"nothing.weight": ("B",)}, verbose=False)
+
+
+def test_no_pipeline_plans_as_before():
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    plain = autoshard.plan(model, _batch(), world=4, mesh=(4,), verbose=False)
+    one = autoshard.plan(model, _batch(), world=4, mesh=(4,), pipeline=1, verbose=False)
+    strip = lambda p: {k: v for k, v in json.loads(p.to_json()).items() if k != "solver"}   # noqa: E731
+    assert strip(plain) == strip(one)
+
+
+def test_timeline_of_gpipe():
+    assert timeline("GPipe", 2, 2) == ["  stage 0: F0  F1  .   .   .   B0  B0  B1  B1",
+                                       "  stage 1: .   F0  F1  B0  B0  B1  B1  .   ."]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world=8, pipeline=8), "at least 8 repeated blocks"),
+    (dict(world=6, pipeline=4), "must divide the world"),
+    (dict(world=4, pipeline=2, microbatches=3), "must divide the batch"),
+    (dict(world=4, microbatches=2), "pass pipeline=k"),
+    (dict(world=4, pipeline=2, mesh=(4,)), "must start with 2"),
+])
+def test_bad_pipeline_arguments_say_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        autoshard.plan(GPT(layers=4), _batch(), verbose=False, **kwargs)
+
+
+def test_a_model_without_blocks_or_loss_is_told():
+    with pytest.raises(ValueError, match="no stack of two or more"):
+        autoshard.plan(TwoLayer(8, 16), (torch.randn(4, 8), torch.randn(4, 8)), world=2, pipeline=2, verbose=False)
+    with pytest.raises(ValueError, match="returns its training loss"):
+        autoshard.plan(GPT(layers=4), (_batch()[0],), world=2, pipeline=2, verbose=False)
+
+
+# ---- the search: pipeline=None ------------------------------------------------------------------
+
+def test_cuts_balance_the_slowest_stage_with_its_sends():
+    from autoshard.planner.pipeline import Prices, best_cuts
+    free = Prices((1.0, 1.0, 1.0, 1.0, 4.0), ((),) * 5)
+    assert best_cuts(free, 2, lambda sends: 0.0) == (4.0, (0, 4))
+    assert best_cuts(free, 3, lambda sends: 0.0) == (4.0, (0, 2, 4))
+    # a cut before block 4 that sends a lot moves there no more: the stages before it pay the send
+    dear = Prices((1.0, 1.0, 1.0, 1.0, 4.0), ((), (), (), (), ((100, True, 8),)))
+    sends = lambda tensors: 10.0 * len(tensors)   # noqa: E731
+    assert best_cuts(dear, 2, sends) == (5.0, (0, 3))
+
+
+def _searched(cluster):
+    with torch.device("meta"):
+        model = GPT(layers=4, d=512, heads=8, vocab=32000, seq=256)
+    idx = torch.zeros(32, 256, dtype=torch.long, device="meta")
+    return autoshard.plan(model, (idx, idx), world=8, cluster=cluster, verbose=False)
+
+
+def test_search_cuts_stages_across_a_slow_network():
+    """Two nodes of 4 GPUs whose network carries 1 GB/s per GPU: the gradients' all-reduce across
+    it costs more than the bubble, so the planner cuts the model there, a stage per node."""
+    from autoshard.machine.cluster import PRESETS
+    plan = _searched(PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=4e9))
+    assert isinstance(plan, PipelinePlan)
+    assert plan.mesh_shape == (2, 4) and [s.ranks for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    unpiped = plan.candidates[-1]
+    assert unpiped["pipeline"] == 1 and plan.cost < unpiped["estimate"]
+    assert "pipelines searched" in str(plan)
+
+
+def test_search_keeps_an_nvlink_world_unpiped():
+    from autoshard.machine.cluster import PRESETS
+    fast = PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=600e9, inter_latency=5e-6)
+    plan = _searched(fast)
+    assert not isinstance(plan, PipelinePlan), str(plan)
