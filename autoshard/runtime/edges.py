@@ -13,7 +13,7 @@ from autoshard import placement as pl
 from autoshard._compat import tree_map_only
 from autoshard.convert import rank_sizes, transition
 from autoshard.runtime.mesh import RankMesh, _mesh
-from autoshard.runtime.steps import _launch, _run
+from autoshard.runtime.steps import _launch, _run, keep_traced
 
 
 def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
@@ -34,6 +34,11 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
         if arriving and i == len(plan) - 1 and kind == "all_reduce" and sizes is None:
             work, finish = _launch(x, *args, dim, dim2, groups)
             return Arriving(work, finish, tuple(x.shape), x.dtype, x.device)
+        if kind == "keep" and torch.compiler.is_compiling():
+            # traced, a gradient kept on one rank must not be a graph of zeros on the others, which
+            # the partitioner may split otherwise and so issue their collectives in another order
+            x = keep_traced(x, m, axis)
+            continue
         x = _run(x, *args, m.coord(axis), dim, dim2, groups, sizes, sizes2)
     return x
 

@@ -186,8 +186,7 @@ def _run(x, kind, group, p, coord, dim, dim2, groups=1, sizes=None, sizes2=None)
 def _step(x, kind, axis, dim=None, dim2=None, groups=1, sizes=None, sizes2=None):
     m = _mesh()
     args = (kind, m.group(axis), m.size(axis), m.coord(axis), dim, dim2, groups, sizes, sizes2)
-    # traced, the functional collectives and the local steps have their duals as their own autograd
-    return _Step.apply(x, *args) if x.requires_grad and not torch.compiler.is_compiling() else _run(x, *args)
+    return _Step.apply(x, *args) if x.requires_grad else _run(x, *args)
 
 
 class _CastGather(torch.autograd.Function):
@@ -292,7 +291,17 @@ def pad_shard(x, axis: int, dim: int, groups: int = 1, sizes=None):
 
 
 def keep_partial(x, axis: int):
+    if torch.compiler.is_compiling():
+        # traced, the rank's coordinate is an input, not a branch: a graph that differs from rank to
+        # rank may be partitioned differently (what backward recomputes, what forward makes ahead)
+        # and issue its collectives in another order on each rank
+        return keep_traced(x, _mesh(), axis)
     return _step(x, "keep", axis)
+
+
+def keep_traced(x, m, axis):
+    """``keep`` traced: the same graph on every rank, whose coordinate is an input."""
+    return torch.where(m.is_first(axis), x, 0)
 
 
 STEP_FUNCTIONS = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce,
