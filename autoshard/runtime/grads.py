@@ -386,14 +386,16 @@ def bucket_start(h: Pending, axis, *shares, dtype=None, sync=()):
 def bucket_wait(buf, h: Pending, layout: tuple):
     """The parameters of a started bucket, whole: ``layout`` gives each one's (share shape, dim
     gathered, blocks of that dim)."""
-    if torch.compiler.is_compiling():   # the gather's wait, then views and cats autograd reverses
-        return tuple(_unpack_bucket(wait_collective(buf), layout))
+    if torch.compiler.is_compiling():   # gathered and waited on by _TracedGather: views and cats autograd reverses
+        return tuple(_unpack_bucket(buf, layout))
     return _BucketWait.apply(buf, h, layout)
 
 
 class _TracedGather(torch.autograd.Function):
     """``_BucketStart`` traced (torch.compile): the shares, cast to ``dtype`` where given, gathered
-    by one functional all-gather into (p, total), started here and waited on by ``bucket_wait``.
+    by one functional all-gather into (p, total), waited on here (a wait outside, on this output,
+    would write to a custom Function's output in place, which autograd forbids); the compiler
+    places the wait.
     Backward: one reduce-scatter of the (p, total) gradients in ``reduce`` (the policy's reduce
     dtype) where given, then, for a hybrid bucket, the all-reduce over ``sync_group``."""
 
@@ -404,7 +406,7 @@ class _TracedGather(torch.autograd.Function):
         flat = torch.cat([x.reshape(-1) for x in shares])
         if dtype is not None:
             flat = flat.to(dtype)
-        return functional_collective("all_gather", flat, group, p).view(p, -1)
+        return wait_collective(functional_collective("all_gather", flat, group, p)).view(p, -1)
 
     @staticmethod
     def backward(ctx, g):
