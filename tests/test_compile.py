@@ -5,7 +5,8 @@ collectives traced as functional collectives, its buckets and parameters as plai
 
 The user's own compile runs with ``backend="aot_eager"``: the point there is dynamo's and
 AOTAutograd's tracing of the runtime (graph breaks, the collectives' autograd, the partition into
-forward and backward), which inductor's code generation, shown by ``compile=True``, does not change."""
+forward and backward), which inductor's code generation, shown by ``compile=True`` and by one
+user's compile with ``mode="max-autotune"``, does not change."""
 import copy
 
 import pytest
@@ -32,7 +33,7 @@ def _pins(scheme, model, inputs, mesh):
     return getattr(autoshard.schemes, scheme)(model, inputs, mesh)
 
 
-def _case(scheme, mesh, *, compile_option=False, backend=None, policy=None, recompute=None):
+def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy=None, recompute=None):
     """Loss and every gradient of one compiled step against eager autoshard and one device, the
     graph breaks of a user's compile, and a second step (no recompile for the same shapes)."""
     torch.manual_seed(0)
@@ -53,7 +54,7 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, policy=None, reco
         out["breaks"] = explained.graph_break_count
         out["graphs"] = explained.graph_count
         torch._dynamo.reset()
-        run = torch.compile(pm, backend=backend, fullgraph=True)
+        run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     losses = [m(*inputs) for m in (run, pe, ref)]
     for loss in losses:
@@ -80,6 +81,12 @@ def _user_compile(scheme, mesh, policy=None, recompute=None):
     return _case(scheme, mesh, backend="aot_eager", policy=policy, recompute=recompute)
 
 
+def _max_autotune(scheme):
+    """A user's compile with inductor's ``mode="max-autotune"``, which on a CPU tunes its C++ GEMM
+    templates and runs."""
+    return _case(scheme, (dist.get_world_size(),), backend="inductor", mode="max-autotune")
+
+
 SCHEMES = ["dp", "megatron", "fsdp"]
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # world 4: a 2-D plan, FSDP under the bf16 policy, Megatron. Not here: recomputed blocks, whose
@@ -100,7 +107,8 @@ def _world_run(n, fn, cases):
 
 @pytest.fixture(scope="module")
 def world2_results():
-    cases = [(_compile_option, s) for s in SCHEMES] + [(_user_compile, s, (2,)) for s in SCHEMES]
+    cases = [(_compile_option, s) for s in SCHEMES] + [(_user_compile, s, (2,)) for s in SCHEMES] + \
+        [(_max_autotune, "megatron")]
     return _world_run(2, _call, cases)
 
 
@@ -130,6 +138,13 @@ def test_compile_option_matches_eager_and_single_device(world2_results, index):
 def test_users_compile_has_no_graph_break_and_matches(world2_results, index):
     for rank in world2_results:
         r = rank[len(SCHEMES) + index]
+        _check(r)
+        assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+
+
+def test_users_max_autotune(world2_results):
+    for rank in world2_results:
+        r = rank[2 * len(SCHEMES)]
         _check(r)
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
