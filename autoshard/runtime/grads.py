@@ -393,10 +393,8 @@ def bucket_wait(buf, h: Pending, layout: tuple):
 
 class _TracedGather(torch.autograd.Function):
     """``_BucketStart`` traced (torch.compile): the shares, cast to ``dtype`` where given, gathered
-    by one functional all-gather into (p, total), waited on here (a wait outside, on this output,
-    would write to a custom Function's output in place, which autograd forbids); the compiler
-    places the wait.
-    Backward: one reduce-scatter of the (p, total) gradients in ``reduce`` (the policy's reduce
+    by one functional all-gather into (p, total), waited on here: a wait outside, on this output,
+    would write to a custom Function's output in place, which autograd forbids. Backward: one reduce-scatter of the (p, total) gradients in ``reduce`` (the policy's reduce
     dtype) where given, then, for a hybrid bucket, the all-reduce over ``sync_group``."""
 
     @staticmethod
