@@ -385,3 +385,38 @@ def attention_block_backward(grad, q, k, v, out, lse, scale: float, mask):
     dv = torch.matmul(p.transpose(-1, -2), grad)
     ds = p * (torch.matmul(grad, v.transpose(-1, -2)) - (grad * out).sum(-1, keepdim=True))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+# ---- functional collectives: what a traced program issues ------------------------------------------
+#
+# Under torch.compile (dynamo tracing a user's ``torch.compile(parallel_module)``, or the program
+# compiled whole by ``compile=True``) the runtime issues its collectives as c10d's functional ops:
+# each returns a new tensor and is waited on by ``wait_tensor``, the start and the wait two nodes of
+# the traced graph where the program puts them, and each has its dual as its autograd (all-gather
+# <-> reduce-scatter, all-reduce <-> all-reduce, all-to-all <-> the reverse all-to-all: torch 2.10+
+# registers it on the ops). torch's public wrappers (``_functional_collectives.all_gather_tensor``
+# ...) wait at once when traced, so the ops are called directly; they have no public name yet.
+
+def functional_collective(kind: str, x, group, p: int, out_splits=None, in_splits=None):
+    """Start the dim-0 collective ``kind`` on ``x`` over ``group`` (of ``p`` ranks), summing where it
+    reduces; the result is read through ``wait_collective``. ``all_to_all``: ``out_splits`` and
+    ``in_splits`` the rows received from and sent to each rank (None: equal)."""
+    import torch
+    ops, name = torch.ops._c10d_functional, group.group_name
+    if kind == "all_gather":
+        return ops.all_gather_into_tensor(x, p, name)
+    if kind == "reduce_scatter":
+        return ops.reduce_scatter_tensor(x, "sum", p, name)
+    if kind == "all_reduce":
+        return ops.all_reduce(x, "sum", name)
+    if kind == "all_to_all":
+        if out_splits is None:
+            out_splits = in_splits = [x.shape[0] // p] * p
+        return ops.all_to_all_single(x, list(out_splits), list(in_splits), name)
+    raise ValueError(kind)
+
+
+def wait_collective(t):
+    """The result of a collective ``functional_collective`` started, once it is done."""
+    import torch
+    return torch.ops._c10d_functional.wait_tensor(t)

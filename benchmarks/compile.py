@@ -7,6 +7,10 @@ Contenders, every one from the same weights on the same global batch:
   as-compiled    the same, ``compile=True`` (passes.compile)
   as-mt-eager    autoshard pinned Megatron (``schemes.megatron``), eager        (``--megatron``)
   as-mt-compiled the same, ``compile=True``                                     (``--megatron``)
+  as-fsdp-eager  autoshard pinned FSDP (``schemes.fsdp``), eager                (``--fsdp``)
+  as-fsdp-compiled the same, ``compile=True``                                   (``--fsdp``)
+  as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
+                 compile around the parallel module, traced whole                (``--user``)
   ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
   fsdp2-compiled ``fully_shard`` on each block and the root, then ``torch.compile``, each rank its share
 
@@ -18,6 +22,7 @@ to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians afte
 
     python benchmarks/compile.py                 # world 2, the small GPT, 20 rounds
     python benchmarks/compile.py --megatron --rounds 30 --d 128
+    python benchmarks/compile.py --only as-eager as-mt-eager --megatron   # eager alone (before/after a change)
 """
 from __future__ import annotations
 
@@ -65,6 +70,12 @@ def _contenders(a) -> dict:
         mt_pin = autoshard.schemes.megatron(base, batch, (dist.get_world_size(),))
         made["as-mt-eager"] = lambda: ours(mt_pin, False)
         made["as-mt-compiled"] = lambda: ours(mt_pin, True)
+    if a.fsdp:
+        fsdp_pin = autoshard.schemes.fsdp(base, batch, (dist.get_world_size(),))
+        made["as-fsdp-eager"] = lambda: ours(fsdp_pin, False)
+        made["as-fsdp-compiled"] = lambda: ours(fsdp_pin, True)
+    if a.user:
+        made["as-user-compiled"] = lambda: (torch.compile(ours(dp_pin, False)[0]), batch)
 
     def ddp():
         from torch.nn.parallel import DistributedDataParallel
@@ -79,7 +90,7 @@ def _contenders(a) -> dict:
         return torch.compile(m), _share(batch)
 
     made["ddp-compiled"], made["fsdp2-compiled"] = ddp, fsdp2
-    return made
+    return {n: f for n, f in made.items() if not a.only or n in a.only}
 
 
 def _timed(fn) -> float:
@@ -135,8 +146,9 @@ def report(a, res):
         else:
             print(f"| {n} | not run: {res['errors'][n]} | |")
     print()
-    pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-compiled", "ddp-compiled"),
-             ("as-compiled", "fsdp2-compiled")]
+    pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-fsdp-compiled", "as-fsdp-eager"),
+             ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-user-compiled", "ddp-compiled"),
+             ("as-fsdp-compiled", "fsdp2-compiled")]
     for x, y in pairs:
         if x in med and y in med:
             per_round = statistics.median(p / q for p, q in zip(res["times"][x], res["times"][y]))
@@ -155,6 +167,9 @@ def main():
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--megatron", action="store_true", help="also autoshard pinned Megatron, eager and compiled")
+    p.add_argument("--fsdp", action="store_true", help="also autoshard pinned FSDP, eager and compiled")
+    p.add_argument("--user", action="store_true", help="also the user's own torch.compile of the data-parallel module")
+    p.add_argument("--only", nargs="+", help="run only these contenders")
     a = p.parse_args()
     from autoshard.testing.launch import LocalWorld
     with LocalWorld(a.world, timeout_s=1800) as world:

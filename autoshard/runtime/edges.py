@@ -13,7 +13,7 @@ from autoshard import placement as pl
 from autoshard._compat import tree_map_only
 from autoshard.convert import rank_sizes, transition
 from autoshard.runtime.mesh import RankMesh, _mesh
-from autoshard.runtime.steps import _launch, _run
+from autoshard.runtime.steps import _launch, _run, keep_traced
 
 
 def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
@@ -21,23 +21,48 @@ def _convert(x, src, dst, m: RankMesh, whole=None, arriving: bool = False):
     the tensor's whole shape, which an uneven split's chunk sizes come from (None: every split
     is even). ``arriving``: a last step that is a collective is started and not waited for; the
     result is an ``Arriving`` tensor, which waits when it is first read."""
-    if whole is not None and pl.is_even(whole, src, m.shape) and pl.is_even(whole, dst, m.shape):
-        whole = None    # the even path: no chunk sizes to work out on every call
-    if whole is None:   # every split even
-        steps = transition(tuple(x.shape), src, dst, m.shape)
-        sizes = [{}] * len(steps)
+    if torch.compiler.is_compiling():   # traced, the plan is a constant of the graph
+        plan = _traced_plan(tuple(x.shape), tuple(map(str, src)), tuple(map(str, dst)), tuple(m.shape),
+                            tuple(m.coords), None if whole is None else tuple(whole))
+        arriving = False   # the compiler places the wait: no Arriving
     else:
-        steps = transition(pl.local_shape(whole, src, m.shape), src, dst, m.shape, whole=whole)
-        sizes = rank_sizes(whole, src, steps, m.shape, m.coords)
-    for i, (st, kw) in enumerate(zip(steps, sizes)):
-        args = (st.kind, m.group(st.axis), m.size(st.axis))
+        plan = _plan(tuple(x.shape), src, dst, m.shape, m.coords, whole)
+    for i, (kind, axis, dim, dim2, groups, sizes, sizes2) in enumerate(plan):
+        args = (kind, m.group(axis), m.size(axis))
         # an all-reduce works on a copy (``_launch``) of x's shape, so the result is the value at
         # this point whatever the caller does to ``x`` after; the other kinds read ``x`` while they run
-        if arriving and i == len(steps) - 1 and st.kind == "all_reduce" and not kw:
-            work, finish = _launch(x, *args, st.dim, st.dim2, st.groups)
+        if arriving and i == len(plan) - 1 and kind == "all_reduce" and sizes is None:
+            work, finish = _launch(x, *args, dim, dim2, groups)
             return Arriving(work, finish, tuple(x.shape), x.dtype, x.device)
-        x = _run(x, *args, m.coord(st.axis), st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
+        if kind == "keep" and torch.compiler.is_compiling():
+            # traced, a gradient kept on one rank must not be a graph of zeros on the others, which
+            # the partitioner may split otherwise and so issue their collectives in another order
+            x = keep_traced(x, m, axis)
+            continue
+        x = _run(x, *args, m.coord(axis), dim, dim2, groups, sizes, sizes2)
     return x
+
+
+def _plan(shape, src, dst, mesh_shape, coords, whole) -> list:
+    """The conversion's steps, each as (kind, axis, dim, dim2, groups, sizes, sizes2)."""
+    if whole is not None and pl.is_even(whole, src, mesh_shape) and pl.is_even(whole, dst, mesh_shape):
+        whole = None    # the even path: no chunk sizes to work out on every call
+    if whole is None:   # every split even
+        steps = transition(shape, src, dst, mesh_shape)
+        sizes = [{}] * len(steps)
+    else:
+        steps = transition(pl.local_shape(whole, src, mesh_shape), src, dst, mesh_shape, whole=whole)
+        sizes = rank_sizes(whole, src, steps, mesh_shape, coords)
+    return [(st.kind, st.axis, st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
+            for st, kw in zip(steps, sizes)]
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(shape, src, dst, mesh_shape, coords, whole) -> tuple:
+    """``_plan`` of placements given as strings, run when dynamo traces the program rather than
+    traced itself: the planner's Python is no part of the graph, its steps constants there."""
+    plan = _plan(shape, tuple(map(pl.parse, src)), tuple(map(pl.parse, dst)), mesh_shape, coords, whole)
+    return tuple(tuple(None if v is None else tuple(v) if isinstance(v, list) else v for v in st) for st in plan)
 
 
 # ---- outputs still arriving ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 import autoshard.runtime.steps as runtime_steps
-from autoshard._compat import dtensor_like, local_tensor
+from autoshard._compat import dtensor_like, functional_collective, local_tensor, wait_collective
 from autoshard.runtime.mesh import _mesh
 from autoshard.runtime.handles import Pending
 from autoshard.runtime.steps import _run, _wait
@@ -44,19 +44,26 @@ def _with_unsynced(kept: dict, g, inplace: bool = False):
 
 
 class _GradSync(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient all-reduced. ``kept`` None: traced
+    (torch.compile), where backward keeps nothing from call to call and reduces every time: under
+    no_sync too, the same sum (reductions are linear), sent at every micro-batch."""
+
     @staticmethod
-    def forward(ctx, x, group, kept):
-        ctx.group, ctx.kept, ctx.sync, ctx.reduce = group, kept, _mesh().sync_grads, _mesh().reduce_dtype
+    def forward(ctx, x, group, kept, reduce):
+        ctx.group, ctx.kept, ctx.reduce = group, kept, reduce
+        ctx.sync = kept is None or _mesh().sync_grads
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.reduce is not None:   # reduced in the policy's dtype; autograd casts it back to the master's
             g = g.to(ctx.reduce)
+        if ctx.kept is None:
+            return _run(g, "all_reduce", ctx.group, None, None, None, None), None, None, None
         if not ctx.sync:
             _unsynced(ctx.kept, g)
-            return None, None, None
-        return _run(_with_unsynced(ctx.kept, g), "all_reduce", ctx.group, None, None, None, None), None, None
+            return None, None, None, None
+        return _run(_with_unsynced(ctx.kept, g), "all_reduce", ctx.group, None, None, None, None), None, None, None
 
 
 def grad_sync(x, axes: tuple, key: str = None):
@@ -65,8 +72,8 @@ def grad_sync(x, axes: tuple, key: str = None):
     m = _mesh()
     if not x.requires_grad or not axes:
         return x
-    kept = m.kept.setdefault(("grad_sync", key), {})
-    return _GradSync.apply(x, m.group(tuple(axes)), kept)   # one all-reduce on the group spanning them
+    kept = None if torch.compiler.is_compiling() else m.kept.setdefault(("grad_sync", key), {})
+    return _GradSync.apply(x, m.group(tuple(axes)), kept, m.reduce_dtype)   # one all-reduce on the group spanning them
 
 
 # ---- parameters fed to the program --------------------------------------------------------------
@@ -85,6 +92,8 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
     optimizer and a checkpoint's load write into it in place, and the leaf sees what they
     write): a view, a detach and a hook per parameter at every step were half of the ops a small
     model's program added to the plain model's forward."""
+    if torch.compiler.is_compiling():   # traced: DTensor's own autograd hands the gradient back
+        return p.to_local() if p.requires_grad else local_tensor(p).detach()
     local = local_tensor(p)
     if not p.requires_grad:
         return local.detach()
@@ -199,12 +208,41 @@ class _GradBucket(torch.autograd.Function):
 
 
 def grad_wait(h: Pending, *xs):
+    if torch.compiler.is_compiling():   # traced: each bucket's backward waits where the compiler puts it
+        return tuple(xs)
     return _GradWait.apply(h, *xs)
 
 
 def grad_bucket(h: Pending, axes: tuple, *xs):
     """Parameters stored broadcast on ``axes`` whose gradients are all-reduced together."""
+    if torch.compiler.is_compiling():
+        return _TracedBucket.apply(_mesh().group(axes), _mesh().reduce_dtype, *xs)
     return _GradBucket.apply(h, _mesh().group(axes), *xs)
+
+
+class _TracedBucket(torch.autograd.Function):
+    """``_GradBucket`` traced (torch.compile): in backward, the bucket's gradients all-reduced as
+    one flat functional all-reduce, every time (no_sync too: see ``_GradSync``)."""
+
+    @staticmethod
+    def forward(ctx, group, reduce, *xs):
+        ctx.group, ctx.reduce = group, reduce
+        ctx.metas = [(x.shape, x.dtype if reduce is None else reduce) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        flat = torch.cat([(g.to(d) if g is not None else _absent(s, d, gs)).reshape(-1)
+                          for g, (s, d) in zip(gs, ctx.metas)])
+        flat = _run(flat, "all_reduce", ctx.group, None, None, None, None)
+        parts = flat.split([math.prod(s) for s, _ in ctx.metas])
+        return (None, None) + tuple(v.view(s) for v, (s, _) in zip(parts, ctx.metas))
+
+
+def _absent(shape, dtype, like):
+    """Zeros standing in for a gradient autograd did not make, on the device of one it did."""
+    device = next(g.device for g in like if g is not None)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 # Several parameters gathered as one collective (the schedule pass's gather buckets, as FSDP
@@ -340,10 +378,40 @@ def bucket_start(h: Pending, axis, *shares, dtype=None, sync=()):
     (hybrid sharding), over which their reduce-scattered gradients are then all-reduced."""
     m = _mesh()
     h.mesh, h.sync_group = m, (m.group(tuple(sync)) if sync else None)
+    if torch.compiler.is_compiling():
+        return _TracedGather.apply(m.group(axis), m.size(axis), dtype, m.reduce_dtype, h.sync_group, *shares)
     return _BucketStart.apply(h, m.group(axis), m.size(axis), dtype, *shares)
 
 
 def bucket_wait(buf, h: Pending, layout: tuple):
     """The parameters of a started bucket, whole: ``layout`` gives each one's (share shape, dim
     gathered, blocks of that dim)."""
+    if torch.compiler.is_compiling():   # gathered and waited on by _TracedGather: views and cats autograd reverses
+        return tuple(_unpack_bucket(buf, layout))
     return _BucketWait.apply(buf, h, layout)
+
+
+class _TracedGather(torch.autograd.Function):
+    """``_BucketStart`` traced (torch.compile): the shares, cast to ``dtype`` where given, gathered
+    by one functional all-gather into (p, total), waited on here: a wait outside, on this output,
+    would write to a custom Function's output in place, which autograd forbids. Backward: one reduce-scatter of the (p, total) gradients in ``reduce`` (the policy's reduce
+    dtype) where given, then, for a hybrid bucket, the all-reduce over ``sync_group``."""
+
+    @staticmethod
+    def forward(ctx, group, p, dtype, reduce, sync_group, *shares):
+        ctx.group, ctx.p, ctx.reduce, ctx.sync_group = group, p, reduce, sync_group
+        ctx.shapes = [x.shape for x in shares]
+        flat = torch.cat([x.reshape(-1) for x in shares])
+        if dtype is not None:
+            flat = flat.to(dtype)
+        return wait_collective(functional_collective("all_gather", flat, group, p)).view(p, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce is not None:
+            g = g.to(ctx.reduce)
+        out = _run(g.contiguous().view(-1), "reduce_scatter", ctx.group, ctx.p, None, 0, None)
+        if ctx.sync_group is not None:
+            out = _run(out, "all_reduce", ctx.sync_group, None, None, None, None)
+        parts = out.split([math.prod(s) for s in ctx.shapes])
+        return (None,) * 5 + tuple(v.view(s) for v, s in zip(parts, ctx.shapes))

@@ -52,12 +52,13 @@ class _WeightLater(torch.autograd.Function):
 
 def weight_later(w, h: Pending):
     """``w`` for a ``linear_dw_later`` that hands its gradient here, to be made in this node's backward."""
-    return _WeightLater.apply(w, h) if w.requires_grad else w
+    # traced (torch.compile), the compiler orders backward: each linear keeps its own weight gradient
+    return _WeightLater.apply(w, h) if w.requires_grad and not torch.compiler.is_compiling() else w
 
 
 def linear_dw_later(x, w, b, h: Pending):
     """``F.linear`` whose weight gradient ``weight_later`` makes."""
-    if not (w.requires_grad and torch.is_grad_enabled()):
+    if not (w.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return F.linear(x, w, b)
     return _LinearDwLater.apply(x, w, b, h)
 

@@ -25,6 +25,9 @@ class RankMesh:
         self.shape = tuple(device_mesh.shape)
         self.groups = [device_mesh.get_group(a) for a in range(len(self.shape))]
         self.coords = list(device_mesh.get_coordinate())
+        # per axis, whether this rank is the axis's first, as a tensor: a traced program reads it as
+        # an input, so that every rank's graph is the same graph (``steps.keep_partial``)
+        self.first = [torch.tensor(c == 0, device=device_mesh.device_type) for c in self.coords]
         self.generator = generator
         self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
         self.hybrid: list = []  # backward: hybrid gather buckets reduce-scattered, their all-reduces not started
@@ -59,6 +62,15 @@ class RankMesh:
         for a in axes:
             c = c * self.shape[a] + self.coords[a]
         return c
+
+    def is_first(self, axes) -> torch.Tensor:
+        """Whether this rank is the first of the group spanning ``axes``, as a 0-d bool tensor."""
+        if isinstance(axes, int):
+            return self.first[axes]
+        flag = self.first[axes[0]]
+        for a in axes[1:]:
+            flag = flag & self.first[a]
+        return flag
 
     def prepare_groups(self, axis_sets) -> None:
         """Create the groups spanning several axes at once. Collective: every rank calls it with

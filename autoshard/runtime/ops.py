@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from autoshard import placement as pl
 from autoshard.runtime.edges import _convert, _whole
 from autoshard.runtime.mesh import _mesh
-from autoshard.runtime.steps import _slice, all_gather
+from autoshard.runtime.steps import _run, _slice, all_gather
 
 
 def dropout(x, p: float, train: bool, placement: tuple):
@@ -71,7 +71,10 @@ def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: fl
         else:
             denom = counted.sum().to(torch.float64)
         for a in axes:
-            dist.all_reduce(denom, group=m.groups[a])
+            if torch.compiler.is_compiling():   # traced: a functional all-reduce
+                denom = _run(denom, "all_reduce", m.groups[a], None, None, None, None)
+            else:
+                dist.all_reduce(denom, group=m.groups[a])
     return total / denom.to(total.dtype)
 
 

@@ -40,6 +40,8 @@ def regather_member(x, h: Pending, i: int):
 
 
 def _mark(x, recipe):
+    if torch.compiler.is_compiling():   # traced: what backward keeps is the compiler's choice
+        return x
     marks = getattr(_state, "regather", None)
     if marks is not None and torch.is_grad_enabled():
         root = x if x._base is None else x._base
@@ -119,7 +121,11 @@ class _Again:
 
 @contextlib.contextmanager
 def regathering():
-    """Run a program's forward so that the parameters it marks are not kept for backward."""
+    """Run a program's forward so that the parameters it marks are not kept for backward. Traced
+    (torch.compile), nothing: AOTAutograd chooses what its backward keeps and makes again."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     prev = getattr(_state, "regather", None)
     _state.regather = {}
     try:

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autoshard._compat import copy_all
+from autoshard._compat import copy_all, functional_collective, wait_collective
 from autoshard.runtime.mesh import _mesh
 from autoshard.runtime.handles import Pending
 
@@ -54,23 +54,40 @@ def _launch(x, kind, group, p, dim, dim2, groups=1, sizes=None, sizes2=None):
         work, finish = _launch(x.unflatten(dim, (groups, -1)), kind, group, p, dim + 1, None)
         return work, lambda: finish().flatten(dim, dim + 1)
     if kind == "all_gather":
-        inp = x.contiguous()
-        out = inp.new_empty((p * inp.shape[0],) + tuple(inp.shape[1:]))
-        work = _all_gather(out, inp, group=group, async_op=True)
-        return work, (lambda: out) if dim == 0 else (lambda: torch.cat(out.chunk(p, 0), dim=dim))
+        work, out = _issue(kind, x.contiguous(), group, p)
+        return work, out if dim == 0 else (lambda: torch.cat(out().chunk(p, 0), dim=dim))
     if kind == "reduce_scatter":
         inp = x.contiguous() if dim == 0 else torch.cat(x.chunk(p, dim), dim=0).contiguous()
+        return _issue(kind, inp, group, p)
+    if kind == "all_reduce":
+        return _issue(kind, x.contiguous(), group, p)
+    if kind == "all_to_all":    # dim: the split it makes, dim2: the split it removes
+        work, out = _issue(kind, torch.cat(x.chunk(p, dim2), dim=0).contiguous(), group, p)
+        return work, lambda: torch.cat(out().chunk(p, 0), dim=dim)
+    raise ValueError(kind)
+
+
+def _issue(kind, inp, group, p, out_splits=None, in_splits=None):
+    """Start the dim-0 collective ``kind`` on the contiguous ``inp``: (work, result), ``result()``
+    its output once ``work`` is done. Traced (torch.compile), a functional collective: no work,
+    its ``wait_tensor`` where the result is first read."""
+    if torch.compiler.is_compiling():
+        started = functional_collective(kind, inp, group, p, out_splits, in_splits)
+        return None, lambda: wait_collective(started)
+    if kind == "all_gather":
+        out = inp.new_empty((p * inp.shape[0],) + tuple(inp.shape[1:]))
+        return _all_gather(out, inp, group=group, async_op=True), lambda: out
+    if kind == "reduce_scatter":
         out = inp.new_empty((inp.shape[0] // p,) + tuple(inp.shape[1:]))
         work = _reduce_scatter(out, inp, group=group, async_op=True)
         return work, lambda: (inp, out)[1]        # the input kept alive until the work is done
-    if kind == "all_reduce":
-        out = x.contiguous().clone()
+    if kind == "all_reduce":   # of a copy: the result is the value at the start, whatever comes after
+        out = inp.clone()
         return dist.all_reduce(out, group=group, async_op=True), lambda: out
-    if kind == "all_to_all":    # dim: the split it makes, dim2: the split it removes
-        inp = torch.cat(x.chunk(p, dim2), dim=0).contiguous()
-        out = torch.empty_like(inp)
-        work = dist.all_to_all_single(out, inp, group=group, async_op=True)
-        return work, lambda: (inp, torch.cat(out.chunk(p, 0), dim=dim))[1]
+    if kind == "all_to_all":
+        out = inp.new_empty((sum(out_splits),) + tuple(inp.shape[1:])) if out_splits else torch.empty_like(inp)
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+        return work, lambda: (inp, out)[1]
     raise ValueError(kind)
 
 
@@ -110,9 +127,8 @@ def _launch_uneven(x, kind, group, p, dim, dim2, sizes, sizes2):
             s[dim], s[dim2] = sizes[r], sizes2[me]
             shapes.append(s)
         counts = [math.prod(s) for s in shapes]
-        out = inp.new_empty(sum(counts))
-        work = dist.all_to_all_single(out, inp, counts, [b.numel() for b in blocks], group=group, async_op=True)
-        return work, lambda: (inp, torch.cat([o.view(s) for o, s in zip(out.split(counts), shapes)], dim))[1]
+        work, out = _issue(kind, inp, group, p, counts, [b.numel() for b in blocks])
+        return work, lambda: torch.cat([o.view(s) for o, s in zip(out().split(counts), shapes)], dim)
     raise ValueError(kind)
 
 
@@ -153,7 +169,7 @@ class _Step(torch.autograd.Function):
 def _run(x, kind, group, p, coord, dim, dim2, groups=1, sizes=None, sizes2=None):
     if kind in COLLECTIVE_KINDS:
         work, finish = _launch(x, kind, group, p, dim, dim2, groups, sizes, sizes2)
-        work.wait()
+        _wait(work)
         return finish()
     if groups != 1:
         x = x.unflatten(dim, (groups, -1))
@@ -232,6 +248,8 @@ def _copies(xs, dtypes) -> list:
 def cast_many(dtype: torch.dtype, *xs) -> tuple:
     """``tuple(aten._to_copy(x, dtype=dtype) for x in xs)`` as one op, and one autograd node for
     those that take a gradient (passes.schedule.batch_casts)."""
+    if torch.compiler.is_compiling():   # traced, the compiler fuses the casts
+        return tuple(x.to(dtype) for x in xs)
     grad = torch.is_grad_enabled()
     taking = [grad and x.requires_grad for x in xs]
     out = [None] * len(xs)
@@ -273,7 +291,17 @@ def pad_shard(x, axis: int, dim: int, groups: int = 1, sizes=None):
 
 
 def keep_partial(x, axis: int):
+    if torch.compiler.is_compiling():
+        # traced, the rank's coordinate is an input, not a branch: a graph that differs from rank to
+        # rank may be partitioned differently (what backward recomputes, what forward makes ahead)
+        # and issue its collectives in another order on each rank
+        return keep_traced(x, _mesh(), axis)
     return _step(x, "keep", axis)
+
+
+def keep_traced(x, m, axis):
+    """``keep`` traced: the same graph on every rank, whose coordinate is an input."""
+    return torch.where(m.is_first(axis), x, 0)
 
 
 STEP_FUNCTIONS = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce,
@@ -342,9 +370,24 @@ def step_start(x, h: Pending, kind: str, axis, dim=None, dim2=None, groups: int 
     ``cast_all_gather``, started early)."""
     m = _mesh()
     h.args, h.dtype = (kind, m.group(axis), m.size(axis), dim, dim2, groups, sizes, sizes2), dtype
+    if torch.compiler.is_compiling():
+        return _traced_start(x, h, dtype, m.reduce_dtype)
     if x.requires_grad:
         return _StepStart.apply(x, h, h.args)
     h.work, h.finish = _launch(x if dtype is None else x.to(dtype), *h.args)
+    return None
+
+
+def _traced_start(x, h: Pending, dtype, reduce_dtype):
+    """``step_start`` traced: a functional collective started here, its wait at ``step_wait``, the
+    dual step its autograd. A policy copy whose gradient is reduced in another dtype is cast and
+    gathered here whole (``_CastGather``): the functional gather's own gradient keeps the copy's."""
+    if dtype is not None and x.requires_grad and (reduce_dtype or dtype) != dtype:
+        kind, group, p, dim, _, groups, sizes, _ = h.args
+        out = _CastGather.apply(x, dtype, group, p, None, dim, groups, sizes)
+        h.work, h.finish = None, lambda: out
+    else:
+        h.work, h.finish = _launch(x if dtype is None else x.to(dtype), *h.args)
     return None
 
 
