@@ -262,9 +262,9 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     (nothing on a data-parallel layout, a gather on an axis that needs the batch whole:
     ``autoshard.inputs``). Every output with that batch dim comes back as this rank's rows
     (``ParallelModule.data_shards``, ``data_rank``).
-    ``compile=True`` compiles each rank's program with ``torch.compile`` (inductor): the runs of
-    ops between its collectives, forward and backward, the collectives run eagerly between them in
-    the schedule's order (``passes.compile``); each new input shape compiles once."""
+    ``compile=True`` compiles each rank's program whole with ``torch.compile`` (inductor),
+    forward and backward, its collectives traced as functional collectives in the schedule's
+    order (``passes.compile``); each new input shape compiles once."""
     check_module("model", model)
     inputs_mod.check_inputs(inputs)
     if example_inputs is not None:

@@ -31,13 +31,13 @@ def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool =
         # the batch interleaved, gradients bucketed, gathers prefetched, the chosen conversions
         # overdecomposed, collectives started early and waited on late (passes.schedule). Compiled,
         # each linear keeps its weight gradient in its own backward: linear_dw_later and
-        # weight_later are runtime calls, which would cut every Megatron block into regions of an
-        # op or two (passes.compile); the weight gradient then no longer flies beside a dual step
+        # weight_later are runtime calls whose traced form is a plain linear (passes.compile); the
+        # weight gradient then no longer flies beside a dual step
         program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES),
                            chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1),
                            weights_later=not compile)
     # after the schedule, which buckets the gathers of policy copies itself: those left gather in
     # the copy's bytes; then each run of parameter casts becomes one op
     program = batch_casts(fuse_cast_gathers(program))
-    # last, on the program as it will run: the collectives stay eager calls, in the schedule's order
+    # last, on the program as it will run: compiled whole, its collectives traced in the schedule's order
     return compile_regions(program) if compile else program
