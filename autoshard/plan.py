@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str          # all_reduce, all_gather, reduce_scatter, all_to_all
+    kind: str          # all_reduce, all_gather, reduce_scatter, all_to_all, send (attention's ring and swaps)
     phase: str         # forward or backward
     axes: tuple        # mesh axes it runs over
     bytes: int         # size of the tensor each rank passes in

@@ -86,11 +86,17 @@ def balance_pays(fwd: float, bwd: float, share: float, swap: float) -> bool:
     return (fwd + bwd) * (1 - share) > swap
 
 
-def swap_comm(ins: list, itemsize: int, link, training: bool) -> float:
-    """Seconds of the balancing swaps: half the queries and half the output, forward; their
-    gradients, backward."""
+def swap_sends(ins: list, itemsize: int, axis: int, link, training: bool) -> list:
+    """(phase, axis, bytes, seconds) of the balancing swaps: half the queries and half the output,
+    forward; their gradients, backward."""
     half = math.prod(ins[0]) * itemsize / 2
-    return (2 + 2 * training) * send_time(half, link)
+    both = ("forward", "backward") if training else ("forward",)
+    return [(phase, axis, 2 * half, 2 * send_time(half, link)) for phase in both]
+
+
+def swap_comm(ins: list, itemsize: int, link, training: bool) -> float:
+    """Seconds of the balancing swaps (``swap_sends``)."""
+    return sum(s[3] for s in swap_sends(ins, itemsize, -1, link, training))
 
 
 def whole_keys(ins: list, axes: tuple, mesh_shape) -> list:
@@ -123,16 +129,25 @@ def turns(axes: tuple, mesh_shape) -> list:
     return out
 
 
-def ring_comm(ins: list, itemsize: int, axes: tuple, mesh_shape, links, fwd: float, bwd: float,
-              training: bool) -> float:
-    """Seconds of the ring's sends that its blocks' compute leaves exposed (``fwd``, ``bwd``: the
-    op's compute over all its blocks)."""
+def ring_sends(ins: list, itemsize: int, axes: tuple, mesh_shape, links, fwd: float, bwd: float,
+               training: bool) -> list:
+    """(phase, axis, bytes, seconds its block's compute leaves exposed) of each of the ring's sends
+    (``fwd``, ``bwd``: the op's compute over all its blocks): the keys and values on to the next
+    rank, forward; backward, again with their gradients beside them, and those sent home last."""
     kv = (math.prod(ins[1]) + math.prod(ins[2])) * itemsize
     steps = turns(axes, mesh_shape)
     blocks = len(steps) + 1
-    out = sum(max(0.0, send_time(kv, links[a]) - fwd / blocks) for a in steps)
+    out = [("forward", a, kv, max(0.0, send_time(kv, links[a]) - fwd / blocks)) for a in steps]
     if training:
         grads = (math.prod(ins[1]) + math.prod(ins[2])) * 4   # gradients accumulate in fp32
-        out += sum(max(0.0, send_time(kv, links[a]) + send_time(grads, links[a]) - bwd / blocks) for a in steps)
-        out += max(send_time(grads, links[a]) for a in axes)
+        out += [("backward", a, kv + grads, max(0.0, send_time(kv, links[a]) + send_time(grads, links[a]) - bwd / blocks))
+                for a in steps]
+        home = max(axes, key=lambda a: send_time(grads, links[a]))
+        out.append(("backward", home, grads, send_time(grads, links[home])))
     return out
+
+
+def ring_comm(ins: list, itemsize: int, axes: tuple, mesh_shape, links, fwd: float, bwd: float,
+              training: bool) -> float:
+    """Seconds of the ring's sends that its blocks' compute leaves exposed (``ring_sends``)."""
+    return sum(s[3] for s in ring_sends(ins, itemsize, axes, mesh_shape, links, fwd, bwd, training))

@@ -206,35 +206,52 @@ class Costs:
             bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster, kept)
         blocking = sum(comm.op_collective_time(c, mesh, self.links)
                        for c in comm.op_collectives(node, strat, self.graph, mesh, self.arrival))
-        balanced = self.balanced_attention(node, strat, ins, itemsize, t, bwd, ring)
-        if balanced is not None:   # causal work even: the slowest rank's share, and the swaps
-            share, swap = balanced
-            t, bwd = t * share, bwd * share
-            blocking += swap
-        if ring:
-            blocking += attention.ring_comm(ins, itemsize, ring, mesh, self.links, t, bwd,
-                                            self.training and node.requires_grad)
+        share, sends = self._attention(node, strat, ins, itemsize, t, bwd, ring)
+        t, bwd = t * share, bwd * share   # causal work balanced: the slowest rank's share
+        blocking += sum(s[3] for s in sends)   # its swaps, the ring's sends that compute leaves exposed
         again = self.training and node.region is not None   # a user checkpoint region: its forward run again in backward
         return Cost(compute_fwd=t, compute_bwd=bwd + again * t, comm=(1 + again) * blocking)
 
+    def _attention(self, node: Node, strat, ins, itemsize: int, fwd: float, bwd: float, ring) -> tuple:
+        """(the slowest rank's share of the work, (phase, axis, bytes, seconds) of each send) of an
+        attention node in ``strat`` (``fwd``, ``bwd``: its compute unbalanced): its causal work
+        balanced where that is legal and pays, its keys and values round the ring where ``ring``
+        names axes; (1.0, []) for any other op."""
+        share, sends = 1.0, []
+        balanced = self.balanced_attention(node, strat, ins, itemsize, fwd, bwd, ring)
+        if balanced is not None:
+            share, sends = balanced[0], list(balanced[1])
+        if ring:
+            sends += attention.ring_sends(ins, itemsize, ring, self.mesh_shape, self.links, fwd * share, bwd * share,
+                                          self.training and node.requires_grad)
+        return share, sends
+
     def balanced_attention(self, node: Node, strat, ins, itemsize: int, fwd: float, bwd: float, ring) -> Optional[tuple]:
-        """(the slowest rank's share of the work, the swaps' seconds) where causal attention's
-        work is balanced in ``strat`` (legal, and it pays: ``cost.attention``); None elsewhere."""
+        """(the slowest rank's share of the work, the swaps as ``attention.swap_sends``) where causal
+        attention's work is balanced in ``strat`` (legal, and it pays: ``cost.attention``); None
+        elsewhere."""
         axis = attention.node_balance(self.graph, node, strat, self.mesh_shape)
         if axis is None:
             return None
         share = attention.balanced_share(self.mesh_shape[axis], bool(ring))
-        swap = attention.swap_comm(ins, itemsize, self.links[axis], self.training and node.requires_grad)
-        return (share, swap) if attention.balance_pays(fwd, bwd, share, swap) else None
+        swaps = attention.swap_sends(ins, itemsize, axis, self.links[axis], self.training and node.requires_grad)
+        return (share, swaps) if attention.balance_pays(fwd, bwd, share, sum(s[3] for s in swaps)) else None
 
     def balances(self, node: Node, strat) -> bool:
         """Whether the plan balances this attention node's causal work in ``strat``."""
         if attention.node_balance(self.graph, node, strat, self.mesh_shape) is None:
             return False
-        return self._attention_parts(node, strat)[3] is not None
+        return self.balanced_attention(node, strat, *self._attention_parts(node, strat)) is not None
+
+    def attention_sends(self, node: Node, strat) -> list:
+        """(phase, axis, bytes, seconds) of each point-to-point send an attention node makes in
+        ``strat`` (``_attention``), as its price counts them; [] for any other op."""
+        if node.kind != "op" or node.target is not attention.SDPA or not strat.inputs:
+            return []
+        return self._attention(node, strat, *self._attention_parts(node, strat))[1]
 
     def _attention_parts(self, node: Node, strat) -> tuple:
-        """(local input shapes, itemsize, ring axes, ``balanced_attention``'s answer) of an
+        """(local input shapes, itemsize, forward and backward compute unbalanced, ring axes) of an
         attention node, as ``_price_node`` works them out."""
         mesh, cluster = self.mesh_shape, self.cluster
         metas = [self.graph.meta(v) for v in node.inputs]
@@ -246,7 +263,7 @@ class Costs:
         t = compute.op_time(node.target, computed, outs, itemsize, cluster)
         bwd = compute.backward_time(node.target, computed, outs, itemsize, cluster) \
             if self.training and node.requires_grad else 0.0
-        return ins, itemsize, ring, self.balanced_attention(node, strat, ins, itemsize, t, bwd, ring)
+        return ins, itemsize, t, bwd, ring
 
     def arrival_times(self, node: Node, strat) -> tuple:
         """(steps, their duals, the seconds of each, as ``step_times``) of converting a user input

@@ -71,6 +71,9 @@ def own_collectives(graph, costs, n, strat) -> list:
         for c in comm.op_collectives(n, strat, graph, mesh, costs.arrival):
             t = comm.op_collective_time(c, mesh, links)
             out.append(Collective(c.kind, c.phase, (c.axis,), c.nbytes, n.name, t))
+        # attention's point-to-point sends: the balancing swaps, the ring's keys and values
+        out += [Collective("send", phase, (axis,), int(nbytes), n.name, t)
+                for phase, axis, nbytes, t in costs.attention_sends(n, strat)]
     return out
 
 

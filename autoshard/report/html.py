@@ -119,7 +119,7 @@ svg text { font: 11px monospace; }
 "use strict";
 const D = JSON.parse(document.getElementById("plan-data").textContent);
 const NS = "http://www.w3.org/2000/svg";
-const KIND = {all_reduce: "#d9534f", all_gather: "#3b7dd8", reduce_scatter: "#8e44ad", all_to_all: "#e67e22"};
+const KIND = {all_reduce: "#d9534f", all_gather: "#3b7dd8", reduce_scatter: "#8e44ad", all_to_all: "#e67e22", send: "#16a085"};
 function el(tag, attrs, parent) {
   const e = document.createElementNS(NS, tag);
   for (const k in attrs) e.setAttribute(k, attrs[k]);
