@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import _compat
+from autoshard.cost.attention import turns
 from autoshard.runtime.mesh import _mesh
 
 
@@ -50,18 +51,8 @@ class _Ring:
 
     def turns(self) -> list:
         """The axis that turns before each block after the first (the odometer: innermost axis
-        fastest), len = blocks - 1."""
-        sizes = [self.shape[a] for a in self.axes]
-        count = [0] * len(sizes)
-        out = []
-        for _ in range(math.prod(sizes) - 1):
-            i = len(sizes) - 1
-            while count[i] == sizes[i] - 1:
-                count[i] = 0
-                i -= 1
-            count[i] += 1
-            out.append(self.axes[i])
-        return out
+        fastest), len = blocks - 1: as the price counts them (``cost.attention.turns``)."""
+        return turns(self.axes, self.shape)
 
     def start_shift(self, tensors, axis: int) -> tuple:
         """Send ``tensors`` one step along ``axis`` and receive the previous rank's: (received,
