@@ -409,7 +409,6 @@ class ParallelModule(nn.Module):
         """Seed the generator every rank shares for random ops (dropout)."""
         self._rank_mesh.generator.manual_seed(seed)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation, as DDP's ``no_sync``: the backward of every forward run inside
         reduces no parameter gradient across ranks; a gradient that needs a reduction leaves
@@ -420,12 +419,7 @@ class ParallelModule(nn.Module):
         activations' communication (tensor parallelism) still runs. Without the schedule pass
         (``overlap=False``) a parameter gathered before use still has its gradient reduced each
         time: the same sum, more often."""
-        m = self._rank_mesh
-        before, m.sync_grads = m.sync_grads, False
-        try:
-            yield
-        finally:
-            m.sync_grads = before
+        return self._rank_mesh.no_sync()
 
     def train(self, mode: bool = True):
         self._model.train(mode)

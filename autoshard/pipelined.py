@@ -9,7 +9,6 @@ model + whole batch
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
@@ -148,17 +147,11 @@ class ParallelPipeline(nn.Module):
         return (f"# autoshard pipeline stage {self._stage}, built by: {', '.join(self._program.meta['passes'])}\n"
                 + self._program.code)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation, as ``ParallelModule.no_sync``: the steps run inside reduce no
         gradient over the stages' data axes; each rank keeps its unreduced sum, which the first
         step outside adds to what it reduces."""
-        m = self._runner.module.rank_mesh
-        before, m.sync_grads = m.sync_grads, False
-        try:
-            yield
-        finally:
-            m.sync_grads = before
+        return self._runner.module.rank_mesh.no_sync()
 
     def train(self, mode: bool = True):
         self._model.train(mode)

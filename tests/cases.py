@@ -18,6 +18,12 @@ def run_each(fn, cases) -> list:
     return out
 
 
+def by_case(keys, per_rank) -> dict:
+    """Each case's results on every rank, by its key: ``per_rank`` (a rank's results, one per case
+    in ``keys``' order, as ``run_each`` gives them) turned round."""
+    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
+
+
 def rel_err(got, want) -> float:
     """The largest difference, relative to the reference's largest magnitude where that is above 1.
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.passes.capture import capture
-from cases import against_one_device, run_each
+from cases import against_one_device, by_case, run_each
 
 D, VOCAB, BATCH, SEQ, EXPERTS = 16, 32, 4, 8, 4
 TOL = 1e-5
@@ -89,7 +89,7 @@ PLANS = {"solver": None,
 @pytest.fixture(scope="module")
 def trained(world2):
     per_rank = world2.run(run_each, train_case, [(pin,) for pin in PLANS.values()])
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS)}
+    return by_case(PLANS, per_rank)
 
 
 # on (2, 2): each pin over both axes alike, and the batch on one with the features on the other
@@ -102,7 +102,7 @@ PLANS_2D = {"solver": None, "batch": {k: v * 2 for k, v in PLANS["batch"].items(
 @pytest.fixture(scope="module")
 def trained_2d(world4):
     per_rank = world4.run(run_each, train_case, [(pin, (2, 2)) for pin in PLANS_2D.values()])
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS_2D)}
+    return by_case(PLANS_2D, per_rank)
 
 
 @pytest.mark.parametrize("plan", PLANS_2D)

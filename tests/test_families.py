@@ -27,7 +27,7 @@ from autoshard.passes.annotate import UnknownOpWarning
 from autoshard.report.coverage import coverage_of
 from autoshard.passes.capture import capture
 from autoshard.testing.launch import LocalWorld
-from cases import plan_facts, rel_err, run_each
+from cases import by_case, plan_facts, rel_err, run_each
 from models_families import MODELS, main_output
 
 pytestmark = pytest.mark.long("15 HuggingFace families captured, planned and trained on 4 ranks, 1-D and 2x2")
@@ -154,7 +154,7 @@ def results(world4):
     prepared = {name: prep for share in shares for name, prep in share.items()}
     per_rank = world4.run(run_cases, [(name, mesh, prepared[name].get("planned") if len(mesh) > 1 else None)
                                       for name, mesh in CASES])
-    return {"cases": {case: [r[i] for r in per_rank] for i, case in enumerate(CASES)}, "prepared": prepared}
+    return {"cases": by_case(CASES, per_rank), "prepared": prepared}
 
 
 @pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{'x'.join(map(str, m))}" for n, m in CASES])

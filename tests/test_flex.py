@@ -26,7 +26,7 @@ from autoshard.placement import B, Split
 from autoshard.cost.price import Costs
 from autoshard.rules.flex import FLEX, density
 from autoshard.rules.registry import Sig
-from cases import rel_err, run_each
+from cases import by_case, rel_err, run_each
 
 aten = torch.ops.aten
 BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 256, 4, 2, 8
@@ -281,7 +281,7 @@ def eval_case(mask, pin, mesh=None):
 def evaluated(world2):
     keys = [(mask, plan) for mask in MASKS for plan in PLANS]
     per_rank = world2.run(run_each, eval_case, [(mask, PLANS[plan]) for mask, plan in keys])
-    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
+    return by_case(keys, per_rank)
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -309,7 +309,7 @@ PLANS_2D = {"solver": None, "batch-batch": {"flex_attention": ("S(0)", "S(0)")},
 def evaluated_2d(world4):
     keys = [(mask, plan) for mask in MASKS for plan in PLANS_2D]
     per_rank = world4.run(run_each, eval_case, [(mask, PLANS_2D[plan], (2, 2)) for mask, plan in keys])
-    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
+    return by_case(keys, per_rank)
 
 
 @pytest.mark.parametrize("plan", PLANS_2D)

@@ -17,7 +17,7 @@ import transformers
 
 import autoshard
 from autoshard.passes.annotate import UnknownOpWarning
-from cases import run_each, step_on_the_same_gradients
+from cases import by_case, run_each, step_on_the_same_gradients
 
 pytestmark = pytest.mark.long("Mixtral and two hand-written expert layers trained on 4 ranks in 11 layouts: 15 s on 2 cores")
 
@@ -168,7 +168,7 @@ CASES = [(name, mesh, kind) for name in MODELS for mesh in MESHES for kind in ("
 @pytest.fixture(scope="module")
 def results(world4):
     per_rank = world4.run(run_each, train_case, CASES)
-    return {case: [r[i] for r in per_rank] for i, case in enumerate(CASES)}
+    return by_case(CASES, per_rank)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: str(c))

@@ -22,7 +22,7 @@ from autoshard.placement import B, P, Split
 from autoshard.rules import registry
 from autoshard.rules.moe import scatter_add_rows
 from autoshard.rules.registry import OpCtx, Sig
-from cases import against_one_device, run_each
+from cases import against_one_device, by_case, run_each
 
 aten = torch.ops.aten
 TOL = 1e-5
@@ -303,7 +303,7 @@ def train_case(pin, mesh=(2,)):
 @pytest.fixture(scope="module")
 def trained(world2):
     per_rank = world2.run(run_each, train_case, [(pin,) for pin in PLANS.values()])
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS)}
+    return by_case(PLANS, per_rank)
 
 
 # on two axes: each pinned op split (or summed) the same way over both
@@ -313,7 +313,7 @@ PLANS_2D = {"solver": None, "pinned": {k: v * 2 for k, v in PINNED.items()}}
 @pytest.fixture(scope="module")
 def trained_2d(world4):
     per_rank = world4.run(run_each, train_case, [(pin, (2, 2)) for pin in PLANS_2D.values()])
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(PLANS_2D)}
+    return by_case(PLANS_2D, per_rank)
 
 
 @pytest.mark.parametrize("plan", PLANS_2D)

@@ -20,7 +20,7 @@ from autoshard.api import plan_graph
 from autoshard.options import PlanOptions
 from autoshard.testing.launch import LocalWorld
 from autoshard.passes.capture import capture
-from cases import run_each
+from cases import by_case, run_each
 from models import GPT, MLP, TwoLayer
 from models_hf import MODELS
 
@@ -257,7 +257,7 @@ def numerics():
         per_rank = world.run(run_each, megatron_case, [(n,) for n in NUMERICS])
     finally:
         world.close()
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(NUMERICS)}
+    return by_case(NUMERICS, per_rank)
 
 
 @pytest.mark.parametrize("name", NUMERICS)

@@ -38,7 +38,7 @@ from autoshard.options import PlanOptions  # noqa: E402
 from autoshard.passes.capture import capture  # noqa: E402
 from autoshard.report.coverage import coverage_of, is_compute_op  # noqa: E402
 from autoshard.testing.launch import LocalWorld  # noqa: E402
-from cases import rel_err, run_each  # noqa: E402
+from cases import by_case, rel_err, run_each  # noqa: E402
 import models_torchtitan as titan  # noqa: E402
 
 pytestmark = pytest.mark.long("torchtitan's 4 models, planned and run on 4 ranks in 16 layouts: about 2 minutes on 2 cores")
@@ -190,7 +190,7 @@ def results(world4):
     todo = [c for c in CASES if "error" not in prepared[c[:2]]]
     per_rank = world4.run(run_each, run_case, [(*c, prepared[c[:2]]["plans"][c[2]]["json"],
                                                 prepared[c[:2]]["reference"]) for c in todo])
-    runs = {c: [r[i] for r in per_rank] for i, c in enumerate(todo)}
+    runs = by_case(todo, per_rank)
     return {"prepared": prepared, "runs": runs}
 
 

@@ -192,10 +192,7 @@ class Costs:
             return self.arriving(node, strat)
         if node.kind != "op":
             return Cost()
-        metas = [self.graph.meta(v) for v in node.inputs]
-        ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
-        outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
-        itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
+        metas, ins, outs, itemsize = self._local(node, strat)
         ins, outs = computed_shapes(node, strat, self.graph, mesh, ins, outs)   # an expert matmul's rows
         kept = self._kept_blocks.get(node.name, 1.0)
         ring = attention.ring_axes(node, strat, mesh, metas[1].shape) if len(metas) > 1 else ()
@@ -250,14 +247,19 @@ class Costs:
             return []
         return self._attention(node, strat, *self._attention_parts(node, strat))[1]
 
+    def _local(self, node: Node, strat) -> tuple:
+        """(its inputs' metas, their local shapes and the outputs' in ``strat``, the itemsize it
+        computes in) of an op node."""
+        metas = [self.graph.meta(v) for v in node.inputs]
+        ins = [pl.local_shape(m.shape, p, self.mesh_shape) for m, p in zip(metas, strat.inputs)]
+        outs = [pl.local_shape(m.shape, p, self.mesh_shape) for m, p in zip(node.outputs, strat.outputs)]
+        return metas, ins, outs, max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
+
     def _attention_parts(self, node: Node, strat) -> tuple:
         """(local input shapes, itemsize, forward and backward compute unbalanced, ring axes) of an
         attention node, as ``_price_node`` works them out."""
         mesh, cluster = self.mesh_shape, self.cluster
-        metas = [self.graph.meta(v) for v in node.inputs]
-        ins = [pl.local_shape(m.shape, p, mesh) for m, p in zip(metas, strat.inputs)]
-        outs = [pl.local_shape(m.shape, p, mesh) for m, p in zip(node.outputs, strat.outputs)]
-        itemsize = max([m.itemsize for m in metas + node.outputs if m.floating] or [4])
+        metas, ins, outs, itemsize = self._local(node, strat)
         ring = attention.ring_axes(node, strat, mesh, metas[1].shape)
         computed = attention.whole_keys(ins, ring, mesh) if ring else ins
         t = compute.op_time(node.target, computed, outs, itemsize, cluster)

@@ -72,6 +72,15 @@ class RankMesh:
             flag = flag & self.first[a]
         return flag
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Parameter gradients kept unreduced while inside (``no_sync``: ``sync_grads`` False)."""
+        before, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = before
+
     def prepare_groups(self, axis_sets) -> None:
         """Create the groups spanning several axes at once. Collective: every rank calls it with
         the same sets in the same order (the same program gives them)."""
