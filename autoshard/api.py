@@ -18,8 +18,9 @@ import torch.nn as nn
 
 from autoshard import placement as pl
 from autoshard.runtime import agree, optim
+from autoshard.runtime.mesh import dtensor_placements
 from autoshard import runtime
-from autoshard._compat import blocked_shard, checkpoint_blocked_splits, set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
+from autoshard._compat import set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
 from autoshard.arguments import MAX_AXES, check_bool, check_mesh, check_module, check_number, check_options
 from autoshard import cache
 from autoshard import inputs as inputs_mod
@@ -506,33 +507,27 @@ class ParallelModule(nn.Module):
         training = self._model.training
         if self._plan is not None and training == self._plan.training and not self._programs:
             return self._plan
-        msg = [None]
-        if dist.get_rank() == 0:
-            try:
-                options = self._options
-                if self._distributed:  # a later plan (eval mode) keeps the parameters where they are
-                    pins = dict(options.pin or {})
-                    for n in graph.nodes:
-                        if n.kind == "param":
-                            pins[n.fqn] = self._plan.params[n.fqn]
-                    options = dataclasses.replace(options, pin=pins, training=training)
-                elif not self._training_given:
-                    options = dataclasses.replace(options, training=training)
-                mesh = tuple(self.device_mesh.shape)
-                text = None
-                if kept and self._distributed:
-                    try:
-                        text = _planned(graph, mesh, dataclasses.replace(options, pin={**kept, **options.pin}))
-                    except ValueError:   # none with them within the budget: the nodes' layouts are free
-                        text = None
-                msg[0] = ("ok", text or _planned(graph, mesh, options))
-            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
-                msg[0] = ("error", type(e).__name__, str(e))
-        dist.broadcast_object_list(msg, src=0)
-        if msg[0][0] == "error":
-            _, kind, text = msg[0]
-            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)
-        plan = Plan.from_json(msg[0][1])
+
+        def make() -> str:
+            options = self._options
+            if self._distributed:  # a later plan (eval mode) keeps the parameters where they are
+                pins = dict(options.pin or {})
+                for n in graph.nodes:
+                    if n.kind == "param":
+                        pins[n.fqn] = self._plan.params[n.fqn]
+                options = dataclasses.replace(options, pin=pins, training=training)
+            elif not self._training_given:
+                options = dataclasses.replace(options, training=training)
+            mesh = tuple(self.device_mesh.shape)
+            text = None
+            if kept and self._distributed:
+                try:
+                    text = _planned(graph, mesh, dataclasses.replace(options, pin={**kept, **options.pin}))
+                except ValueError:   # none with them within the budget: the nodes' layouts are free
+                    text = None
+            return text or _planned(graph, mesh, options)
+
+        plan = Plan.from_json(agree.from_first_rank(make))
         if self._plan is None or not self._distributed:
             self.__dict__["_plan"] = plan
         return plan
@@ -540,7 +535,7 @@ class ParallelModule(nn.Module):
     def _distribute(self, plan: Plan, graph: Graph):
         """Replace every parameter by this rank's DTensor share (from rank 0's values), and make
         buffers equal to rank 0's."""
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import distribute_tensor
         mesh = self.device_mesh
         owners: dict = {}
         for mod_name, mod in self._model.named_modules(remove_duplicate=False):
@@ -550,10 +545,7 @@ class ParallelModule(nn.Module):
                     owners.setdefault(id(p), (p, []))[1].append((mod, pname, fqn))
         for p, places in owners.values():
             placement = next((plan.params[f] for _, _, f in places if f in plan.params), ("B",) * mesh.ndim)
-            dt = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups, places[0][2]))
-                  if isinstance(q, pl.Split) else Replicate() for q in map(pl.parse, placement)]
-            if any(isinstance(q, pl.Split) and q.groups > 1 for q in map(pl.parse, placement)):
-                checkpoint_blocked_splits()   # so that torch.distributed.checkpoint can save it
+            dt = dtensor_placements(placement, places[0][2])
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, dt, src_data_rank=0), requires_grad=p.requires_grad)
             for mod, pname, _ in places:
                 mod._parameters[pname] = new

@@ -16,13 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard import placement as pl
-from autoshard._compat import blocked_shard, checkpoint_blocked_splits, tree_flatten
+from autoshard._compat import tree_flatten
 from autoshard.passes.capture import capture
 from autoshard.passes.lower import lower
 from autoshard.planner.pipeline import PipelinePlan, cut, input_device, plan_pipeline, stage_inputs
-from autoshard.runtime import optim
-from autoshard.runtime.mesh import RankMesh
+from autoshard.runtime import agree, optim
+from autoshard.runtime.mesh import RankMesh, dtensor_placements
 from autoshard.runtime.pipeline import Runner, StageProgram, chunked
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
@@ -49,17 +48,9 @@ def parallelize_pipeline(model: nn.Module, example_inputs, mesh_shape: tuple, pl
                          "stages are cut and captured from them")
     if len(mesh_shape) > 2:
         raise ValueError(f"a pipeline runs with one more axis at most yet (mesh (k, n)), not {mesh_shape}")
-    if plan is None:
-        msg = [None]
-        if dist.get_rank() == 0:
-            try:
-                msg[0] = ("ok", plan_pipeline(model, example_inputs, mesh_shape, options, plan_stage).to_json())
-            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
-                msg[0] = ("error", type(e).__name__, str(e))
-        dist.broadcast_object_list(msg, src=0)
-        if msg[0][0] == "error":
-            raise {"ValueError": ValueError, "TypeError": TypeError}.get(msg[0][1], RuntimeError)(msg[0][2])
-        plan = PipelinePlan.from_json(msg[0][1])
+    if plan is None:   # rank 0 plans, every rank takes its plan
+        plan = PipelinePlan.from_json(agree.from_first_rank(
+            lambda: plan_pipeline(model, example_inputs, mesh_shape, options, plan_stage).to_json()))
     return ParallelPipeline(model, plan, example_inputs, options.outputs, overlap)
 
 
@@ -180,14 +171,9 @@ def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:
 def _shard(held: nn.Module, splan, sub) -> None:
     """The stage's parameters as this rank's DTensor shares on ``sub``, the mesh of the other
     axes (every rank has rank 0's values: each takes its share where it is)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     for fqn, p in list(held.named_parameters()):
-        placement = splan.params.get(fqn, ("B",) * sub.ndim)
-        parts = list(map(pl.parse, placement))
-        dt = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups, fqn))
-              if isinstance(q, pl.Split) else Replicate() for q in parts]
-        if any(isinstance(q, pl.Split) and q.groups > 1 for q in parts):
-            checkpoint_blocked_splits()
+        dt = dtensor_placements(splan.params.get(fqn, ("B",) * sub.ndim), fqn)
         new = nn.Parameter(distribute_tensor(p.detach(), sub, dt, src_data_rank=None), requires_grad=p.requires_grad)
         prefix, _, name = fqn.rpartition(".")
         held.get_submodule(prefix)._parameters[name] = new

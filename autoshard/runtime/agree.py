@@ -19,6 +19,23 @@ import torch
 import torch.distributed as dist
 
 
+def from_first_rank(make):
+    """``make()`` run on rank 0 alone and its (picklable) result handed to every rank, so that no
+    two ranks can disagree; where it raises, every rank raises it (a ValueError or TypeError as
+    itself, anything else as a RuntimeError), with its message."""
+    msg = [None]
+    if dist.get_rank() == 0:
+        try:
+            msg[0] = ("ok", make())
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there too
+            msg[0] = ("error", type(e).__name__, str(e))
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0][0] == "error":
+        _, kind, text = msg[0]
+        raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)
+    return msg[0][1]
+
+
 def digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 

@@ -13,6 +13,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from autoshard import placement as pl
+from autoshard._compat import blocked_shard, checkpoint_blocked_splits
+
 _state = threading.local()   # .mesh: the RankMesh ``active`` set on this thread
 
 
@@ -109,3 +112,16 @@ def _mesh() -> RankMesh:
     if m is None:
         raise RuntimeError("an autoshard program ran outside its parallel module")
     return m
+
+
+def dtensor_placements(placement: tuple, name: str) -> list:
+    """The DTensor placements of a parameter stored as ``placement`` (a plan's, per mesh axis):
+    Shard, the blocked split's strided shard (whose checkpoints are then taught to save it), or
+    Replicate. ``name``: the parameter's, for an error that names it."""
+    from torch.distributed.tensor import Replicate, Shard
+    parts = list(map(pl.parse, placement))
+    out = [(Shard(q.dim) if q.groups == 1 else blocked_shard(q.dim, q.groups, name))
+           if isinstance(q, pl.Split) else Replicate() for q in parts]
+    if any(isinstance(q, pl.Split) and q.groups > 1 for q in parts):
+        checkpoint_blocked_splits()   # so that torch.distributed.checkpoint can save it
+    return out
