@@ -3,6 +3,7 @@ dies (any signal, or an exit) makes ``run`` raise naming the rank and its error,
 collective timeout, with the other ranks stopped and no process left behind; the next ``run``
 starts a fresh group. ``parallelize(timeout=...)`` bounds every collective of its groups."""
 import os
+import re
 import signal
 import sys
 import time
@@ -140,9 +141,12 @@ print("rank 0 passed the all-reduce")
 
 
 def test_under_torchrun_a_rank_that_raises_ends_the_job(tmp_path):
-    """torchrun's own behaviour, which the README describes: the raising rank's process ends, its
-    peer's collective fails or the elastic agent stops it, and torchrun exits with an error
-    naming the failed rank, long before the group's 300 s timeout."""
+    """torchrun's own behaviour, which the faults guide describes: the raising rank's process ends,
+    its peer's collective fails or the elastic agent stops it, and torchrun exits with an error
+    whose report lists the raising rank's failure, long before the group's 300 s timeout. Which
+    failure the report calls the root cause is torchrun's first observed one, timed to the second:
+    on a slow machine the peer's failed all-reduce lands in the same second and may be named
+    instead, so the test reads the raising rank's entry wherever the report puts it."""
     import subprocess
     import sys
     script = tmp_path / "job.py"
@@ -152,6 +156,9 @@ def test_under_torchrun_a_rank_that_raises_ends_the_job(tmp_path):
                           capture_output=True, text=True, timeout=TIMEOUT_S / 3)
     assert done.returncode != 0
     assert "rank 1 gave up" in done.stderr
-    root = done.stderr[done.stderr.index("Root Cause"):]
-    assert "rank      : 1" in root
+    report = done.stderr[done.stderr.index("FAILED\n"):]
+    entries = re.split(r"\n\[\d+\]:\n", report)[1:]
+    raised = [e for e in entries if re.search(r"rank\s*: 1 ", e)]
+    assert len(raised) == 1, report
+    assert re.search(r"exitcode\s*: 1 ", raised[0]), report
     assert "rank 0 passed" not in done.stdout
