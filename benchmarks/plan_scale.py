@@ -6,6 +6,8 @@
     python benchmarks/plan_scale.py --llama      # Llama-3-style, dim 2048, 16 layers, fixed mesh (8, 8)
     python benchmarks/plan_scale.py --pipeline   # GPT-3 175B at 1024: search with pipelines and without;
                                                  # Megatron-LM's tensor 8 x pipeline 8 x data 16 priced
+    python benchmarks/plan_scale.py --llama405b  # Llama 3 405B at 16,384 H100s, the same; its published
+                                                 # tensor 8 x pipeline 16 x data 128 priced
 
 Everything runs on the meta device, with no process group. The phases are those of
 ``autoshard.planner.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
@@ -162,9 +164,10 @@ class LlamaLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, dim=2048, layers=16, heads=16, kv_heads=8, vocab=128256, seq=2048, multiple_of=256):
+    def __init__(self, dim=2048, layers=16, heads=16, kv_heads=8, vocab=128256, seq=2048, multiple_of=256,
+                 ffn_multiplier=1.0):
         super().__init__()
-        hidden = multiple_of * math.ceil(int(2 * 4 * dim / 3) / multiple_of)
+        hidden = multiple_of * math.ceil(int(ffn_multiplier * int(2 * 4 * dim / 3)) / multiple_of)
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(LlamaLayer(dim, heads, kv_heads, hidden) for _ in range(layers))
         self.norm, self.output = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
@@ -173,11 +176,14 @@ class Llama(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, targets=None):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
-        return self.output(self.norm(x))
+        logits = self.output(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def llama(args):
@@ -288,6 +294,50 @@ def first_calls(world=8):
                   f"({100 * planning / wall:.0f}%); mesh {mesh}")
 
 
+def timed_search(model, inputs, world, cluster):
+    """The mesh search without pipelines (``pipeline=1``) and with (``pipeline=None``), each
+    timed; the plans."""
+    timings, plans = {}, {}
+    for name, extra in (("without pipelines", dict(pipeline=1)), ("with pipelines", {})):
+        start = time.perf_counter()
+        plans[name] = autoshard.plan(model, inputs, world=world, cluster=cluster, verbose=False, **extra)
+        timings[name] = time.perf_counter() - start
+        fanout.reap(wait=True)
+        p = plans[name]
+        print(f"{name:<18} {timings[name]:>6.1f} s  {type(p).__name__} mesh {tuple(p.mesh_shape)}  "
+              f"estimated step {p.cost:.3f} s")
+    print(f"search with pipelines / without: {timings['with pipelines'] / timings['without pipelines']:.2f}x")
+    return plans["with pipelines"]
+
+
+LLAMA_BLOCK = {"wq.weight": ("S(0)",), "wk.weight": ("S(0)",), "wv.weight": ("S(0)",), "wo.weight": ("S(1)",),
+               "w1.weight": ("S(0)",), "w3.weight": ("S(0)",), "w2.weight": ("S(1)",)}
+
+
+def llama_405b(args):
+    """Llama 3 405B's published shape (126 layers, dim 16,384, 128 heads, 8 key/value heads, FFN
+    53,248, vocabulary 128,256), 8,192-token sequences, 2,048 of them a step (16M tokens), on
+    16,384 H100s: the mesh search with pipelines and without, timed; and the published
+    configuration (tensor 8 x pipeline 16 x data 128, its blocks Megatron-pinned, 16
+    microbatches of one sequence per data rank, 1F1B) priced by the same model."""
+    layers = args.layers or 126
+    with torch.device("meta"):
+        model = Llama(dim=16384, layers=layers, heads=128, kv_heads=8, vocab=128256, seq=8192, multiple_of=4096,
+                      ffn_multiplier=1.2)
+    tokens = torch.empty(2048, 8192, dtype=torch.long, device="meta")
+    cluster = "h100-80gb-nvlink-ib"
+    print(f"== Llama 3 405B shape ({layers} layers, d=16384, FFN {model.layers[0].w1.out_features}), "
+          f"batch 2048 x 8192, world 16384, {cluster} ==")
+    own = timed_search(model, (tokens, tokens), 16384, cluster)
+    pins = {f"layers.{i}.{k}": ("B",) + v for i in range(layers) for k, v in LLAMA_BLOCK.items()}
+    start = time.perf_counter()
+    published = autoshard.plan(model, (tokens, tokens), world=16384, mesh=(16, 128, 8), pipeline=16, microbatches=16,
+                               pin=pins, cluster=cluster, verbose=False)
+    print(f"published: tensor 8 x pipeline 16 x data 128, 16 microbatches (1F1B), pinned: estimated step "
+          f"{published.cost:.3f} s ({time.perf_counter() - start:.1f} s to price)")
+    print(f"autoshard's own plan / the published one: {own.cost / published.cost:.3f}")
+
+
 def pipelines(args):
     """GPT-3 175B (96 blocks, d=12288, 96 heads, batch 1536 x 2048, vocab 50304) on 1,024 A100s:
     the mesh search without pipelines (``pipeline=1``) and with (``pipeline=None``), timed; and
@@ -298,28 +348,18 @@ def pipelines(args):
     layers = args.layers or 96
     model, inputs = gpt(layers, 12288, 96, 1536)
     print(f"== GPT-3 175B shape ({layers} blocks, d=12288), batch 1536 x 2048, world 1024, {CLUSTER} ==")
-    timings = {}
-    plans = {}
-    for name, extra in (("without pipelines", dict(pipeline=1)), ("with pipelines", {})):
-        start = time.perf_counter()
-        plans[name] = autoshard.plan(model, inputs, world=1024, cluster=CLUSTER, verbose=False, **extra)
-        timings[name] = time.perf_counter() - start
-        fanout.reap(wait=True)
-        p = plans[name]
-        print(f"{name:<18} {timings[name]:>6.1f} s  {type(p).__name__} mesh {tuple(p.mesh_shape)}  "
-              f"estimated step {p.cost:.3f} s")
-    print(f"search with pipelines / without: {timings['with pipelines'] / timings['without pipelines']:.2f}x")
+    own = timed_search(model, inputs, 1024, CLUSTER)
     pins = {f"blocks.{i}.{k}": ("B",) + v for i in range(layers) for k, v in MEGATRON_BLOCK.items()}
     start = time.perf_counter()
     megatron = autoshard.plan(model, inputs, world=1024, mesh=(8, 16, 8), pipeline=8, microbatches=96, pin=pins,
                               cluster=CLUSTER, verbose=False)
     print(f"Megatron-LM tensor 8 x pipeline 8 x data 16, 96 microbatches (1F1B), pinned: estimated step "
           f"{megatron.cost:.3f} s ({time.perf_counter() - start:.1f} s to price)")
-    print(f"autoshard's own plan / Megatron-LM's: {plans['with pipelines'].cost / megatron.cost:.3f}")
+    print(f"autoshard's own plan / Megatron-LM's: {own.cost / megatron.cost:.3f}")
     print()
     print(megatron)
     print()
-    print(plans["with pipelines"])
+    print(own)
 
 
 def main():
@@ -329,6 +369,8 @@ def main():
                     help="with --tiny: also time parallelize's first call on 8 local gloo processes")
     ap.add_argument("--llama", action="store_true", help="the Llama-3-style model on the fixed mesh (8, 8)")
     ap.add_argument("--pipeline", action="store_true", help="GPT-3 175B at 1024 with pipelines and without")
+    ap.add_argument("--llama405b", action="store_true",
+                    help="Llama 3 405B at 16,384 H100s with pipelines and without; its published configuration priced")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--alone", action="store_true", help="plan the GPT in one process too, first, for comparison")
@@ -340,6 +382,8 @@ def main():
         return llama(args)
     if args.pipeline:
         return pipelines(args)
+    if args.llama405b:
+        return llama_405b(args)
     layers = args.layers or 96
     plan_gpt(f"GPT {layers} layers, d=2048, 16 heads, batch 1024 x 2048, vocab 50304", *gpt(layers, 2048, 16, 1024),
              1024, before=BEFORE["gpt96"] if layers == 96 else None, alone=args.alone)

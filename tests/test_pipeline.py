@@ -271,3 +271,52 @@ def test_search_keeps_an_nvlink_world_unpiped():
     fast = PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=600e9, inter_latency=5e-6)
     plan = _searched(fast)
     assert not isinstance(plan, PipelinePlan), str(plan)
+
+
+def test_a_few_blocks_price_the_whole_stack():
+    """The search prices each degree on the model's first three blocks (first, middle, last):
+    the middle one runs the ops every block between runs, on the same shapes, and stretched to the
+    whole stack the prices cross each cut with what the whole model sends there."""
+    from autoshard.api import plan_graph
+    from autoshard.options import PlanOptions
+    from autoshard.passes.capture import capture
+    from autoshard.planner.pipeline import block_prices, pricing_graph, stretched
+    from autoshard.planner.repeat import _block_of
+    with torch.device("meta"):
+        model = GPT(layers=6, d=256, heads=4, vocab=1024, seq=64)
+    idx = torch.zeros(16, 64, dtype=torch.long, device="meta")
+    whole = capture(model, (idx[:8], idx[:8]), None, "whole")   # one of two microbatches, as ``short``
+    short = pricing_graph(model, (idx, idx), 2, "whole", "blocks", 6)
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 6   # given back whole
+
+    def ops(graph, block):
+        return sorted((str(n.target), tuple(graph.meta((n.name, 0)).shape)) for n in graph.nodes
+                      if n.kind == "op" and _block_of(n) == ("blocks", block))
+    assert ops(short, 1) == ops(whole, 3) and ops(short, 1)
+    assert len([n for n in short.nodes if n.kind == "param"]) < len([n for n in whole.nodes if n.kind == "param"])
+    options = PlanOptions(mesh=(4,), cluster="a100-80gb-nvlink-ib", verbose=False)
+    full = block_prices(whole, plan_graph(whole, (4,), options))
+    few = stretched(block_prices(short, plan_graph(short, (4,), options)), 6)
+    assert len(few.seconds) == len(few.crossing) == 6 and len(set(few.seconds[1:5])) == 1
+    assert [sorted(c) for c in full.crossing] == [sorted(c) for c in few.crossing]
+
+
+class _Counted(torch.nn.Module):
+    """A stack its forward walks by a count of its own, which a shortened stack breaks."""
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        for i in range(5):
+            x = torch.relu(self.blocks[i](x))
+        return x.square().mean()
+
+
+def test_a_stack_that_will_not_shorten_is_priced_whole():
+    from autoshard.planner.pipeline import pricing_graph
+    from autoshard.passes.stages import block_stack
+    model = _Counted()
+    graph = pricing_graph(model, (torch.randn(8, 8),), 2, "whole", "blocks", 5)
+    assert block_stack(graph) == ("blocks", (0, 1, 2, 3, 4))
+    assert len(model.blocks) == 5

@@ -12,6 +12,7 @@ planned as a model of its own (``autoshard.pipelined``).
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -48,6 +49,33 @@ def block_stack(graph: Graph) -> tuple:
                          "pipeline=, or with pipeline=1")
     container = stacks[0][1]
     return container, tuple(sorted(found[container]))
+
+
+@contextlib.contextmanager
+def short_stack(model: torch.nn.Module, container: str, keep: int):
+    """``model`` with its stack of blocks at ``container`` (an ``nn.ModuleList`` or
+    ``nn.ModuleDict``) holding only its first ``keep`` blocks, for as long as the context lasts:
+    the blocks are tied, so a model of a few prices each of them as the whole model would. Yields
+    False, changing nothing, where the container is of another kind."""
+    parent_path, _, attr = container.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_path) if parent_path else model
+        stack = getattr(parent, attr)
+    except AttributeError:
+        yield False
+        return
+    if isinstance(stack, torch.nn.ModuleList):
+        short = torch.nn.ModuleList(list(stack)[:keep])
+    elif isinstance(stack, torch.nn.ModuleDict):
+        short = torch.nn.ModuleDict(list(stack.items())[:keep])
+    else:
+        yield False
+        return
+    setattr(parent, attr, short)
+    try:
+        yield True
+    finally:
+        setattr(parent, attr, stack)
 
 
 def even_cuts(n_blocks: int, k: int) -> list:

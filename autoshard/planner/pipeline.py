@@ -26,7 +26,7 @@ import torch
 
 from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.passes.capture import capture, normalize_inputs
-from autoshard.passes.stages import block_stack, even_cuts, split
+from autoshard.passes.stages import block_stack, even_cuts, short_stack, split
 from autoshard.plan import Plan
 from autoshard.planner.solution import NoPlanInTime
 from autoshard.runtime.pipeline import chunked, schedule_name
@@ -445,6 +445,41 @@ def best_cuts(prices: Prices, k: int, sends) -> tuple:
     return best[k][n], tuple(reversed(starts))
 
 
+SHORT = 3   # blocks of the model that prices a degree: the first, one standing for the middle, the last
+
+
+def pricing_graph(model, example_inputs, m: int, outputs: str, container: str, n: int):
+    """``model`` captured with one of ``m`` microbatches' shapes, to price its blocks by: where
+    its stack holds more than ``SHORT`` blocks numbered ``0 .. n-1``, only the first ``SHORT``
+    (``short_stack``; tied blocks price alike, and capturing and planning a few is the search's
+    time saved), else, or where the model will not run so shortened, the whole model."""
+    args, kwargs = microbatch_inputs(example_inputs, m)
+    if n > SHORT:
+        try:
+            with short_stack(model, container, SHORT) as shortened:
+                if shortened:
+                    graph = capture(model, args, kwargs or None, outputs)
+                    if block_stack(graph) == (container, tuple(range(SHORT))):
+                        return graph
+        except Exception:  # noqa: BLE001 - a forward that counts its blocks its own way: the whole model
+            pass
+    return capture(model, args, kwargs or None, outputs)
+
+
+def stretched(prices: Prices, n: int) -> Prices:
+    """The prices of a stack of ``n`` tied blocks from those of a shorter one's (``pricing_graph``):
+    its first and last as they are (with what runs before and after the stack), the middle one
+    for every block between, and the cuts after the second crossed as the one after it is."""
+    if len(prices.seconds) == n:
+        return prices
+    s, c = prices.seconds, prices.crossing
+    return Prices((s[0],) + (s[1],) * (n - 2) + (s[-1],), (c[0], c[1]) + (c[2],) * (n - 2))
+
+
+def param_bytes(graph) -> int:
+    return sum(graph.meta((n.name, 0)).nbytes for n in graph.nodes if n.kind == "param")
+
+
 def _rows(example_inputs):
     """The batch's rows (dim 0 of the first input with a dim), or None."""
     args, kwargs = normalize_inputs(example_inputs)
@@ -476,14 +511,15 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     nodes, the pipeline axis on the network between them (within a node the links are fast, and a
     pipeline would buy nothing but its bubble); ``k`` divides the world, each stage's mesh is
     ``base``'s with its first axis ``k`` times smaller, and the microbatches are ``microbatches=``
-    or ``_microbatches``' choice. Each degree costs one plan of the whole model on its stages'
-    mesh (one capture per microbatch size); the degree whose cut is cheapest by those prices is
-    then planned stage by stage, and kept where it beats ``base``."""
+    or ``_microbatches``' choice. Each degree costs one plan, on its stages' mesh, of the model
+    shortened to its first ``SHORT`` blocks (``pricing_graph``; one capture per microbatch size),
+    whose middle block prices every block between (``stretched``); the degree whose cut is cheapest
+    by those prices is then planned stage by stage, and kept where it beats ``base``."""
     cluster = base.cluster
     if cluster is None or world <= cluster.gpus_per_node or not options.training:
         return base
     try:
-        _, indices = block_stack(graph)
+        container, indices = block_stack(graph)
     except ValueError:
         return base
     out = graph.exported.graph_signature.output_specs
@@ -503,7 +539,8 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     compute, exposed = base.breakdown.get("compute"), base.breakdown.get("exposed")
     if compute is not None and exposed is not None:
         degrees = [k for k in degrees if compute * (k - 1) / micro[k] < exposed]
-    captured: dict = {}   # microbatches -> the model captured with one microbatch's shapes
+    captured: dict = {}   # microbatches -> the model (its first blocks) captured with one microbatch's shapes
+    n = len(indices) if indices == tuple(range(len(indices))) else 0
     ranked = []
     # each degree's stages are priced, and the chosen one's planned, with the parameters laid out
     # as in ``base`` (the same axes, the first smaller): a small solve for the activations alone
@@ -519,15 +556,18 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         inner, m = _inner(tuple(base.mesh_shape), k), micro[k]
         try:
             if m not in captured:
-                args, kwargs = microbatch_inputs(example_inputs, m)
-                captured[m] = capture(model, args, kwargs or None, options.outputs)
-            planned = plan_stage(captured[m], inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
-                                                                         pin=keeping(inner)))
+                captured[m] = pricing_graph(model, example_inputs, m, options.outputs, container, n)
+            priced = captured[m]
+            pins = {name: v for name, v in keeping(inner).items() if name in priced.param_aliases}
+            planned = plan_stage(priced, inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
+                                                                    pin=pins or None))
         except (ValueError, NoPlanInTime):   # none within the budget, or in its time: not this degree
             continue
-        slot, starts = best_cuts(block_prices(captured[m], planned), k,
+        slot, starts = best_cuts(stretched(block_prices(priced, planned), len(indices)), k,
                                  lambda sends: send_seconds(sends, (k,) + inner, cluster))
-        ranked.append(((m + k - 1) * slot + reduction(planned) / k, k, inner, m, starts))
+        # the gradients' reduction, of the whole model's parameters where the shorter one priced it
+        grads = reduction(planned) * param_bytes(graph) / max(param_bytes(priced), 1)
+        ranked.append(((m + k - 1) * slot + grads / k, k, inner, m, starts))
     for estimate, k, inner, m, starts in sorted(ranked):
         if estimate >= base.cost:
             break
