@@ -27,16 +27,13 @@ def gpt_plan():
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def browser():
     try:
         from selenium import webdriver
         from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.chrome.service import Service
     except ImportError:
         pytest.fail('the page is checked in a real browser driven by selenium: pip install -e ".[test]"')
-    plan = gpt_plan()
-    path = tmp_path_factory.mktemp("html") / "plan.html"
-    plan.to_html(path)
     options = webdriver.ChromeOptions()
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1700,1200"):
         options.add_argument(arg)
@@ -51,10 +48,19 @@ def page(tmp_path_factory):
         pytest.fail("the page is checked in a real headless browser, and none started: apt-get install -y "
                     f"chromium chromium-driver, or let Selenium Manager download Chrome ({e.msg})")
     try:
-        driver.get(path.as_uri())
-        yield plan, path, driver
+        yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory, browser):
+    plan = gpt_plan()
+    path = tmp_path_factory.mktemp("html") / "plan.html"
+    plan.to_html(path)
+    browser.get(path.as_uri())
+    browser.get_log("browser")
+    return plan, path, browser
 
 
 def test_the_page_is_self_contained(page):
@@ -143,3 +149,27 @@ def _colors(png: bytes) -> dict:
         counts.update(tuple(line[i:i + 3]) for i in range(0, stride, bpp))
         prev = line
     return counts
+
+
+def test_a_pipeline_plans_page_draws_its_schedule_and_bubble(browser, tmp_path):
+    """PipelinePlan.to_html: the stages' forwards and backwards drawn in time, a rectangle each,
+    the bubble left blank; each stage's own plan on the page."""
+    from selenium.webdriver.common.by import By
+    with torch.device("meta"):
+        model = GPT(vocab=1024, d=256, heads=4, layers=4, seq=128)
+        idx = torch.empty(64, 128, dtype=torch.long)
+    plan = autoshard.plan(model, (idx, idx), mesh=(2, 2), pipeline=2, microbatches=4, verbose=False)
+    path = tmp_path / "pipeline.html"
+    text = plan.to_html(path)
+    assert not re.search(r"<(link|img|iframe|script)\b|\bsrc=|@import|url\(", text)
+    browser.get(path.as_uri())
+    assert browser.get_log("browser") == []
+    work = browser.find_elements(By.CSS_SELECTOR, "#schedule rect.work")
+    assert sorted(w.get_attribute("data-work") for w in work) == sorted(
+        f"{kind}{i}" for kind in "FB" for i in range(4) for _ in range(2))   # each microbatch's, on each stage
+    lane = browser.find_elements(By.CSS_SELECTOR, "#schedule rect.lane")
+    assert len(lane) == 2
+    busy = sum(float(w.get_attribute("width")) + 2 for w in work)
+    assert busy < sum(float(x.get_attribute("width")) for x in lane)   # the bubble: blank on the lanes
+    assert f"bubble {plan.bubble:.0%}" in browser.find_element(By.ID, "head").text
+    assert len(browser.find_elements(By.CSS_SELECTOR, "details.stage")) == 2

@@ -146,6 +146,12 @@ class PipelinePlan:
                       for c in self.candidates]
         return "\n".join(lines)
 
+    def to_html(self, path=None) -> str:
+        """One self-contained page: the stages, the schedule drawn (its bubble in sight), each
+        stage's own plan (``report.pipeline_page``)."""
+        from autoshard.report.pipeline_page import to_html
+        return to_html(self, path)
+
     def to_json(self) -> str:
         return json.dumps({"pipeline": True, "mesh_shape": list(self.mesh_shape), "microbatches": self.microbatches,
                            "schedule": self.schedule, "training": self.training,
@@ -198,9 +204,20 @@ def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
 
 
 def timeline(schedule: str, k: int, m: int, width: int = 110) -> list:
-    """One row per stage, one column per time slot (a forward takes one, a backward two, as
-    its FLOPs do), each stage's forwards and backwards in the schedule's order, each as early as
-    the stage before (forward) or after (backward) allows: where the bubble is, drawn."""
+    """One row per stage, one column per time slot (``schedule_cells``): where the bubble is, drawn."""
+    cells = schedule_cells(schedule, k, m)
+    end = max((max(c) + 1 for c in cells if c), default=0)
+    out = []
+    for s in range(k):
+        text = "".join(f"{cells[s].get(t, '.'):<4}" for t in range(end)).rstrip()
+        out.append(f"  stage {s}: {text[:width]}")
+    return out
+
+
+def schedule_cells(schedule: str, k: int, m: int) -> list:
+    """Per stage, {time slot: "F3" or "B3"} (a forward takes one slot, a backward two, as its
+    FLOPs do): each stage's forwards and backwards in the schedule's order, each as early as the
+    stage before (forward) or after (backward) allows; a slot absent is idle."""
     done: dict = {}   # (kind, microbatch, stage) -> the slot it ends at
     rows = []
     for s in range(k):
@@ -235,12 +252,7 @@ def timeline(schedule: str, k: int, m: int, width: int = 110) -> list:
                 moved = True
         if not moved:
             break
-    end = max(free)
-    out = []
-    for s in range(k):
-        text = "".join(f"{cells[s].get(t, '.'):<4}" for t in range(end)).rstrip()
-        out.append(f"  stage {s}: {text[:width]}")
-    return out
+    return cells
 
 
 def _ranks(ranks) -> str:
