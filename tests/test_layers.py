@@ -208,7 +208,7 @@ FLOORS = [
     ("machine.cluster", "options"),  # a cluster, and the planning options that name one
     ("cost",),
     ("runtime",),
-    ("report.summary", "report.explain", "report.formula", "report.html"),
+    ("report.summary", "report.explain", "report.formula", "report.html", "report.pipeline_page"),
     ("plan", "cache"),              # a plan as data, and plans kept on disk
     ("passes",),                     # rewrite, schedule, checkpoint, interleave, overdecompose; lower lists them
     ("schemes",),

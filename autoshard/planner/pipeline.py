@@ -150,7 +150,7 @@ class PipelinePlan:
         """One self-contained page: the stages, the schedule drawn (its bubble in sight), each
         stage's own plan (``report.pipeline_page``)."""
         from autoshard.report.pipeline_page import to_html
-        return to_html(self, path)
+        return to_html(self, schedule_cells(self.schedule, len(self.stages), self.microbatches), path)
 
     def to_json(self) -> str:
         return json.dumps({"pipeline": True, "mesh_shape": list(self.mesh_shape), "microbatches": self.microbatches,

@@ -2,7 +2,8 @@
 files beside it, no script.
 
 The page shows the plan's summary, the schedule drawn as each stage's row of forwards and
-backwards in time (the slots ``planner.pipeline.schedule_cells`` places them in, a backward twice
+backwards in time (the slots ``planner.pipeline.schedule_cells`` places them in, given by the
+plan, a backward twice
 a forward, idle slots left blank: the bubble is the blank), the stages' table, and each stage's
 own plan (its summary, folded until opened).
 """
@@ -10,19 +11,17 @@ from __future__ import annotations
 
 import html
 
-from autoshard.planner.pipeline import schedule_cells
-
 SLOT = 22        # pixels per time slot
 ROW = 26         # pixels per stage
 LEFT = 70        # the stage labels' margin
 FORWARD, BACKWARD = "#3b7dd8", "#27ae60"
 
 
-def schedule_svg(plan) -> str:
+def schedule_svg(plan, cells: list) -> str:
     """The schedule of ``plan`` as an SVG: a row per stage, a rectangle per forward (F) and
-    backward (B) of each microbatch, labelled with its number."""
-    k, m = len(plan.stages), plan.microbatches
-    cells = schedule_cells(plan.schedule, k, m)
+    backward (B) of each microbatch in the slots ``cells`` gives (per stage, {slot: "F3"}),
+    labelled with its number."""
+    k = len(plan.stages)
     end = max((max(c) + 1 for c in cells if c), default=0)
     width, height = LEFT + end * SLOT + 10, k * ROW + 24
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" id="schedule" width="{width}" height="{height}">']
@@ -51,13 +50,13 @@ def schedule_svg(plan) -> str:
     return "\n".join(parts)
 
 
-def to_html(plan, path=None, title: str = "autoshard pipeline plan") -> str:
-    """The page's text; written to ``path`` too when given."""
+def to_html(plan, cells: list, path=None, title: str = "autoshard pipeline plan") -> str:
+    """The page's text, the schedule drawn in ``cells``' slots; written to ``path`` too when given."""
     stages = "\n".join(
         f'<details class="stage" id="stage-{s.index}"><summary>stage {s.index}: ranks '
         f'{s.ranks[0]}-{s.ranks[-1]}, {len(s.blocks)} blocks</summary><pre>{html.escape(str(s.plan))}</pre></details>'
         for s in plan.stages)
-    text = PAGE.format(title=html.escape(title), summary=html.escape(str(plan)), schedule=schedule_svg(plan),
+    text = PAGE.format(title=html.escape(title), summary=html.escape(str(plan)), schedule=schedule_svg(plan, cells),
                        stages=stages, forward=FORWARD, backward=BACKWARD)
     if path is not None:
         with open(path, "w", encoding="utf-8") as f:
