@@ -4,7 +4,8 @@
 for a plan made for the same graph, shapes, mesh and options by the same autoshard and torch, and
 saves the one it makes. Every rank takes what rank 0 took, so the ranks cannot disagree.
 
-The key is a hash of: the captured program's code and every node's name, kind and tensors (so
+The key is a hash of: the captured program's code (with the regions it calls: a mask's mod)
+and every node's name, kind and tensors (so
 the model, its shapes and dtypes, its precision and how its outputs are taken), the mesh, the
 planning options (the cluster's figures, the pins, the budget, ...), autoshard's own source and
 torch's version (a changed cost model or rule plans again). A measured cluster's figures differ
@@ -71,7 +72,13 @@ def key(graph: Graph, mesh_shape, options: PlanOptions) -> str:
     """The plan's key: what the planner reads, hashed (module docstring)."""
     options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _UNREAD}
     h = hashlib.sha256(_code_digest().encode())
-    h.update(graph.exported.graph_module.code.encode())
+    # the program's code and that of every region it calls (a FlexAttention mask's or score's mod,
+    # a branch): two models apart only in a mask's mod are two plans (whether a split is legal
+    # depends on what the mod reads)
+    for name, module in sorted(graph.exported.graph_module.named_modules(), key=lambda kv: kv[0]):
+        if isinstance(module, torch.fx.GraphModule):
+            h.update(name.encode())
+            h.update(module.code.encode())
     h.update(repr([(n.name, n.kind, n.fqn, n.region, n.recomputed, [(tuple(m.shape), str(m.dtype)) for m in n.outputs])
                    for n in graph.nodes]).encode())
     h.update(repr((graph.outputs, graph.precision, sorted(graph.param_aliases.items()), tuple(mesh_shape))).encode())

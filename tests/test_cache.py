@@ -53,3 +53,30 @@ def test_off_or_unwritable_plans_as_before(tmp_path, monkeypatch):
     unwritable = run_local(start, 2, True)
     assert [r[1:] for r in unwritable] == [r[1:] for r in plain]   # the same loss and layout
     assert target.read_text() == "not a directory"
+
+
+def test_a_mask_whose_mod_differs_is_planned_again():
+    """Two attentions apart only in their FlexAttention mask's mod: one reads the batch index
+    (``b < 1``), which makes splitting the batch wrong, the other does not. Their shapes and
+    graphs agree but for the mod's region, which the key reads: a plan saved for one is never
+    taken for the other (it was: the batch split of the first ran the second, silently wrong)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from autoshard import cache
+    from autoshard.options import PlanOptions
+    from autoshard.passes.capture import capture
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, mask):
+            return flex_attention(q, q, q, block_mask=mask)
+
+    def window(b, h, q, kv):
+        return (q >= kv) & (q - kv < 32)
+
+    def first_row_whole(b, h, q, kv):
+        return (q >= kv) & ((b < 1) | (q - kv < 32))
+
+    q = torch.randn(4, 2, 256, 8)
+    keys = {cache.key(capture(Attention(), (q, create_block_mask(mod, 4, None, 256, 256, device="cpu"))), (2,),
+                      PlanOptions(training=False))
+            for mod in (window, first_row_whole, window)}
+    assert len(keys) == 2
