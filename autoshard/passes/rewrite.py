@@ -325,7 +325,8 @@ def _lower_ring(low: Lowering, seq: int, kseq: int, ring: tuple):
     causal = bool(low.arg(5, "is_causal", False))
     q_start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
     return low.g.call_function(runtime.ring_attention, (
-        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring, _balance(low, seq)))
+        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring, _balance(low, seq),
+        low.arg(3, "attn_mask")))
 
 
 def default(low: Lowering):

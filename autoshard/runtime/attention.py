@@ -10,6 +10,12 @@ again in the same order with the gradients of the keys and values travelling bes
 one last send takes each block's gradients home. Only this rank's queries, keys, values, output
 and log-sum-exp are kept for backward, not the blocks it saw.
 
+An attention mask (boolean or additive, any shape that broadcasts) comes with its rows split as
+the queries are and its columns whole: each block of keys is attended with the mask's columns of
+that block, cut on this rank, so nothing of the mask travels; an additive mask that needs a
+gradient gets it block by block. A row that no key of a block may see leaves that block out of
+its log-sum-exp, and a row that sees no key at all gives zeros, as one device does.
+
 Causal work is balanced (both forms) by a swap: rank r of the axis that splits the queries gives
 the second half of its queries to rank p - 1 - r and takes that rank's, so each holds a head and
 a tail of the sequence (chunks 2r and 2p - 1 - 2r of 2p); each half attends only the keys its
@@ -164,13 +170,43 @@ def _grouped(dx, group: int):
     return dx if group == 1 else dx.unflatten(1, (-1, group)).sum(2)
 
 
+def _user_block(mask, rows: slice, k_start: int, m: int):
+    """The block of the (additive, four-dim) mask for ``rows`` of this rank's queries and the ``m``
+    keys from ``k_start``: rows and columns of size 1 broadcast."""
+    if mask is None:
+        return None
+    if mask.shape[-2] > 1:
+        mask = mask[..., rows, :]
+    return mask if mask.shape[-1] == 1 else mask.narrow(-1, k_start, m)
+
+
+def _combined(causal_mask, user_mask):
+    if user_mask is None:
+        return causal_mask
+    return user_mask if causal_mask is None else user_mask + causal_mask
+
+
+def _dead(mask, lse_shape):
+    """The rows (of ``lse_shape``) for which every key of the block is masked, or None."""
+    if mask is None:
+        return None
+    return torch.isneginf(mask).all(-1).expand(lse_shape)
+
+
+def _reduced(grad, shape):
+    """``grad`` summed over the dims it was broadcast along to ``shape``."""
+    dims = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g > 1)
+    return grad.sum(dims, keepdim=True) if dims else grad
+
+
 class _RingAttention(torch.autograd.Function):
     """``segments``: (first row, rows, first position) of each run of this rank's queries that lies
     contiguous in the sequence; each attends only the blocks (and rows only the keys) its
-    positions see. Blocks are computed in fp32."""
+    positions see. ``mask``: additive, four-dim, its rows this rank's and its columns whole, or
+    None. Blocks are computed in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, segments, k_starts, axes):
+    def forward(ctx, q, k, v, mask, scale, causal, segments, k_starts, axes):
         ring = _Ring(axes)
         group = q.shape[1] // k.shape[1]
         qf = q.float()
@@ -187,9 +223,14 @@ class _RingAttention(torch.autograd.Function):
                 seen = _block_mask(first, n, k_starts[held], kf.shape[-2], causal, q.device)
                 if seen is None:
                     continue
-                r0, mask = seen
+                r0, block = seen
                 rows = slice(row + r0, row + n)
-                o, blk = _compat.attention_block(qf[:, :, rows], kf, vf, scale, mask)
+                block = _combined(block, _user_block(mask, rows, k_starts[held], kf.shape[-2]))
+                o, blk = _compat.attention_block(qf[:, :, rows], kf, vf, scale, block)
+                dead = _dead(block, blk.shape)
+                if dead is not None:   # the kernel's log-sum-exp of a row that sees nothing here
+                    blk = blk.masked_fill(dead, float("-inf"))
+                    o = o.masked_fill(dead[..., None], 0.0)
                 new = torch.logaddexp(lse[:, :, rows], blk)
                 safe = _finite(new)
                 out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None] \
@@ -199,17 +240,20 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             if i < len(turns):
                 kv, held = tuple(nxt), ring.moved(held, turns[i], -1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.args = (scale, causal, segments, k_starts, ring)   # backward runs outside the mesh's call
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, lse = ctx.saved_tensors
         scale, causal, segments, k_starts, ring = ctx.args
+        want_mask = ctx.needs_input_grad[3]
         group = q.shape[1] // k.shape[1]
         qf, do = q.float(), grad.float().contiguous()
+        lse = _finite(lse)   # a row that sees no key: its probabilities exp(-inf - 0) = 0
         dq = torch.zeros_like(qf)
+        dmask = torch.zeros_like(mask) if want_mask else None
         held, kv = ring.coords, (k, v)
         dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                torch.zeros(v.shape, dtype=torch.float32, device=v.device))
@@ -223,13 +267,18 @@ class _RingAttention(torch.autograd.Function):
                 seen = _block_mask(first, n, k_starts[held], kf.shape[-2], causal, q.device)
                 if seen is None:
                     continue
-                r0, mask = seen
+                r0, block = seen
                 rows = slice(row + r0, row + n)
-                dqb, dk, dv = _compat.attention_block_backward(
+                block = _combined(block, _user_block(mask, rows, k_starts[held], kf.shape[-2]))
+                parts = _compat.attention_block_backward(
                     do[:, :, rows], qf[:, :, rows].contiguous(), kf, vf, out[:, :, rows].contiguous(),
-                    lse[:, :, rows].contiguous(), scale, mask)
-                dq[:, :, rows] += dqb
-                dkv = (dkv[0] + _grouped(dk, group), dkv[1] + _grouped(dv, group))
+                    lse[:, :, rows].contiguous(), scale, block, scores_grad=want_mask)
+                dq[:, :, rows] += parts[0]
+                dkv = (dkv[0] + _grouped(parts[1], group), dkv[1] + _grouped(parts[2], group))
+                if want_mask:   # the mask's block: the scores' gradient, summed where it broadcasts
+                    rows_at = rows if mask.shape[-2] > 1 else slice(None)
+                    cols = slice(None) if mask.shape[-1] == 1 else slice(k_starts[held], k_starts[held] + kf.shape[-2])
+                    dmask[..., rows_at, cols] += _reduced(parts[3], dmask[..., rows_at, cols].shape)
             for w in works:
                 w.wait()
             if i < len(turns):
@@ -238,24 +287,40 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
                 kv, held = tuple(nxt), ring.moved(held, turns[i], -1)
         dk, dv = ring.send_home(dkv, held)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None, None, None, None, None
 
 
-def ring_attention(q, k, v, scale, causal: bool, q_start: int, k_starts: tuple, axes: tuple, balance=None):
+def ring_attention(q, k, v, scale, causal: bool, q_start: int, k_starts: tuple, axes: tuple, balance=None,
+                   attn_mask=None):
     """Attention of this rank's queries (b, heads, Lq, E) to the keys and values of every rank
     along ``axes`` (b, kv heads, Lk, E), passed round the ring: ``k_starts`` maps each block's
     coordinates (this rank's with the ring axes changed; pairs) to its first key's position, ``q_start``
     is this rank's first query's. Grouped key/value heads are attended by their group of query
     heads. ``scale``: None for 1/sqrt(E). ``balance``: (the partner's first query's
     position, the axis): the second half of the queries swapped with the partner's there first (and the
-    output's back after), so causal work is even."""
+    output's back after), so causal work is even. ``attn_mask``: boolean or additive, its rows
+    this rank's queries' (or one, broadcast) and its columns every key's, or None."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     starts = {tuple(c): s for c, s in k_starts}
     tq = q.shape[-2]
+    mask = _additive(attn_mask)
     if balance is None:
-        return _RingAttention.apply(q, k, v, scale, causal, ((0, tq, q_start),), starts, tuple(axes))
+        return _RingAttention.apply(q, k, v, mask, scale, causal, ((0, tq, q_start),), starts, tuple(axes))
+    if mask is not None:
+        raise ValueError("balanced ring attention takes no attention mask (balancing is for is_causal, "
+                         "which scaled_dot_product_attention does not combine with a mask)")
     partner_start, axis = balance
     partner, h = partner_of(axis), tq // 2
     mixed = _SwapHalf.apply(q, 2, partner)
     segments = ((0, h, q_start), (h, tq - h, partner_start + h))
-    return _SwapHalf.apply(_RingAttention.apply(mixed, k, v, scale, causal, segments, starts, tuple(axes)), 2, partner)
+    return _SwapHalf.apply(_RingAttention.apply(mixed, k, v, None, scale, causal, segments, starts, tuple(axes)),
+                           2, partner)
+
+
+def _additive(mask):
+    """``mask`` as four-dim fp32 added to the scores (a boolean one's False entries -inf), or None."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))

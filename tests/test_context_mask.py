@@ -1,0 +1,137 @@
+"""Context parallelism with an attention mask and with attention dropout: a GQA decoder with
+rotary embeddings whose attention takes a mask made in forward (a sliding window (L, S), a causal
+padding mask (B, 1, L, S) from the tokens, a learned ALiBi bias (1, H, L, S) that needs its
+gradient), or draws dropout, against one device, loss and every gradient, in real gloo groups."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import schemes
+from cases import rel_err, run_each
+from test_context_parallel import GqaAttention, GqaLlama, _attention_nodes
+
+PAD = 0
+
+
+class MaskedAttention(GqaAttention):
+    def forward(self, x, mask=None, dropout=0.0):
+        b, t, d = x.shape
+        h = self.norm(x)
+        q = self.wq(h).view(b, t, self.heads, self.head_dim)
+        k, v = (w(h).view(b, t, self.kv_heads, self.head_dim) for w in (self.wk, self.wv))
+        q, k = self.rope(q), self.rope(k)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=mask is None, dropout_p=dropout,
+                                           enable_gqa=True)
+        return x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MaskedLlama(GqaLlama):
+    """``kind``: "window" (bool (L, S): causal, the last 5 keys), "padding" (bool (B, 1, L, S):
+    causal, padded keys hidden; a query whose keys are all padding sees nothing), "alibi"
+    (additive (1, H, L, S): a learned slope per head times the distance, -inf above the
+    diagonal), or "dropout" (causal, no mask, dropout 0.3 on the attention's probabilities)."""
+
+    def __init__(self, kind, seq=16, heads=4):
+        super().__init__(seq=seq, heads=heads)
+        self.kind = kind
+        self.attn = nn.ModuleList(MaskedAttention(32, heads, 2, seq) for _ in range(2))
+        if kind == "alibi":
+            self.slopes = nn.Parameter(torch.tensor([2.0 ** (-i - 1) for i in range(heads)]))
+
+    def mask(self, idx):
+        t = idx.shape[1]
+        i = torch.arange(t, device=idx.device)
+        causal = i[None, :] <= i[:, None]
+        if self.kind == "window":
+            return causal & (i[None, :] > i[:, None] - 5)
+        if self.kind == "padding":
+            return causal[None, None] & (idx != PAD)[:, None, None, :]
+        if self.kind == "alibi":
+            dist = (i[None, :] - i[:, None]).float()
+            return (self.slopes[:, None, None] * dist).masked_fill(~causal, float("-inf"))[None]
+        return None
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        mask = self.mask(idx)
+        drop = 0.3 if self.kind == "dropout" and self.training else 0.0
+        for attn, norm, w1, w3, w2 in zip(self.attn, self.mlp_norm, self.w1, self.w3, self.w2):
+            h = attn(h, mask, drop)
+            z = norm(h)
+            h = h + w2(F.silu(w1(z)) * w3(z))
+        logits = self.out(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _model(kind, batch=2, seq=16):
+    torch.manual_seed(0)
+    model = MaskedLlama(kind, seq=seq)
+    idx = torch.randint(1, 64, (batch, seq))
+    if kind == "padding":   # left padding: the first keys of the first sequence, one query sees none
+        idx[0, :3] = PAD
+    return model, (idx, torch.randint(0, 64, (batch, seq)))
+
+
+def mask_case(kind, mesh, form):
+    """``schemes.context_parallel`` (the last axis context, the first data) in ``form``, fp32,
+    against one device (the same seed for dropout)."""
+    model, inputs = _model(kind)
+    ref = copy.deepcopy(model)
+    pins = schemes.context_parallel(model, inputs, mesh, form=form)
+    pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=pins)
+    pm.manual_seed(7)
+    loss = pm(*inputs)
+    torch.manual_seed(7)
+    ref_loss = ref(*inputs)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    nodes = _attention_nodes(model, inputs)
+    return {"loss": rel_err(loss, ref_loss), "finite": bool(torch.isfinite(loss)),
+            "grads": {n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+            "attention": [(pm.plan.nodes[n].inputs, pm.plan.nodes[n].outputs) for n in nodes],
+            "program": pm.program}
+
+
+RING = "autoshard_runtime_ring_attention("
+# (kind, mesh, form): world 2 on (2,); world 4 on (4,) and (2, 2) (data x context)
+MASKS = ["window", "padding", "alibi"]
+CASES_2 = [(kind, (2,), form) for kind in MASKS for form in ("allgather", "ring")]
+CASES_4 = [(kind, mesh, form) for kind in MASKS for mesh in ((4,), (2, 2)) for form in ("allgather", "ring")]
+
+
+def _check(res, kind, mesh, form):
+    assert "error" not in res, res.get("error")
+    assert res["finite"]
+    assert res["loss"] <= 1e-5, res["loss"]
+    assert len(res["grads"]) == 21 + (kind == "alibi")   # every parameter, the slopes too
+    bad = {n: e for n, e in res["grads"].items() if e > 1e-5}
+    assert not bad, bad
+    for ins, outs in res["attention"]:
+        assert outs[0][-1] == "S(2)" and ins[0][-1] == "S(2)", (ins, outs)
+        assert ins[1][-1] == ("S(2)" if form == "ring" else "B"), ins
+        assert len(ins) == 4 and ins[3][-1] != "S(3)", ins   # the mask's columns whole
+    assert res["program"].count(RING) == (2 if form == "ring" else 0)
+
+
+def test_masks_world2(world2):
+    for per_rank in world2.run(run_each, mask_case, CASES_2):
+        for res, case in zip(per_rank, CASES_2):
+            _check(res, *case)
+
+
+@pytest.fixture(scope="module")
+def masks4(world4):
+    return world4.run(run_each, mask_case, CASES_4)
+
+
+@pytest.mark.parametrize("i", range(len(CASES_4)), ids=[f"{k}-{m}-{f}" for k, m, f in CASES_4])
+def test_masks_world4(masks4, i):
+    for per_rank in masks4:
+        _check(per_rank[i], *CASES_4[i])
