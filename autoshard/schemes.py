@@ -276,6 +276,7 @@ class _Layout:
     missing: Optional[str] = None                  # why the model has no blocks to lay out
     attention: dict = field(default_factory=dict)  # fused attention nodes -> output shape
     masks: dict = field(default_factory=dict)      # fused attention nodes with a mask -> its shape
+    dropped: tuple = ()                            # fused attention nodes that draw dropout
 
 
 def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layout:
@@ -290,8 +291,10 @@ def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layo
     fused = [n for n in graph.nodes if n.kind == "op" and n.target in _SDPA]
     attention = {n.name: n.outputs[0].shape for n in fused}
     masks = {n.name: graph.meta(n.inputs[3]).shape for n in fused if len(n.inputs) > 3}
+    args = lambda n: n.fx_node.args[4] if len(n.fx_node.args) > 4 else n.fx_node.kwargs.get("dropout_p", 0.0)
+    dropped = tuple(n.name for n in fused if args(n))
     return _Layout(mesh, inputs, params, blocks.linears, blocked, _residual_stream(graph, blocks),
-                   _missing(blocks), attention, masks)
+                   _missing(blocks), attention, masks, dropped)
 
 
 def _residual_stream(graph: Graph, blocks: _Blocks) -> dict:
@@ -680,6 +683,9 @@ def context_parallel(model, example_inputs, mesh, *, axis: int = -1, fsdp: bool 
     if not lay.attention:
         raise ValueError("context_parallel splits attention along the sequence, but the model has no "
                          "scaled_dot_product_attention: use data_parallel or sequence_parallel")
+    if form == "ring" and lay.dropped:
+        raise ValueError(f"the ring form takes no attention dropout, and {lay.dropped[0]} has dropout_p > 0: "
+                         "use form='allgather' (or None), or dropout_p=0")
     for name, shape in lay.attention.items():
         per = {**{a: "S(0)" for a in data}, cp: _s(len(shape) - 2)}
         _nd(lay, f"the output of {name} (attention)", shape, per)

@@ -35,11 +35,12 @@ class MaskedLlama(GqaLlama):
     """``kind``: "window" (bool (L, S): causal, the last 5 keys), "padding" (bool (B, 1, L, S):
     causal, padded keys hidden; a query whose keys are all padding sees nothing), "alibi"
     (additive (1, H, L, S): a learned slope per head times the distance, -inf above the
-    diagonal), or "dropout" (causal, no mask, dropout 0.3 on the attention's probabilities)."""
+    diagonal), or "causal" (no mask, ``is_causal``). ``drop``: dropout on the attention's
+    probabilities in training."""
 
-    def __init__(self, kind, seq=16, heads=4):
+    def __init__(self, kind, seq=16, heads=4, drop=0.0):
         super().__init__(seq=seq, heads=heads)
-        self.kind = kind
+        self.kind, self.drop = kind, drop
         self.attn = nn.ModuleList(MaskedAttention(32, heads, 2, seq) for _ in range(2))
         if kind == "alibi":
             self.slopes = nn.Parameter(torch.tensor([2.0 ** (-i - 1) for i in range(heads)]))
@@ -60,7 +61,7 @@ class MaskedLlama(GqaLlama):
     def forward(self, idx, targets):
         h = self.emb(idx)
         mask = self.mask(idx)
-        drop = 0.3 if self.kind == "dropout" and self.training else 0.0
+        drop = self.drop if self.training else 0.0
         for attn, norm, w1, w3, w2 in zip(self.attn, self.mlp_norm, self.w1, self.w3, self.w2):
             h = attn(h, mask, drop)
             z = norm(h)
@@ -69,21 +70,25 @@ class MaskedLlama(GqaLlama):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _model(kind, batch=2, seq=16):
+def _model(kind, batch=2, seq=16, drop=0.0):
     torch.manual_seed(0)
-    model = MaskedLlama(kind, seq=seq)
+    model = MaskedLlama(kind, seq=seq, drop=drop)
     idx = torch.randint(1, 64, (batch, seq))
     if kind == "padding":   # left padding: the first keys of the first sequence, one query sees none
         idx[0, :3] = PAD
     return model, (idx, torch.randint(0, 64, (batch, seq)))
 
 
-def mask_case(kind, mesh, form):
+def mask_case(kind, mesh, form, drop=0.0):
     """``schemes.context_parallel`` (the last axis context, the first data) in ``form``, fp32,
-    against one device (the same seed for dropout)."""
-    model, inputs = _model(kind)
+    against one device (dropout from the same seed); ``form`` "heads": the attention's heads
+    split instead, "solver": the solver's own plan."""
+    model, inputs = _model(kind, drop=drop)
     ref = copy.deepcopy(model)
-    pins = schemes.context_parallel(model, inputs, mesh, form=form)
+    if form == "heads":
+        pins = {n: "(S(1)), (S(1)), (S(1)) -> (S(1))" for n in _attention_nodes(model, inputs)}
+    else:
+        pins = None if form == "solver" else schemes.context_parallel(model, inputs, mesh, form=form)
     pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=pins)
     pm.manual_seed(7)
     loss = pm(*inputs)
@@ -93,7 +98,10 @@ def mask_case(kind, mesh, form):
     ref_loss.backward()
     ref_params = dict(ref.named_parameters())
     nodes = _attention_nodes(model, inputs)
+    with torch.no_grad():   # the loss without dropout: the dropout drew something
+        undropped = ref.eval()(*inputs)
     return {"loss": rel_err(loss, ref_loss), "finite": bool(torch.isfinite(loss)),
+            "dropped": rel_err(undropped, ref_loss),
             "grads": {n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
             "attention": [(pm.plan.nodes[n].inputs, pm.plan.nodes[n].outputs) for n in nodes],
             "program": pm.program}
@@ -135,3 +143,51 @@ def masks4(world4):
 def test_masks_world4(masks4, i):
     for per_rank in masks4:
         _check(per_rank[i], *CASES_4[i])
+
+
+# ---- dropout ------------------------------------------------------------------------------------
+
+DROP = "autoshard_runtime_attention_dropout("
+# (kind, mesh, form, dropout): the sequence split (all-gather form), the heads split, the solver's
+# plan (attention whole on each rank: before, its dropout drew from each rank's own generator)
+DROP_2 = [("causal", (2,), "allgather", 0.3), ("padding", (2,), "allgather", 0.3), ("causal", (2,), "heads", 0.3),
+          ("causal", (2,), "solver", 0.3)]
+DROP_4 = [("causal", (4,), "allgather", 0.3), ("causal", (2, 2), "allgather", 0.3),
+          ("window", (2, 2), "allgather", 0.3)]
+
+
+def _check_dropped(res, kind, mesh, form, drop):
+    assert "error" not in res, res.get("error")
+    assert res["loss"] <= 1e-5, res["loss"]
+    assert res["dropped"] > 1e-3, res["dropped"]
+    assert len(res["grads"]) == 21
+    bad = {n: e for n, e in res["grads"].items() if e > 1e-5}
+    assert not bad, bad
+    assert res["program"].count(DROP) == 2
+    for ins, outs in res["attention"]:
+        if form == "allgather":
+            assert outs[0][-1] == "S(2)" and ins[1][-1] == "B", (ins, outs)
+        if form == "heads":
+            assert outs[0] == ("S(1)",), outs
+
+
+def test_dropout_world2(world2):
+    for per_rank in world2.run(run_each, mask_case, DROP_2):
+        for res, case in zip(per_rank, DROP_2):
+            _check_dropped(res, *case)
+
+
+def test_dropout_world4(world4):
+    for per_rank in world4.run(run_each, mask_case, DROP_4):
+        for res, case in zip(per_rank, DROP_4):
+            _check_dropped(res, *case)
+
+
+def test_dropout_not_in_the_ring():
+    """The ring form is not offered with dropout: the scheme says so, and a pin finds no such layout."""
+    model, inputs = _model("causal", drop=0.3)
+    with pytest.raises(ValueError, match="ring form takes no attention dropout"):
+        schemes.context_parallel(model, inputs, (2,), form="ring")
+    ring = {n: "(S(2)), (S(2)), (S(2)) -> (S(2))" for n in _attention_nodes(model, inputs)}
+    with pytest.raises(ValueError, match="no legal layout"):
+        autoshard.plan(model, inputs, mesh=(2,), pin=ring, verbose=False)

@@ -277,6 +277,8 @@ def lower_sdpa(low: Lowering):
     key's position known from its coordinates."""
     seq = len(low.in_shapes[0]) - 2
     kseq = len(low.in_shapes[1]) - 2
+    if low.arg(4, "dropout_p", 0.0):
+        return _lower_dropped(low, seq)
     ring = tuple(a for a, q in enumerate(low.in_pl[1])
                  if isinstance(q, pl.Split) and q.dim == kseq and low.mesh_shape[a] > 1)
     if ring:
@@ -295,6 +297,23 @@ def lower_sdpa(low: Lowering):
     return low.g.call_function(runtime.causal_attention, (
         *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p", 0.0), low.arg(6, "scale"),
         low.arg(7, "enable_gqa", False), start))
+
+
+def _lower_dropped(low: Lowering, seq: int):
+    """Attention that drops probabilities, in any layout (rules.nn.sdpa: keys whole along the
+    sequence): its dropout drawn whole from the generator all ranks share, this rank's part kept
+    (``runtime.attention_dropout``), so it draws what one device draws; causal queries offset to
+    this rank's first."""
+    causal = bool(low.arg(5, "is_causal", False))
+    start = 0
+    if causal and pl.split_factor(low.in_pl[0], low.mesh_shape, seq) > 1:
+        if low.coords is None:
+            raise ValueError(f"node {low.node.name!r} is causal attention on a part of the sequence: "
+                             "rewrite(..., coords=) needs this rank's mesh coordinate")
+        start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
+    return low.g.call_function(runtime.attention_dropout, (
+        *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p"), causal, low.arg(6, "scale"),
+        low.arg(7, "enable_gqa", False), start, pl.to_strings(low.out_pl[0])))
 
 
 def _balance(low: Lowering, seq: int):

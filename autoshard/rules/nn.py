@@ -54,8 +54,9 @@ def sdpa(ctx: OpCtx):
     out = ctx.out_shapes[0]
     nd = len(out)
     has_mask = ctx.n_in == 4
-    if ctx.arg(4, "dropout_p", 0.0):
-        return []  # random: keep replicated
+    # dropout: each rank draws the whole op's mask from the generator all ranks share and keeps
+    # its part (runtime.attention_dropout), as one device draws it; not in the ring form
+    dropped = bool(ctx.arg(4, "dropout_p", 0.0))
 
     def at(shape, d):  # the dim of ``shape`` lined up with output dim d, if it is not size 1
         di = d - (nd - len(shape))
@@ -78,7 +79,7 @@ def sdpa(ctx: OpCtx):
     # ring attention: keys and values split along the sequence too, passed round the ranks and
     # merged by log-sum-exp (runtime.ring_attention); four-dim tensors. A mask's rows split with
     # the queries, its columns whole: each block's cut on the rank, nothing of it sent
-    if len(q) == len(k) == len(v) == nd == 4:
+    if len(q) == len(k) == len(v) == nd == 4 and not dropped:
         ins = [Split(2), Split(2), Split(2)]
         if has_mask:
             ins.append(mask_placement(ctx.in_shapes[3], out, 2))
