@@ -55,12 +55,13 @@ def form(graph, node, strat, mesh_shape) -> str:
     return "allgather" if split else ""
 
 
-def balance_axis(q_shape, q_pl, mesh_shape, causal: bool, masked: bool, dropout: float):
+def balance_axis(q_shape, q_pl, mesh_shape, causal: bool, dropout: float):
     """The axis over which causal attention's work is balanced (the one axis that splits the
-    queries' sequence, into even halves on each rank), or None."""
+    queries' sequence, into even halves on each rank), or None. A mask beside ``is_causal`` is
+    swapped with the queries; dropout is not balanced (runtime.attention_dropout)."""
     seq = len(q_shape) - 2
     axes = [a for a, q in enumerate(q_pl) if isinstance(q, pl.Split) and q.dim == seq and mesh_shape[a] > 1]
-    if len(axes) != 1 or not causal or masked or dropout:
+    if len(axes) != 1 or not causal or dropout:
         return None
     local = pl.local_shape(q_shape, q_pl, mesh_shape)
     return axes[0] if local is not None and local[seq] % 2 == 0 else None
@@ -73,7 +74,7 @@ def node_balance(graph, node, strat, mesh_shape):
     args, kwargs = node.fx_node.args, node.fx_node.kwargs
     arg = lambda i, name, default: args[i] if len(args) > i else kwargs.get(name, default)
     return balance_axis(graph.meta(node.inputs[0]).shape, strat.inputs[0], mesh_shape, arg(5, "is_causal", False),
-                        arg(3, "attn_mask", None) is not None, arg(4, "dropout_p", 0.0))
+                        arg(4, "dropout_p", 0.0))
 
 
 def balanced_share(p: int, ring: bool) -> float:
@@ -88,10 +89,16 @@ def balance_pays(fwd: float, bwd: float, share: float, swap: float) -> bool:
 
 def swap_sends(ins: list, itemsize: int, axis: int, link, training: bool) -> list:
     """(phase, axis, bytes, seconds) of the balancing swaps: half the queries and half the output,
-    forward; their gradients, backward."""
+    forward, and half a mask's rows where it has them (priced at the op's itemsize); the
+    queries' and output's gradients, backward."""
     half = math.prod(ins[0]) * itemsize / 2
-    both = ("forward", "backward") if training else ("forward",)
-    return [(phase, axis, 2 * half, 2 * send_time(half, link)) for phase in both]
+    out = [("forward", axis, 2 * half, 2 * send_time(half, link))]
+    if len(ins) > 3 and len(ins[3]) >= 2 and ins[3][-2] > 1:
+        rows = math.prod(ins[3]) * itemsize / 2
+        out.append(("forward", axis, rows, send_time(rows, link)))
+    if training:
+        out.append(("backward", axis, 2 * half, 2 * send_time(half, link)))
+    return out
 
 
 def swap_comm(ins: list, itemsize: int, link, training: bool) -> float:

@@ -287,7 +287,8 @@ def lower_sdpa(low: Lowering):
     if balance is not None:
         return low.g.call_function(runtime.balanced_attention, (
             *low.args[:3], low.arg(6, "scale"), low.arg(7, "enable_gqa", False),
-            pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq), *balance))
+            pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq), *balance,
+            low.arg(3, "attn_mask")))
     if not low.arg(5, "is_causal", False) or pl.split_factor(low.in_pl[0], low.mesh_shape, seq) == 1:
         return low.call()
     if low.coords is None:
@@ -319,11 +320,11 @@ def _lower_dropped(low: Lowering, seq: int):
 def _balance(low: Lowering, seq: int):
     """(the partner's first query's position, the axis) where the plan balances causal
     attention's work (``plan.schedule["balanced_attention"]``, runtime.attention): causal, no
-    mask, no dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
+    dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
     if not low.balanced or low.node.name not in low.balanced:
         return None
     a = attention.balance_axis(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.arg(5, "is_causal", False),
-                               low.arg(3, "attn_mask") is not None, low.arg(4, "dropout_p", 0.0))
+                               low.arg(4, "dropout_p", 0.0))
     if a is None or low.coords is None:
         return None
     partner = list(low.coords)

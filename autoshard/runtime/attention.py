@@ -120,14 +120,16 @@ def partner_of(axis: int) -> int:
     return int(m.device_mesh.mesh[tuple(c)])
 
 
-def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_start: int, axis: int):
+def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_start: int, axis: int, attn_mask=None):
     """Causal attention, keys and values whole, of this rank's queries (their first at ``start``)
     with the causal work balanced: the second half of the queries swapped with the partner's on
     ``axis`` (whose first is at ``partner_start``), each half attending the keys up to its own last
-    position, the output's halves swapped back."""
+    position, the output's halves swapped back. A mask's rows (where it has them) are swapped as
+    the queries are; its columns are every key's."""
     partner = partner_of(axis)
     h = q.shape[-2] // 2
     mixed = _SwapHalf.apply(q, q.dim() - 2, partner)
+    user = _rows_swapped(_additive(attn_mask, q.dim()), partner)
     # (first row, rows, first position) of the two halves this rank now computes
     segments = ((0, h, start), (h, q.shape[-2] - h, partner_start + h))
     outs = []
@@ -135,10 +137,22 @@ def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_sta
         seen = first + n
         rows = torch.arange(first, seen, device=q.device)
         mask = torch.arange(seen, device=q.device) <= rows[:, None]
+        if user is not None:
+            block = user if user.shape[-2] == 1 else user.narrow(-2, row, n)
+            block = block if block.shape[-1] == 1 else block.narrow(-1, 0, seen)
+            mask = block.to(q.dtype).masked_fill(~mask, float("-inf"))
         outs.append(F.scaled_dot_product_attention(
             mixed.narrow(-2, row, n), k.narrow(-2, 0, seen), v.narrow(-2, 0, seen), attn_mask=mask,
             scale=scale, enable_gqa=enable_gqa))
     return _SwapHalf.apply(torch.cat(outs, -2), q.dim() - 2, partner)
+
+
+def _rows_swapped(mask, partner: int):
+    """A mask's second half of rows exchanged with the partner's, as the queries are; one that
+    broadcasts its rows (or None) as it is."""
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    return _SwapHalf.apply(mask, mask.dim() - 2, partner)
 
 
 def _block_mask(first: int, n: int, k_start: int, m: int, causal: bool, device):
@@ -303,24 +317,22 @@ def ring_attention(q, k, v, scale, causal: bool, q_start: int, k_starts: tuple, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     starts = {tuple(c): s for c, s in k_starts}
     tq = q.shape[-2]
-    mask = _additive(attn_mask)
+    mask = _additive(attn_mask, 4)
     if balance is None:
         return _RingAttention.apply(q, k, v, mask, scale, causal, ((0, tq, q_start),), starts, tuple(axes))
-    if mask is not None:
-        raise ValueError("balanced ring attention takes no attention mask (balancing is for is_causal, "
-                         "which scaled_dot_product_attention does not combine with a mask)")
     partner_start, axis = balance
     partner, h = partner_of(axis), tq // 2
     mixed = _SwapHalf.apply(q, 2, partner)
     segments = ((0, h, q_start), (h, tq - h, partner_start + h))
-    return _SwapHalf.apply(_RingAttention.apply(mixed, k, v, None, scale, causal, segments, starts, tuple(axes)),
-                           2, partner)
+    out = _RingAttention.apply(mixed, k, v, _rows_swapped(mask, partner), scale, causal, segments, starts, tuple(axes))
+    return _SwapHalf.apply(out, 2, partner)
 
 
-def _additive(mask):
-    """``mask`` as four-dim fp32 added to the scores (a boolean one's False entries -inf), or None."""
+def _additive(mask, dims: int):
+    """``mask`` as fp32 added to the scores (a boolean one's False entries -inf), ``dims`` dims
+    (leading ones added), or None."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
-    return mask.float().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return mask.float().reshape((1,) * (dims - mask.dim()) + tuple(mask.shape))
