@@ -91,12 +91,15 @@ def _model(kind, batch=2, seq=16, drop=0.0):
 def mask_case(kind, mesh, form, drop=0.0, balance=False):
     """``schemes.context_parallel`` (the last axis context, the first data) in ``form``, fp32,
     against one device (dropout from the same seed); ``form`` "heads": the attention's heads
-    split instead, "solver": the solver's own plan. ``balance``: causal work balanced whatever
+    split instead, "both": the all-gather form over both axes of (2, 2), "solver": the
+    solver's own plan. ``balance``: causal work balanced whatever
     the cost model says."""
     model, inputs = _model(kind, drop=drop)
     ref = copy.deepcopy(model)
     if form == "heads":
         pins = {n: "(S(1)), (S(1)), (S(1)) -> (S(1))" for n in _attention_nodes(model, inputs)}
+    elif form == "both":   # the queries' sequence split over both axes of (2, 2)
+        pins = {n: "(S(2), S(2)), (B, B), (B, B) -> (S(2), S(2))" for n in _attention_nodes(model, inputs)}
     else:
         pins = None if form == "solver" else schemes.context_parallel(model, inputs, mesh, form=form)
     if balance:
@@ -193,7 +196,7 @@ DROP = "autoshard_runtime_attention_dropout("
 DROP_2 = [("causal", (2,), "allgather", 0.3), ("padding", (2,), "allgather", 0.3), ("causal", (2,), "heads", 0.3),
           ("causal", (2,), "solver", 0.3)]
 DROP_4 = [("causal", (4,), "allgather", 0.3), ("causal", (2, 2), "allgather", 0.3),
-          ("window", (2, 2), "allgather", 0.3)]
+          ("window", (2, 2), "allgather", 0.3), ("causal", (2, 2), "both", 0.3)]
 
 
 def _check_dropped(res, kind, mesh, form, drop):
@@ -205,8 +208,10 @@ def _check_dropped(res, kind, mesh, form, drop):
     assert not bad, bad
     assert res["program"].count(DROP) == 2
     for ins, outs in res["attention"]:
-        if form == "allgather":
+        if form in ("allgather", "both"):
             assert outs[0][-1] == "S(2)" and ins[1][-1] == "B", (ins, outs)
+        if form == "both":
+            assert outs[0] == ("S(2)", "S(2)"), outs
         if form == "heads":
             assert outs[0] == ("S(1)",), outs
 
