@@ -22,6 +22,11 @@ step's time is the slowest rank's, from a barrier; medians after the warm-up rou
 per step and the ratio of each median over torch TP's (< 1: faster than torch), and each
 contender's first loss against one device's.
 
+With ``--mask window`` (or ``causal+window``) the decoder's attention takes a sliding-window mask
+(bool (L, S), the last ``--window`` keys: causal built into it, or beside ``is_causal``), made in
+forward (tests/test_context_mask.py's model): the ring cuts each block's columns from it, the
+all-gather form attends its rows to every key.
+
 With ``--sweep`` it runs nothing: it plans, on the meta device for the ``--cluster`` preset, the
 issue's model (causal GQA, 32 heads, 8 key/value heads, d 4096, SwiGLU 14336, 4 layers, vocab
 32000, batch 1) for sequences of 32k to 1M tokens on 8 to 1,024 devices, and prints each plan's
@@ -30,6 +35,7 @@ are ``S(2)``; ring: ``S(2)`` too), and its step and memory per rank: cost-model 
 
     python benchmarks/context_parallel.py                    # worlds 2 and 4
     python benchmarks/context_parallel.py --worlds 2 --seq 512 --rounds 6
+    python benchmarks/context_parallel.py --mask window --window 256
     python benchmarks/context_parallel.py --sweep            # plans only (about a minute)
 """
 from __future__ import annotations
@@ -53,6 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import autoshard  # noqa: E402
 from autoshard import schemes  # noqa: E402
 from autoshard.testing.launch import LocalWorld  # noqa: E402
+from test_context_mask import MaskedLlama  # noqa: E402
 from test_context_parallel import GqaLlama  # noqa: E402
 
 NAMES = ("torch TP", "cp gather", "cp ring", "gather bal", "ring bal", "autoshard")
@@ -60,8 +67,8 @@ NAMES = ("torch TP", "cp gather", "cp ring", "gather bal", "ring bal", "autoshar
 
 def _model(a):
     torch.manual_seed(0)
-    model = GqaLlama(vocab=a.vocab, d=a.d, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, layers=a.layers,
-                     hidden=a.hidden)
+    sizes = dict(vocab=a.vocab, d=a.d, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, layers=a.layers, hidden=a.hidden)
+    model = GqaLlama(**sizes) if a.mask == "none" else MaskedLlama(a.mask, window=a.window, **sizes)
     idx = torch.randint(0, a.vocab, (1, a.seq))
     return model, (idx, torch.roll(idx, -1, dims=1))
 
@@ -146,8 +153,9 @@ def run_world(a):
 
 
 def report(w, res, a):
+    mask = "" if a.mask == "none" else f", mask {a.mask} (window {a.window})"
     print(f"\nworld {w}: one sequence of {a.seq} tokens, d {a.d}, {a.heads} heads, {a.kv_heads} kv heads, "
-          f"{a.layers} layers; {a.rounds} rounds after {a.warmup} warm-up, medians of the slowest rank")
+          f"{a.layers} layers{mask}; {a.rounds} rounds after {a.warmup} warm-up, medians of the slowest rank")
     if res["refusal"]:
         print(f"  torch's context_parallel on CPU/gloo refuses: {res['refusal']}")
     base = statistics.median(res["times"]["torch TP"])
@@ -200,6 +208,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mask", default="none", choices=("none", "window", "causal+window"))
+    ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--sweep", action="store_true", help="plan the issue's model for long sequences, run nothing")
     ap.add_argument("--sweep-seqs", default="32768,131072,1048576")
     ap.add_argument("--sweep-worlds", default="8,64,1024")

@@ -31,35 +31,34 @@ class MaskedAttention(GqaAttention):
 
 
 class MaskedLlama(GqaLlama):
-    """``kind``: "window" (bool (L, S): causal, the last 5 keys), "padding" (bool (B, 1, L, S):
+    """``kind``: "window" (bool (L, S): causal, the last ``window`` keys), "padding" (bool (B, 1, L, S):
     causal, padded keys hidden; a query whose keys are all padding sees nothing), "bias"
     (additive (1, H, L, S): a learned bias per head, query and key, -inf above the diagonal), or
     "causal" (no mask, ``is_causal``); "causal+window", "causal+padding" (bool (B, 1, 1, S)),
     "causal+bias" (a fixed bias): the mask without its causal part, beside ``is_causal``.
     ``drop``: dropout on the attention's probabilities in training."""
 
-    def __init__(self, kind, seq=16, heads=4, drop=0.0):
-        super().__init__(seq=seq, heads=heads)
-        self.kind, self.drop = kind, drop
-        self.attn = nn.ModuleList(MaskedAttention(32, heads, 2, seq) for _ in range(2))
-        bias = 0.5 * torch.randn(heads, seq, seq)
+    def __init__(self, kind, seq=16, heads=4, drop=0.0, window=5, vocab=64, d=32, kv_heads=2, layers=2, hidden=64):
+        super().__init__(vocab, d, heads, kv_heads, seq, layers, hidden)
+        self.kind, self.drop, self.window = kind, drop, window
+        self.attn = nn.ModuleList(MaskedAttention(d, heads, kv_heads, seq) for _ in range(layers))
         if kind == "bias":
-            self.bias = nn.Parameter(bias)
-        else:   # torch takes no mask that needs a gradient beside is_causal
-            self.register_buffer("bias", bias, persistent=False)
+            self.bias = nn.Parameter(0.5 * torch.randn(heads, seq, seq))
+        elif kind == "causal+bias":   # torch takes no mask that needs a gradient beside is_causal
+            self.register_buffer("bias", 0.5 * torch.randn(heads, seq, seq), persistent=False)
 
     def mask(self, idx):
         t = idx.shape[1]
         i = torch.arange(t, device=idx.device)
         causal = i[None, :] <= i[:, None]
         if self.kind == "causal+window":
-            return i[None, :] > i[:, None] - 5
+            return i[None, :] > i[:, None] - self.window
         if self.kind == "causal+padding":
             return (idx != PAD)[:, None, None, :]
         if self.kind == "causal+bias":
             return self.bias[None]
         if self.kind == "window":
-            return causal & (i[None, :] > i[:, None] - 5)
+            return causal & (i[None, :] > i[:, None] - self.window)
         if self.kind == "padding":
             return causal[None, None] & (idx != PAD)[:, None, None, :]
         if self.kind == "bias":
