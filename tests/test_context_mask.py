@@ -237,3 +237,16 @@ def test_dropout_not_in_the_ring():
     ring = {n: "(S(2)), (S(2)), (S(2)) -> (S(2))" for n in _attention_nodes(model, inputs)}
     with pytest.raises(ValueError, match="no legal layout"):
         autoshard.plan(model, inputs, mesh=(2,), pin=ring, verbose=False)
+
+
+def test_balancing_weighs_the_ring_sends_it_exposes():
+    """Balancing is applied where the op's whole price drops: the compute it saves against its
+    swaps and the ring's sends that less compute leaves exposed (the compute alone would balance)."""
+    from autoshard.cost.attention import balance_pays
+    ring = lambda s: max(0.0, 2.9 - 3 * s)   # sends hidden by the blocks' compute at share s of it
+    assert balance_pays(1.0, 2.0, 0.75, 0.1)               # no ring: 0.75 of 3.0 saved, 0.1 spent
+    assert not balance_pays(1.0, 2.0, 0.75, 0.1, ring)     # 0.65 of the ring's sends exposed besides
+    assert balance_pays(1.0, 2.0, 0.75, 0.1, lambda s: max(0.0, 2.5 - 3 * s))
+    # a checkpointed region runs forward, its swaps and sends again: 0.75 of 4.0 saved, 0.2 spent
+    assert balance_pays(1.0, 2.0, 0.75, 0.1, again=True)
+    assert not balance_pays(1.0, 2.0, 0.75, 0.7, again=True) and balance_pays(1.0, 2.0, 0.75, 0.7)

@@ -18,8 +18,9 @@ half the queries swapped with the partner rank, each half attending only the key
 blocks) its positions see. Its slowest rank then computes (2p+1)/(4p) of the dense work with the
 keys whole ((p+1)/(2p) in the ring, by whole blocks), where unbalanced the last rank computes
 nearly all of it; the swap costs two exchanges of half the queries' bytes each way, forward and
-backward, which nothing hides. It is done where it pays: where the compute it saves the slowest
-rank exceeds the swaps (``balance_pays``); the plan lists those nodes
+backward, which nothing hides. It is done where it pays: where the op's price balanced (its
+compute, the swaps, and the ring's sends that less compute leaves exposed) is below its price
+unbalanced (``balance_pays``); the plan lists those nodes
 (``plan.schedule["balanced_attention"]``) and the rewriter balances them.
 """
 from __future__ import annotations
@@ -82,9 +83,17 @@ def balanced_share(p: int, ring: bool) -> float:
     return (p + 1) / (2 * p) if ring else (2 * p + 1) / (4 * p)
 
 
-def balance_pays(fwd: float, bwd: float, share: float, swap: float) -> bool:
-    """Whether balancing saves more compute (``fwd``, ``bwd``: unbalanced) than its swaps cost."""
-    return (fwd + bwd) * (1 - share) > swap
+def balance_pays(fwd: float, bwd: float, share: float, swap: float, exposed=None, again: bool = False) -> bool:
+    """Whether balancing makes the op cheaper, as its price counts it: its compute (``fwd``,
+    ``bwd``: unbalanced; the forward run again in backward where ``again``, a checkpointed
+    region, which runs the swaps and sends again too) down to ``share``, its swaps (``swap``
+    seconds) added, and the sends its compute leaves exposed (``exposed(share)``: the ring's,
+    hidden by less compute once balanced) compared."""
+    exposed = exposed or (lambda s: 0.0)
+    k = 1 + again
+    before = k * fwd + bwd + k * exposed(1.0)
+    after = share * (k * fwd + bwd) + k * (swap + exposed(share))
+    return after < before
 
 
 def swap_sends(ins: list, itemsize: int, axis: int, link, training: bool) -> list:
