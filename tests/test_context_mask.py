@@ -250,3 +250,20 @@ def test_balancing_weighs_the_ring_sends_it_exposes():
     # a checkpointed region runs forward, its swaps and sends again: 0.75 of 4.0 saved, 0.2 spent
     assert balance_pays(1.0, 2.0, 0.75, 0.1, again=True)
     assert not balance_pays(1.0, 2.0, 0.75, 0.7, again=True) and balance_pays(1.0, 2.0, 0.75, 0.7)
+
+
+def test_explain_speaks_of_balancing_only_where_it_could_be():
+    """``explain`` speaks of balancing causal work (done, or why not) only of causal attention
+    without dropout whose queries one axis splits: not of a mask without ``is_causal``, nor of dropout (a 32k
+    sequence on mesh (8,), the meta device, the solver's plan)."""
+    for kind, drop, said in [("causal", 0.0, True), ("window", 0.0, False), ("causal", 0.3, False)]:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = MaskedLlama(kind, seq=32768, drop=drop)
+        idx = torch.empty(1, 32768, dtype=torch.long, device="meta")
+        plan = autoshard.plan(model, (idx, idx), mesh=(8,), verbose=False)
+        node = _attention_nodes(model, (idx, idx))[0]
+        text = plan.explain(node)
+        assert plan.nodes[node].outputs == [("S(2)",)], text
+        assert "attention: the keys and values" in text, text
+        assert ("causal work" in text) == said, (kind, drop, text)   # balanced, or why not
