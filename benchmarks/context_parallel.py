@@ -27,6 +27,11 @@ With ``--mask window`` (or ``causal+window``) the decoder's attention takes a sl
 forward (tests/test_context_mask.py's model): the ring cuts each block's columns from it, the
 all-gather form attends its rows to every key.
 
+With ``--blocks`` it times ring attention alone (``runtime.ring_attention``, forward and
+backward, 8 heads, 4 key/value heads, head dim 32) with a sliding-window mask beside
+``is_causal``, the blocks that no query of a rank may see skipped (as it runs) against computed
+(the skip turned off), interleaved, medians of the slowest rank.
+
 With ``--sweep`` it runs nothing: it plans, on the meta device for the ``--cluster`` preset, the
 issue's model (causal GQA, 32 heads, 8 key/value heads, d 4096, SwiGLU 14336, 4 layers, vocab
 32000, batch 1) for sequences of 32k to 1M tokens on 8 to 1,024 devices, and prints each plan's
@@ -36,6 +41,7 @@ are ``S(2)``; ring: ``S(2)`` too), and its step and memory per rank: cost-model 
     python benchmarks/context_parallel.py                    # worlds 2 and 4
     python benchmarks/context_parallel.py --worlds 2 --seq 512 --rounds 6
     python benchmarks/context_parallel.py --mask window --window 256
+    python benchmarks/context_parallel.py --blocks --seq 4096 --window 512
     python benchmarks/context_parallel.py --sweep            # plans only (about a minute)
 """
 from __future__ import annotations
@@ -167,6 +173,37 @@ def report(w, res, a):
         print(f"  {n}: {text}")
 
 
+def run_blocks(a):
+    """Ring attention with a window mask: hidden blocks skipped against computed, interleaved."""
+    import autoshard.runtime.attention as ring
+    from torch.distributed.device_mesh import init_device_mesh
+    from autoshard.runtime.mesh import RankMesh, active
+    torch.set_num_threads(a.threads)
+    p, r = dist.get_world_size(), dist.get_rank()
+    mesh, n = RankMesh(init_device_mesh("cpu", (p,)), torch.Generator()), a.seq // p
+    torch.manual_seed(r)
+    q = torch.randn(1, 8, n, 32, requires_grad=True)
+    k, v = (torch.randn(1, 4, n, 32, requires_grad=True) for _ in range(2))
+    rows, keys = torch.arange(r * n, (r + 1) * n)[:, None], torch.arange(a.seq)[None]
+    window = keys > rows - a.window
+    starts = tuple(((c,), c * n) for c in range(p))
+    skip, times = ring._hidden, {"skipped": [], "computed": []}
+    for rd in range(a.warmup + a.rounds):
+        for name in random.Random(rd).sample(sorted(times), 2):
+            ring._hidden = skip if name == "skipped" else (lambda mask, block: False)
+            dist.barrier()
+            t0 = time.perf_counter()
+            with active(mesh):
+                out = ring.ring_attention(q, k, v, None, True, r * n, starts, (0,), None, window)
+            out.sum().backward()
+            took = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if rd >= a.warmup:
+                times[name].append(took.item())
+    ring._hidden = skip
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def sweep(a):
     seqs = [int(x) for x in a.sweep_seqs.split(",")]
     worlds = [int(x) for x in a.sweep_worlds.split(",")]
@@ -210,6 +247,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mask", default="none", choices=("none", "window", "causal+window"))
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--blocks", action="store_true", help="ring attention alone, window mask: hidden blocks skipped or not")
     ap.add_argument("--sweep", action="store_true", help="plan the issue's model for long sequences, run nothing")
     ap.add_argument("--sweep-seqs", default="32768,131072,1048576")
     ap.add_argument("--sweep-worlds", default="8,64,1024")
@@ -217,6 +255,14 @@ def main():
     a = ap.parse_args()
     if a.sweep:
         return sweep(a)
+    if a.blocks:
+        for w in map(int, a.worlds.split(",")):
+            with LocalWorld(w) as world:
+                res = world.run(run_blocks, a)[0]
+            print(f"world {w}, {a.seq} tokens, window {a.window}, causal: ring attention with the hidden blocks "
+                  f"computed {1e3 * res['computed']:.1f} ms, skipped {1e3 * res['skipped']:.1f} ms "
+                  f"({res['skipped'] / res['computed']:.2f})")
+        return
     for w in map(int, a.worlds.split(",")):
         with LocalWorld(w) as world:
             report(w, world.run(run_world, a)[0], a)

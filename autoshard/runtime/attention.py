@@ -14,7 +14,8 @@ An attention mask (boolean or additive, any shape that broadcasts) comes with it
 the queries are and its columns whole: each block of keys is attended with the mask's columns of
 that block, cut on this rank, so nothing of the mask travels; an additive mask that needs a
 gradient gets it block by block. A row that no key of a block may see leaves that block out of
-its log-sum-exp, and a row that sees no key at all gives zeros, as one device does.
+its log-sum-exp, a block no row may see is not computed, and a row that sees no key at all
+gives zeros, as one device does.
 
 Causal work is balanced (both forms) by a swap: rank r of the axis that splits the queries gives
 the second half of its queries to rank p - 1 - r and takes that rank's, so each holds a head and
@@ -207,6 +208,12 @@ def _dead(mask, lse_shape):
     return torch.isneginf(mask).all(-1).expand(lse_shape)
 
 
+def _hidden(mask, block) -> bool:
+    """Whether a user's ``mask`` hides every key of this ``block`` from every row (a sliding
+    window's blocks far from the diagonal): read off the mask, the same on forward and backward."""
+    return mask is not None and bool(torch.isneginf(block).all())
+
+
 def _reduced(grad, shape):
     """``grad`` summed over the dims it was broadcast along to ``shape``."""
     dims = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g > 1)
@@ -240,6 +247,8 @@ class _RingAttention(torch.autograd.Function):
                 r0, block = seen
                 rows = slice(row + r0, row + n)
                 block = _combined(block, _user_block(mask, rows, k_starts[held], kf.shape[-2]))
+                if _hidden(mask, block):   # no row sees a key of this block: nothing to add
+                    continue
                 o, blk = _compat.attention_block(qf[:, :, rows], kf, vf, scale, block)
                 dead = _dead(block, blk.shape)
                 if dead is not None:   # the kernel's log-sum-exp of a row that sees nothing here
@@ -284,6 +293,8 @@ class _RingAttention(torch.autograd.Function):
                 r0, block = seen
                 rows = slice(row + r0, row + n)
                 block = _combined(block, _user_block(mask, rows, k_starts[held], kf.shape[-2]))
+                if _hidden(mask, block):   # as in forward: no gradient flows through it
+                    continue
                 parts = _compat.attention_block_backward(
                     do[:, :, rows], qf[:, :, rows].contiguous(), kf, vf, out[:, :, rows].contiguous(),
                     lse[:, :, rows].contiguous(), scale, block, scores_grad=want_mask)
