@@ -358,9 +358,10 @@ def custom_op_overload(op):
 
 def attention_block(q, k, v, scale: float, mask):
     """(output, log-sum-exp over the keys) of attention of ``q`` (b, h, n, e) to one block of
-    keys and values (b, h, m, e), ``mask`` additive (n, m) or None: ring attention's block.
-    torch's CPU flash kernel gives both (a private op: runtime.attention's only way to a fused
-    block with its log-sum-exp); other devices compute it from matmuls."""
+    keys and values (b, h, m, e), ``mask`` additive (broadcast to (b, h, n, m)) or None: ring
+    attention's block. torch's CPU flash kernel gives both (a private op: runtime.attention's only
+    way to a fused block with its log-sum-exp); other devices compute it from matmuls. A row that
+    sees no key here is the caller's to mend (the kernel's log-sum-exp of it is not -inf)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                             scale=scale)
@@ -369,13 +370,19 @@ def attention_block(q, k, v, scale: float, mask):
     if mask is not None:
         s = s + mask
     lse = torch.logsumexp(s, -1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+    return torch.matmul(torch.exp(s - _finite(lse)[..., None]), v), lse
 
 
-def attention_block_backward(grad, q, k, v, out, lse, scale: float, mask):
+def _finite(x):
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def attention_block_backward(grad, q, k, v, out, lse, scale: float, mask, scores_grad: bool = False):
     """(dq, dk, dv) of one block, given the output and log-sum-exp over every block (so each
-    block's share of the gradients is exact)."""
-    if q.device.type == "cpu":
+    block's share of the gradients is exact; finite: a row that sees no key has 0 there). With
+    ``scores_grad`` also the gradient of the block's scores (b, h, n, m): an additive mask's, from
+    matmuls (the CPU kernel gives none)."""
+    if q.device.type == "cpu" and not scores_grad:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -384,7 +391,8 @@ def attention_block_backward(grad, q, k, v, out, lse, scale: float, mask):
     p = torch.exp(s - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), grad)
     ds = p * (torch.matmul(grad, v.transpose(-1, -2)) - (grad * out).sum(-1, keepdim=True))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+    parts = (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv)
+    return parts + (ds,) if scores_grad else parts
 
 
 # ---- functional collectives: what a traced program issues ------------------------------------------

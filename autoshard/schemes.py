@@ -56,6 +56,7 @@ from autoshard.arguments import MAX_AXES, check_mesh, check_module
 from autoshard.passes.annotate import blocked_splits
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture
+from autoshard.rules.nn import mask_placement
 
 aten = torch.ops.aten
 
@@ -274,6 +275,8 @@ class _Layout:
     residual: dict = field(default_factory=dict)   # the residual stream and its norms: node -> shape
     missing: Optional[str] = None                  # why the model has no blocks to lay out
     attention: dict = field(default_factory=dict)  # fused attention nodes -> output shape
+    masks: dict = field(default_factory=dict)      # fused attention nodes with a mask -> its shape
+    dropped: tuple = ()                            # fused attention nodes that draw dropout
 
 
 def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layout:
@@ -285,9 +288,13 @@ def _layout(model, example_inputs, mesh, graph: Optional[Graph] = None) -> _Layo
     inputs = {n.name: n.outputs[0].shape for n in graph.nodes if n.kind == "input" and n.outputs}
     blocks = _find_blocks(graph)
     blocked = {name: g for name, (_, g) in blocked_splits(graph).items()}
-    attention = {n.name: n.outputs[0].shape for n in graph.nodes if n.kind == "op" and n.target in _SDPA}
+    fused = [n for n in graph.nodes if n.kind == "op" and n.target in _SDPA]
+    attention = {n.name: n.outputs[0].shape for n in fused}
+    masks = {n.name: graph.meta(n.inputs[3]).shape for n in fused if len(n.inputs) > 3}
+    args = lambda n: n.fx_node.args[4] if len(n.fx_node.args) > 4 else n.fx_node.kwargs.get("dropout_p", 0.0)
+    dropped = tuple(n.name for n in fused if args(n))
     return _Layout(mesh, inputs, params, blocks.linears, blocked, _residual_stream(graph, blocks),
-                   _missing(blocks), attention)
+                   _missing(blocks), attention, masks, dropped)
 
 
 def _residual_stream(graph: Graph, blocks: _Blocks) -> dict:
@@ -623,15 +630,20 @@ def axonn_4d(model, example_inputs, mesh, *, x: Optional[int] = 0, y: Optional[i
 FORMS = ("allgather", "ring")
 
 
-def _attention_pin(mesh: tuple, per: dict, form: Optional[str], cp: int):
+def _attention_pin(mesh: tuple, per: dict, form: Optional[str], cp: int, shape: tuple, mask: Optional[tuple]):
     """An attention node's pin: its output alone, or with ``form`` its whole strategy
     (``"inputs -> output"``), the keys and values gathered whole on ``cp`` (all-gather) or kept
-    split there (ring)."""
+    split there (ring); a mask (of shape ``mask``) split with the output where it has the
+    output's dim, its columns whole."""
     out = tuple(per.get(a, "B") for a in range(len(mesh)))
     if form is None:
         return out
     kv = tuple("B" if a == cp and form == "allgather" else p for a, p in enumerate(out))
-    return " -> ".join([", ".join(_paren(t) for t in (out, kv, kv)), _paren(out)])
+    ins = [out, kv, kv]
+    if mask is not None:
+        ins.append(tuple(p if p == "B" else pl.to_strings((mask_placement(mask, shape, pl.parse(p).dim),))[0]
+                         for p in out))
+    return " -> ".join([", ".join(_paren(t) for t in ins), _paren(out)])
 
 
 def _paren(placements: tuple) -> str:
@@ -671,10 +683,13 @@ def context_parallel(model, example_inputs, mesh, *, axis: int = -1, fsdp: bool 
     if not lay.attention:
         raise ValueError("context_parallel splits attention along the sequence, but the model has no "
                          "scaled_dot_product_attention: use data_parallel or sequence_parallel")
+    if form == "ring" and lay.dropped:
+        raise ValueError(f"the ring form takes no attention dropout, and {lay.dropped[0]} has dropout_p > 0: "
+                         "use form='allgather' (or None), or dropout_p=0")
     for name, shape in lay.attention.items():
         per = {**{a: "S(0)" for a in data}, cp: _s(len(shape) - 2)}
         _nd(lay, f"the output of {name} (attention)", shape, per)
-        pins[name] = _attention_pin(lay.mesh, per, form, cp)
+        pins[name] = _attention_pin(lay.mesh, per, form, cp, shape, lay.masks.get(name))
     return pins
 
 

@@ -22,6 +22,16 @@ step's time is the slowest rank's, from a barrier; medians after the warm-up rou
 per step and the ratio of each median over torch TP's (< 1: faster than torch), and each
 contender's first loss against one device's.
 
+With ``--mask window`` (or ``causal+window``) the decoder's attention takes a sliding-window mask
+(bool (L, S), the last ``--window`` keys: causal built into it, or beside ``is_causal``), made in
+forward (tests/test_context_mask.py's model): the ring cuts each block's columns from it, the
+all-gather form attends its rows to every key.
+
+With ``--blocks`` it times ring attention alone (``runtime.ring_attention``, forward and
+backward, 8 heads, 4 key/value heads, head dim 32) with a sliding-window mask beside
+``is_causal``, the blocks that no query of a rank may see skipped (as it runs) against computed
+(the skip turned off), interleaved, medians of the slowest rank.
+
 With ``--sweep`` it runs nothing: it plans, on the meta device for the ``--cluster`` preset, the
 issue's model (causal GQA, 32 heads, 8 key/value heads, d 4096, SwiGLU 14336, 4 layers, vocab
 32000, batch 1) for sequences of 32k to 1M tokens on 8 to 1,024 devices, and prints each plan's
@@ -30,6 +40,8 @@ are ``S(2)``; ring: ``S(2)`` too), and its step and memory per rank: cost-model 
 
     python benchmarks/context_parallel.py                    # worlds 2 and 4
     python benchmarks/context_parallel.py --worlds 2 --seq 512 --rounds 6
+    python benchmarks/context_parallel.py --mask window --window 256
+    python benchmarks/context_parallel.py --blocks --seq 4096 --window 512
     python benchmarks/context_parallel.py --sweep            # plans only (about a minute)
 """
 from __future__ import annotations
@@ -53,6 +65,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import autoshard  # noqa: E402
 from autoshard import schemes  # noqa: E402
 from autoshard.testing.launch import LocalWorld  # noqa: E402
+from test_context_mask import MaskedLlama  # noqa: E402
 from test_context_parallel import GqaLlama  # noqa: E402
 
 NAMES = ("torch TP", "cp gather", "cp ring", "gather bal", "ring bal", "autoshard")
@@ -60,8 +73,8 @@ NAMES = ("torch TP", "cp gather", "cp ring", "gather bal", "ring bal", "autoshar
 
 def _model(a):
     torch.manual_seed(0)
-    model = GqaLlama(vocab=a.vocab, d=a.d, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, layers=a.layers,
-                     hidden=a.hidden)
+    sizes = dict(vocab=a.vocab, d=a.d, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, layers=a.layers, hidden=a.hidden)
+    model = GqaLlama(**sizes) if a.mask == "none" else MaskedLlama(a.mask, window=a.window, **sizes)
     idx = torch.randint(0, a.vocab, (1, a.seq))
     return model, (idx, torch.roll(idx, -1, dims=1))
 
@@ -146,8 +159,9 @@ def run_world(a):
 
 
 def report(w, res, a):
+    mask = "" if a.mask == "none" else f", mask {a.mask} (window {a.window})"
     print(f"\nworld {w}: one sequence of {a.seq} tokens, d {a.d}, {a.heads} heads, {a.kv_heads} kv heads, "
-          f"{a.layers} layers; {a.rounds} rounds after {a.warmup} warm-up, medians of the slowest rank")
+          f"{a.layers} layers{mask}; {a.rounds} rounds after {a.warmup} warm-up, medians of the slowest rank")
     if res["refusal"]:
         print(f"  torch's context_parallel on CPU/gloo refuses: {res['refusal']}")
     base = statistics.median(res["times"]["torch TP"])
@@ -157,6 +171,37 @@ def report(w, res, a):
         print(f"  {n:<11} {1e3 * m:>9.1f} {m / base:>12.3f}  {res['first'][n] - res['ref']:>18.2e}")
     for n, text in res["plans"].items():
         print(f"  {n}: {text}")
+
+
+def run_blocks(a):
+    """Ring attention with a window mask: hidden blocks skipped against computed, interleaved."""
+    import autoshard.runtime.attention as ring
+    from torch.distributed.device_mesh import init_device_mesh
+    from autoshard.runtime.mesh import RankMesh, active
+    torch.set_num_threads(a.threads)
+    p, r = dist.get_world_size(), dist.get_rank()
+    mesh, n = RankMesh(init_device_mesh("cpu", (p,)), torch.Generator()), a.seq // p
+    torch.manual_seed(r)
+    q = torch.randn(1, 8, n, 32, requires_grad=True)
+    k, v = (torch.randn(1, 4, n, 32, requires_grad=True) for _ in range(2))
+    rows, keys = torch.arange(r * n, (r + 1) * n)[:, None], torch.arange(a.seq)[None]
+    window = keys > rows - a.window
+    starts = tuple(((c,), c * n) for c in range(p))
+    skip, times = ring._hidden, {"skipped": [], "computed": []}
+    for rd in range(a.warmup + a.rounds):
+        for name in random.Random(rd).sample(sorted(times), 2):
+            ring._hidden = skip if name == "skipped" else (lambda mask, block: False)
+            dist.barrier()
+            t0 = time.perf_counter()
+            with active(mesh):
+                out = ring.ring_attention(q, k, v, None, True, r * n, starts, (0,), None, window)
+            out.sum().backward()
+            took = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if rd >= a.warmup:
+                times[name].append(took.item())
+    ring._hidden = skip
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def sweep(a):
@@ -200,6 +245,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mask", default="none", choices=("none", "window", "causal+window"))
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--blocks", action="store_true", help="ring attention alone, window mask: hidden blocks skipped or not")
     ap.add_argument("--sweep", action="store_true", help="plan the issue's model for long sequences, run nothing")
     ap.add_argument("--sweep-seqs", default="32768,131072,1048576")
     ap.add_argument("--sweep-worlds", default="8,64,1024")
@@ -207,6 +255,14 @@ def main():
     a = ap.parse_args()
     if a.sweep:
         return sweep(a)
+    if a.blocks:
+        for w in map(int, a.worlds.split(",")):
+            with LocalWorld(w) as world:
+                res = world.run(run_blocks, a)[0]
+            print(f"world {w}, {a.seq} tokens, window {a.window}, causal: ring attention with the hidden blocks "
+                  f"computed {1e3 * res['computed']:.1f} ms, skipped {1e3 * res['skipped']:.1f} ms "
+                  f"({res['skipped'] / res['computed']:.2f})")
+        return
     for w in map(int, a.worlds.split(",")):
         with LocalWorld(w) as world:
             report(w, world.run(run_world, a)[0], a)

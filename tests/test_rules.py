@@ -87,9 +87,15 @@ def test_attention_splits_queries_on_the_sequence_keys_whole():
     causal = sigs(aten.scaled_dot_product_attention.default, q, q, q, is_causal=True)
     assert causal == ["(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)", "(S(2), B, B) -> S(2)",
                       "(S(2), S(2), S(2)) -> S(2)"]   # and ring attention (runtime.ring_attention)
-    assert sigs(aten.scaled_dot_product_attention.default, q, q, q, None, 0.1, True) == []   # dropout draws
+    # dropout draws the whole op's mask on every rank and keeps its part (runtime.attention_dropout):
+    # every layout but the ring
+    assert sigs(aten.scaled_dot_product_attention.default, q, q, q, None, 0.1, True) == causal[:-1]
     masked = sigs(aten.scaled_dot_product_attention.default, q, q, q, torch.randn(8, 8))
     assert "(S(1), S(1), S(1), B) -> S(1)" in masked and "(S(2), B, B, S(0)) -> S(2)" in masked
+    # the ring with a mask: its rows split with the queries, its columns whole
+    assert "(S(2), S(2), S(2), S(0)) -> S(2)" in masked
+    assert "(S(2), S(2), S(2), B) -> S(2)" in sigs(aten.scaled_dot_product_attention.default, q, q, q,
+                                                   torch.randn(2, 1, 1, 8))
 
 
 def test_losses_and_reductions():

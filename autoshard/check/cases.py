@@ -165,6 +165,7 @@ def default_cases(seed: int = 0) -> list:
     add(aten.scaled_dot_product_attention.default, r(2, 4, 8, 16), r(2, 2, 8, 16), r(2, 2, 8, 16),
         r(2, 1, 8, 8), is_causal=True, enable_gqa=True)
     add(aten.scaled_dot_product_attention.default, r(1, 2, 8, 16), r(1, 2, 12, 16), r(1, 2, 12, 8), is_causal=True)
+    add(aten.scaled_dot_product_attention.default, q, k, v, None, 0.1)   # dropout draws: skipped
     add(aten.embedding.default, r(20, 16), ints(20, 4, 8))
     add(aten.embedding.default, r(20, 16), ints(20, 8))
     add(aten.embedding.default, r(20, 16), ints(20, 4, 8), 0)

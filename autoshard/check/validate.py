@@ -221,6 +221,9 @@ class _EagerGraph:
 def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
     if target in (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default):
         return "dropout draws from the generator all ranks share (runtime.dropout)"
+    if target == aten.scaled_dot_product_attention.default and (
+            fx_args[4] if len(fx_args) > 4 else fx_kwargs.get("dropout_p", 0.0)):
+        return "attention dropout draws from the generator all ranks share (runtime.attention_dropout)"
     if count_axes(target, fx_args, fx_kwargs, [(q,) for q in sig.inputs]):
         return "mean cross_entropy over a split batch all-reduces its count (runtime.cross_entropy_mean)"
     if rewrite.lowering_for(target) is rewrite.lower_grouped_mm and any(

@@ -18,8 +18,9 @@ half the queries swapped with the partner rank, each half attending only the key
 blocks) its positions see. Its slowest rank then computes (2p+1)/(4p) of the dense work with the
 keys whole ((p+1)/(2p) in the ring, by whole blocks), where unbalanced the last rank computes
 nearly all of it; the swap costs two exchanges of half the queries' bytes each way, forward and
-backward, which nothing hides. It is done where it pays: where the compute it saves the slowest
-rank exceeds the swaps (``balance_pays``); the plan lists those nodes
+backward, which nothing hides. It is done where it pays: where the op's price balanced (its
+compute, the swaps, and the ring's sends that less compute leaves exposed) is below its price
+unbalanced (``balance_pays``); the plan lists those nodes
 (``plan.schedule["balanced_attention"]``) and the rewriter balances them.
 """
 from __future__ import annotations
@@ -55,12 +56,13 @@ def form(graph, node, strat, mesh_shape) -> str:
     return "allgather" if split else ""
 
 
-def balance_axis(q_shape, q_pl, mesh_shape, causal: bool, masked: bool, dropout: float):
+def balance_axis(q_shape, q_pl, mesh_shape, causal: bool, dropout: float):
     """The axis over which causal attention's work is balanced (the one axis that splits the
-    queries' sequence, into even halves on each rank), or None."""
+    queries' sequence, into even halves on each rank), or None. A mask beside ``is_causal`` is
+    swapped with the queries; dropout is not balanced (runtime.attention_dropout)."""
     seq = len(q_shape) - 2
     axes = [a for a, q in enumerate(q_pl) if isinstance(q, pl.Split) and q.dim == seq and mesh_shape[a] > 1]
-    if len(axes) != 1 or not causal or masked or dropout:
+    if len(axes) != 1 or not causal or dropout:
         return None
     local = pl.local_shape(q_shape, q_pl, mesh_shape)
     return axes[0] if local is not None and local[seq] % 2 == 0 else None
@@ -73,7 +75,7 @@ def node_balance(graph, node, strat, mesh_shape):
     args, kwargs = node.fx_node.args, node.fx_node.kwargs
     arg = lambda i, name, default: args[i] if len(args) > i else kwargs.get(name, default)
     return balance_axis(graph.meta(node.inputs[0]).shape, strat.inputs[0], mesh_shape, arg(5, "is_causal", False),
-                        arg(3, "attn_mask", None) is not None, arg(4, "dropout_p", 0.0))
+                        arg(4, "dropout_p", 0.0))
 
 
 def balanced_share(p: int, ring: bool) -> float:
@@ -81,17 +83,31 @@ def balanced_share(p: int, ring: bool) -> float:
     return (p + 1) / (2 * p) if ring else (2 * p + 1) / (4 * p)
 
 
-def balance_pays(fwd: float, bwd: float, share: float, swap: float) -> bool:
-    """Whether balancing saves more compute (``fwd``, ``bwd``: unbalanced) than its swaps cost."""
-    return (fwd + bwd) * (1 - share) > swap
+def balance_pays(fwd: float, bwd: float, share: float, swap: float, exposed=None, again: bool = False) -> bool:
+    """Whether balancing makes the op cheaper, as its price counts it: its compute (``fwd``,
+    ``bwd``: unbalanced; the forward run again in backward where ``again``, a checkpointed
+    region, which runs the swaps and sends again too) down to ``share``, its swaps (``swap``
+    seconds) added, and the sends its compute leaves exposed (``exposed(share)``: the ring's,
+    hidden by less compute once balanced) compared."""
+    exposed = exposed or (lambda s: 0.0)
+    k = 1 + again
+    before = k * fwd + bwd + k * exposed(1.0)
+    after = share * (k * fwd + bwd) + k * (swap + exposed(share))
+    return after < before
 
 
 def swap_sends(ins: list, itemsize: int, axis: int, link, training: bool) -> list:
     """(phase, axis, bytes, seconds) of the balancing swaps: half the queries and half the output,
-    forward; their gradients, backward."""
+    forward, and half a mask's rows where it has them (priced at the op's itemsize); the
+    queries' and output's gradients, backward."""
     half = math.prod(ins[0]) * itemsize / 2
-    both = ("forward", "backward") if training else ("forward",)
-    return [(phase, axis, 2 * half, 2 * send_time(half, link)) for phase in both]
+    out = [("forward", axis, 2 * half, 2 * send_time(half, link))]
+    if len(ins) > 3 and len(ins[3]) >= 2 and ins[3][-2] > 1:
+        rows = math.prod(ins[3]) * itemsize / 2
+        out.append(("forward", axis, rows, send_time(rows, link)))
+    if training:
+        out.append(("backward", axis, 2 * half, 2 * send_time(half, link)))
+    return out
 
 
 def swap_comm(ins: list, itemsize: int, link, training: bool) -> float:

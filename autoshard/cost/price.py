@@ -231,8 +231,15 @@ class Costs:
         if axis is None:
             return None
         share = attention.balanced_share(self.mesh_shape[axis], bool(ring))
-        swaps = attention.swap_sends(ins, itemsize, axis, self.links[axis], self.training and node.requires_grad)
-        return (share, swaps) if attention.balance_pays(fwd, bwd, share, sum(s[3] for s in swaps)) else None
+        train = self.training and node.requires_grad
+        swaps = attention.swap_sends(ins, itemsize, axis, self.links[axis], train)
+        exposed = None
+        if ring:   # the ring's sends, hidden behind the blocks' compute at ``s`` of it
+            exposed = lambda s: sum(x[3] for x in attention.ring_sends(ins, itemsize, ring, self.mesh_shape, self.links,
+                                                                       fwd * s, bwd * s, train))
+        again = self.training and node.region is not None
+        pays = attention.balance_pays(fwd, bwd, share, sum(s[3] for s in swaps), exposed, again)
+        return (share, swaps) if pays else None
 
     def balances(self, node: Node, strat) -> bool:
         """Whether the plan balances this attention node's causal work in ``strat``."""

@@ -277,6 +277,8 @@ def lower_sdpa(low: Lowering):
     key's position known from its coordinates."""
     seq = len(low.in_shapes[0]) - 2
     kseq = len(low.in_shapes[1]) - 2
+    if low.arg(4, "dropout_p", 0.0):
+        return _lower_dropped(low, seq)
     ring = tuple(a for a, q in enumerate(low.in_pl[1])
                  if isinstance(q, pl.Split) and q.dim == kseq and low.mesh_shape[a] > 1)
     if ring:
@@ -285,7 +287,8 @@ def lower_sdpa(low: Lowering):
     if balance is not None:
         return low.g.call_function(runtime.balanced_attention, (
             *low.args[:3], low.arg(6, "scale"), low.arg(7, "enable_gqa", False),
-            pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq), *balance))
+            pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq), *balance,
+            low.arg(3, "attn_mask")))
     if not low.arg(5, "is_causal", False) or pl.split_factor(low.in_pl[0], low.mesh_shape, seq) == 1:
         return low.call()
     if low.coords is None:
@@ -297,14 +300,31 @@ def lower_sdpa(low: Lowering):
         low.arg(7, "enable_gqa", False), start))
 
 
+def _lower_dropped(low: Lowering, seq: int):
+    """Attention that drops probabilities, in any layout (rules.nn.sdpa: keys whole along the
+    sequence): its dropout drawn whole from the generator all ranks share, this rank's part kept
+    (``runtime.attention_dropout``), so it draws what one device draws; causal queries offset to
+    this rank's first."""
+    causal = bool(low.arg(5, "is_causal", False))
+    start = 0
+    if causal and pl.split_factor(low.in_pl[0], low.mesh_shape, seq) > 1:
+        if low.coords is None:
+            raise ValueError(f"node {low.node.name!r} is causal attention on a part of the sequence: "
+                             "rewrite(..., coords=) needs this rank's mesh coordinate")
+        start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
+    return low.g.call_function(runtime.attention_dropout, (
+        *low.args[:3], low.arg(3, "attn_mask"), low.arg(4, "dropout_p"), causal, low.arg(6, "scale"),
+        low.arg(7, "enable_gqa", False), start, pl.to_strings(low.out_pl[0])))
+
+
 def _balance(low: Lowering, seq: int):
     """(the partner's first query's position, the axis) where the plan balances causal
     attention's work (``plan.schedule["balanced_attention"]``, runtime.attention): causal, no
-    mask, no dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
+    dropout, the queries' sequence split by one axis into even halves; None elsewhere."""
     if not low.balanced or low.node.name not in low.balanced:
         return None
     a = attention.balance_axis(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.arg(5, "is_causal", False),
-                               low.arg(3, "attn_mask") is not None, low.arg(4, "dropout_p", 0.0))
+                               low.arg(4, "dropout_p", 0.0))
     if a is None or low.coords is None:
         return None
     partner = list(low.coords)
@@ -325,7 +345,8 @@ def _lower_ring(low: Lowering, seq: int, kseq: int, ring: tuple):
     causal = bool(low.arg(5, "is_causal", False))
     q_start = pl.rank_start(low.in_shapes[0], low.in_pl[0], low.mesh_shape, low.coords, seq)
     return low.g.call_function(runtime.ring_attention, (
-        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring, _balance(low, seq)))
+        *low.args[:3], low.arg(6, "scale"), causal, q_start, tuple(starts), ring, _balance(low, seq),
+        low.arg(3, "attn_mask")))
 
 
 def default(low: Lowering):

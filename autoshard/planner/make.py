@@ -289,7 +289,9 @@ def alternatives(plan, graph, strategies, choice, costs, total: Cost) -> dict:
             options.append({
                 "outputs": [list(pl.to_strings(p)) for p in s.outputs],
                 "inputs": [list(pl.to_strings(p)) for p in s.inputs],
-                **({"form": attention.form(graph, n, s, costs.mesh_shape)} if n.target is attention.SDPA else {}),
+                **({"form": attention.form(graph, n, s, costs.mesh_shape),
+                    "balanceable": attention.node_balance(graph, n, s, costs.mesh_shape) is not None}
+                   if n.target is attention.SDPA else {}),
                 "step": step, "compute": cost.compute, "comm": cost.communication, "memory": mem,
                 "fits": budget is None or memory <= budget,
                 "collectives": _node_collectives(graph, strategies, choice, costs, users, n, s)})

@@ -119,8 +119,8 @@ def _attention(plan, name, n, chosen, others) -> list:
     if name in plan.schedule.get("balanced_attention", ()):
         out.append("  causal work balanced: each rank swaps half its queries with its mirror rank and holds a head "
                    "and a tail of the sequence (priced in, the swaps costing less than the compute they save)")
-    elif len(axes) == 1:
-        out.append("  causal work not balanced: the swaps would cost more than the compute they save")
+    elif chosen.get("balanceable"):   # causal, no dropout, one axis splitting the queries in even halves
+        out.append("  causal work not balanced: the swaps would cost more than they save")
     for form in ("allgather", "ring", ""):
         if form == chosen["form"]:
             continue

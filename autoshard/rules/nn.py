@@ -37,7 +37,10 @@ def triangle(ctx: OpCtx):
     return _batch_dims_sigs(ctx, nd - 2) + [Sig((P,), (P,))]
 
 
-def _mask_placement(mask_shape, out_shape, d):
+def mask_placement(mask_shape, out_shape, d):
+    """The placement of attention's mask (lined up with its output from the right) where output
+    dim ``d`` is split: split with it where the mask has that dim whole, else B (broadcast). The
+    mask's last dim (the keys) is never split: a sequence split splits its rows."""
     off = len(out_shape) - len(mask_shape)
     di = d - off
     return Split(di) if di >= 0 and mask_shape[di] == out_shape[d] > 1 else B
@@ -51,8 +54,9 @@ def sdpa(ctx: OpCtx):
     out = ctx.out_shapes[0]
     nd = len(out)
     has_mask = ctx.n_in == 4
-    if ctx.arg(4, "dropout_p", 0.0):
-        return []  # random: keep replicated
+    # dropout: each rank draws the whole op's mask from the generator all ranks share and keeps
+    # its part (runtime.attention_dropout), as one device draws it; not in the ring form
+    dropped = bool(ctx.arg(4, "dropout_p", 0.0))
 
     def at(shape, d):  # the dim of ``shape`` lined up with output dim d, if it is not size 1
         di = d - (nd - len(shape))
@@ -64,18 +68,22 @@ def sdpa(ctx: OpCtx):
             continue
         ins = [at(q, d), at(k, d), at(v, d)]
         if has_mask:
-            ins.append(_mask_placement(ctx.in_shapes[3], out, d))
+            ins.append(mask_placement(ctx.in_shapes[3], out, d))
         sigs.append(Sig(tuple(ins), (Split(d),)))
     # query positions: each rank attends its own queries to every key, gathered whole; causal
     # attention offsets its mask by the rank's first query (passes.rewrite.lower_sdpa)
     ins = [Split(len(q) - 2), B, B]
     if has_mask:
-        ins.append(_mask_placement(ctx.in_shapes[3], out, nd - 2))
+        ins.append(mask_placement(ctx.in_shapes[3], out, nd - 2))
     sigs.append(Sig(tuple(ins), (Split(nd - 2),)))
     # ring attention: keys and values split along the sequence too, passed round the ranks and
-    # merged by log-sum-exp (runtime.ring_attention); four-dim tensors, no mask
-    if not has_mask and len(q) == len(k) == len(v) == nd == 4:
-        sigs.append(Sig((Split(2), Split(2), Split(2)), (Split(2),)))
+    # merged by log-sum-exp (runtime.ring_attention); four-dim tensors. A mask's rows split with
+    # the queries, its columns whole: each block's cut on the rank, nothing of it sent
+    if len(q) == len(k) == len(v) == nd == 4 and not dropped:
+        ins = [Split(2), Split(2), Split(2)]
+        if has_mask:
+            ins.append(mask_placement(ctx.in_shapes[3], out, 2))
+        sigs.append(Sig(tuple(ins), (Split(2),)))
     return sigs
 
 

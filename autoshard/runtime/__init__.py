@@ -15,7 +15,7 @@ the modules below, each importing from the others directly, never through this p
     edges      to_local/to_whole at the program's edges; Arriving outputs
     grads      param_share, gradient all-reduces and their buckets, gather buckets
     reshard    regather: parameters converted again for backward (reshard_after_forward)
-    ops        dropout, cross_entropy_mean, batch_norm_train, causal_attention
+    ops        dropout, cross_entropy_mean, batch_norm_train, causal_attention, attention_dropout
     attention  ring_attention: keys and values passed round the ranks, merged by log-sum-exp;
                balanced_attention: causal work even, each rank a head and a tail of the queries
     experts, optim, outputs, agree: expert layers, the optimizer's step, outputs kept as
@@ -29,7 +29,7 @@ from autoshard.runtime.grads import bucket_start, bucket_wait, grad_bucket, grad
 from autoshard.runtime.handles import Pending, pending
 from autoshard.runtime.linears import linear_dw_later, linear_gathered, linear_local_part, weight_later
 from autoshard.runtime.mesh import RankMesh, active
-from autoshard.runtime.ops import batch_norm_train, causal_attention, cross_entropy_mean, dropout
+from autoshard.runtime.ops import attention_dropout, batch_norm_train, causal_attention, cross_entropy_mean, dropout
 from autoshard.runtime.reshard import regather, regather_member, regathering
 from autoshard.runtime.steps import (COLLECTIVE_KINDS, DUAL, STEP_FUNCTIONS, all_gather, all_reduce, all_to_all,
                                      cast_all_gather, cast_many, dual_args, dual_sizes, keep_partial, pad_shard,
@@ -52,7 +52,7 @@ __all__ = [
     "grad_sync", "param_share", "grad_wait", "grad_bucket", "bucket_start", "bucket_wait",
     "regather", "regather_member", "regathering",
     "dropout", "cross_entropy_mean", "batch_norm_train", "causal_attention", "ring_attention",
-    "balanced_attention",
+    "balanced_attention", "attention_dropout",
 ]
 
 # torch.fx names a called function by its module (the printed program reads

@@ -10,6 +10,13 @@ again in the same order with the gradients of the keys and values travelling bes
 one last send takes each block's gradients home. Only this rank's queries, keys, values, output
 and log-sum-exp are kept for backward, not the blocks it saw.
 
+An attention mask (boolean or additive, any shape that broadcasts) comes with its rows split as
+the queries are and its columns whole: each block of keys is attended with the mask's columns of
+that block, cut on this rank, so nothing of the mask travels; an additive mask that needs a
+gradient gets it block by block. A row that no key of a block may see leaves that block out of
+its log-sum-exp, a block no row may see is not computed, and a row that sees no key at all
+gives zeros, as one device does.
+
 Causal work is balanced (both forms) by a swap: rank r of the axis that splits the queries gives
 the second half of its queries to rank p - 1 - r and takes that rank's, so each holds a head and
 a tail of the sequence (chunks 2r and 2p - 1 - 2r of 2p); each half attends only the keys its
@@ -114,14 +121,16 @@ def partner_of(axis: int) -> int:
     return int(m.device_mesh.mesh[tuple(c)])
 
 
-def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_start: int, axis: int):
+def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_start: int, axis: int, attn_mask=None):
     """Causal attention, keys and values whole, of this rank's queries (their first at ``start``)
     with the causal work balanced: the second half of the queries swapped with the partner's on
     ``axis`` (whose first is at ``partner_start``), each half attending the keys up to its own last
-    position, the output's halves swapped back."""
+    position, the output's halves swapped back. A mask's rows (where it has them) are swapped as
+    the queries are; its columns are every key's."""
     partner = partner_of(axis)
     h = q.shape[-2] // 2
     mixed = _SwapHalf.apply(q, q.dim() - 2, partner)
+    user = _rows_swapped(_additive(attn_mask, q.dim()), partner)
     # (first row, rows, first position) of the two halves this rank now computes
     segments = ((0, h, start), (h, q.shape[-2] - h, partner_start + h))
     outs = []
@@ -129,10 +138,22 @@ def balanced_attention(q, k, v, scale, enable_gqa: bool, start: int, partner_sta
         seen = first + n
         rows = torch.arange(first, seen, device=q.device)
         mask = torch.arange(seen, device=q.device) <= rows[:, None]
+        if user is not None:
+            block = user if user.shape[-2] == 1 else user.narrow(-2, row, n)
+            block = block if block.shape[-1] == 1 else block.narrow(-1, 0, seen)
+            mask = block.to(q.dtype).masked_fill(~mask, float("-inf"))
         outs.append(F.scaled_dot_product_attention(
             mixed.narrow(-2, row, n), k.narrow(-2, 0, seen), v.narrow(-2, 0, seen), attn_mask=mask,
             scale=scale, enable_gqa=enable_gqa))
     return _SwapHalf.apply(torch.cat(outs, -2), q.dim() - 2, partner)
+
+
+def _rows_swapped(mask, partner: int):
+    """A mask's second half of rows exchanged with the partner's, as the queries are; one that
+    broadcasts its rows (or None) as it is."""
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    return _SwapHalf.apply(mask, mask.dim() - 2, partner)
 
 
 def _block_mask(first: int, n: int, k_start: int, m: int, causal: bool, device):
@@ -164,13 +185,49 @@ def _grouped(dx, group: int):
     return dx if group == 1 else dx.unflatten(1, (-1, group)).sum(2)
 
 
+def _user_block(mask, rows: slice, k_start: int, m: int):
+    """The block of the (additive, four-dim) mask for ``rows`` of this rank's queries and the ``m``
+    keys from ``k_start``: rows and columns of size 1 broadcast."""
+    if mask is None:
+        return None
+    if mask.shape[-2] > 1:
+        mask = mask[..., rows, :]
+    return mask if mask.shape[-1] == 1 else mask.narrow(-1, k_start, m)
+
+
+def _combined(causal_mask, user_mask):
+    if user_mask is None:
+        return causal_mask
+    return user_mask if causal_mask is None else user_mask + causal_mask
+
+
+def _dead(mask, lse_shape):
+    """The rows (of ``lse_shape``) for which every key of the block is masked, or None."""
+    if mask is None:
+        return None
+    return torch.isneginf(mask).all(-1).expand(lse_shape)
+
+
+def _hidden(mask, block) -> bool:
+    """Whether a user's ``mask`` hides every key of this ``block`` from every row (a sliding
+    window's blocks far from the diagonal): read off the mask, the same on forward and backward."""
+    return mask is not None and bool(torch.isneginf(block).all())
+
+
+def _reduced(grad, shape):
+    """``grad`` summed over the dims it was broadcast along to ``shape``."""
+    dims = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g > 1)
+    return grad.sum(dims, keepdim=True) if dims else grad
+
+
 class _RingAttention(torch.autograd.Function):
     """``segments``: (first row, rows, first position) of each run of this rank's queries that lies
     contiguous in the sequence; each attends only the blocks (and rows only the keys) its
-    positions see. Blocks are computed in fp32."""
+    positions see. ``mask``: additive, four-dim, its rows this rank's and its columns whole, or
+    None. Blocks are computed in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, segments, k_starts, axes):
+    def forward(ctx, q, k, v, mask, scale, causal, segments, k_starts, axes):
         ring = _Ring(axes)
         group = q.shape[1] // k.shape[1]
         qf = q.float()
@@ -187,9 +244,16 @@ class _RingAttention(torch.autograd.Function):
                 seen = _block_mask(first, n, k_starts[held], kf.shape[-2], causal, q.device)
                 if seen is None:
                     continue
-                r0, mask = seen
+                r0, block = seen
                 rows = slice(row + r0, row + n)
-                o, blk = _compat.attention_block(qf[:, :, rows], kf, vf, scale, mask)
+                block = _combined(block, _user_block(mask, rows, k_starts[held], kf.shape[-2]))
+                if _hidden(mask, block):   # no row sees a key of this block: nothing to add
+                    continue
+                o, blk = _compat.attention_block(qf[:, :, rows], kf, vf, scale, block)
+                dead = _dead(block, blk.shape)
+                if dead is not None:   # the kernel's log-sum-exp of a row that sees nothing here
+                    blk = blk.masked_fill(dead, float("-inf"))
+                    o = o.masked_fill(dead[..., None], 0.0)
                 new = torch.logaddexp(lse[:, :, rows], blk)
                 safe = _finite(new)
                 out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None] \
@@ -199,17 +263,20 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             if i < len(turns):
                 kv, held = tuple(nxt), ring.moved(held, turns[i], -1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.args = (scale, causal, segments, k_starts, ring)   # backward runs outside the mesh's call
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, lse = ctx.saved_tensors
         scale, causal, segments, k_starts, ring = ctx.args
+        want_mask = ctx.needs_input_grad[3]
         group = q.shape[1] // k.shape[1]
         qf, do = q.float(), grad.float().contiguous()
+        lse = _finite(lse)   # a row that sees no key: its probabilities exp(-inf - 0) = 0
         dq = torch.zeros_like(qf)
+        dmask = torch.zeros_like(mask) if want_mask else None
         held, kv = ring.coords, (k, v)
         dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                torch.zeros(v.shape, dtype=torch.float32, device=v.device))
@@ -223,13 +290,20 @@ class _RingAttention(torch.autograd.Function):
                 seen = _block_mask(first, n, k_starts[held], kf.shape[-2], causal, q.device)
                 if seen is None:
                     continue
-                r0, mask = seen
+                r0, block = seen
                 rows = slice(row + r0, row + n)
-                dqb, dk, dv = _compat.attention_block_backward(
+                block = _combined(block, _user_block(mask, rows, k_starts[held], kf.shape[-2]))
+                if _hidden(mask, block):   # as in forward: no gradient flows through it
+                    continue
+                parts = _compat.attention_block_backward(
                     do[:, :, rows], qf[:, :, rows].contiguous(), kf, vf, out[:, :, rows].contiguous(),
-                    lse[:, :, rows].contiguous(), scale, mask)
-                dq[:, :, rows] += dqb
-                dkv = (dkv[0] + _grouped(dk, group), dkv[1] + _grouped(dv, group))
+                    lse[:, :, rows].contiguous(), scale, block, scores_grad=want_mask)
+                dq[:, :, rows] += parts[0]
+                dkv = (dkv[0] + _grouped(parts[1], group), dkv[1] + _grouped(parts[2], group))
+                if want_mask:   # the mask's block: the scores' gradient, summed where it broadcasts
+                    rows_at = rows if mask.shape[-2] > 1 else slice(None)
+                    cols = slice(None) if mask.shape[-1] == 1 else slice(k_starts[held], k_starts[held] + kf.shape[-2])
+                    dmask[..., rows_at, cols] += _reduced(parts[3], dmask[..., rows_at, cols].shape)
             for w in works:
                 w.wait()
             if i < len(turns):
@@ -238,24 +312,38 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
                 kv, held = tuple(nxt), ring.moved(held, turns[i], -1)
         dk, dv = ring.send_home(dkv, held)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None, None, None, None, None
 
 
-def ring_attention(q, k, v, scale, causal: bool, q_start: int, k_starts: tuple, axes: tuple, balance=None):
+def ring_attention(q, k, v, scale, causal: bool, q_start: int, k_starts: tuple, axes: tuple, balance=None,
+                   attn_mask=None):
     """Attention of this rank's queries (b, heads, Lq, E) to the keys and values of every rank
     along ``axes`` (b, kv heads, Lk, E), passed round the ring: ``k_starts`` maps each block's
     coordinates (this rank's with the ring axes changed; pairs) to its first key's position, ``q_start``
     is this rank's first query's. Grouped key/value heads are attended by their group of query
     heads. ``scale``: None for 1/sqrt(E). ``balance``: (the partner's first query's
     position, the axis): the second half of the queries swapped with the partner's there first (and the
-    output's back after), so causal work is even."""
+    output's back after), so causal work is even. ``attn_mask``: boolean or additive, its rows
+    this rank's queries' (or one, broadcast) and its columns every key's, or None."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     starts = {tuple(c): s for c, s in k_starts}
     tq = q.shape[-2]
+    mask = _additive(attn_mask, 4)
     if balance is None:
-        return _RingAttention.apply(q, k, v, scale, causal, ((0, tq, q_start),), starts, tuple(axes))
+        return _RingAttention.apply(q, k, v, mask, scale, causal, ((0, tq, q_start),), starts, tuple(axes))
     partner_start, axis = balance
     partner, h = partner_of(axis), tq // 2
     mixed = _SwapHalf.apply(q, 2, partner)
     segments = ((0, h, q_start), (h, tq - h, partner_start + h))
-    return _SwapHalf.apply(_RingAttention.apply(mixed, k, v, scale, causal, segments, starts, tuple(axes)), 2, partner)
+    out = _RingAttention.apply(mixed, k, v, _rows_swapped(mask, partner), scale, causal, segments, starts, tuple(axes))
+    return _SwapHalf.apply(out, 2, partner)
+
+
+def _additive(mask, dims: int):
+    """``mask`` as fp32 added to the scores (a boolean one's False entries -inf), ``dims`` dims
+    (leading ones added), or None."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float().reshape((1,) * (dims - mask.dim()) + tuple(mask.shape))

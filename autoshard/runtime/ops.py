@@ -1,8 +1,11 @@
 """The ops whose local form differs from the global one: dropout drawn from the generator every
 rank shares, a mean cross-entropy over a split batch, batch norm with the whole batch's
-statistics, and causal attention on a run of the sequence's queries.
+statistics, causal attention on a run of the sequence's queries, and attention that drops
+probabilities (its dropout drawn as one device draws it).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,40 @@ def causal_attention(q, k, v, attn_mask, dropout_p: float, scale, enable_gqa: bo
         mask = attn_mask.masked_fill(~seen, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=False,
                                           scale=scale, enable_gqa=enable_gqa)
+
+
+def attention_dropout(q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool, start: int,
+                      placement: tuple):
+    """Attention with dropout on its probabilities, as torch computes it on one device (softmax,
+    rows that see no key all zeros; dropout; times the values): the dropout's mask is drawn whole,
+    (..., heads, Lq, Lk) of the op's global shape, from the generator every rank shares, and this
+    rank's part kept (its output's ``placement``: batch, heads or query rows), so the result is
+    one device's from the same seed. Causal queries are at positions ``start``, ``start + 1``, ...
+    (a split sequence's); the keys are whole along the sequence."""
+    m = _mesh()
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        rows = torch.arange(start, start + q.shape[-2], device=q.device)
+        s = s.masked_fill(torch.arange(k.shape[-2], device=q.device) > rows[:, None], float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    dead = torch.isneginf(s).all(-1, keepdim=True)   # rows that see no key: zeros, their gradient none
+    probs = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    pls = tuple(pl.parse(x) for x in placement)
+    shape = list(probs.shape)
+    for x, n in zip(pls, m.shape):
+        if isinstance(x, pl.Split):
+            shape[x.dim] *= n
+    noise = torch.empty(shape, dtype=probs.dtype, device=probs.device).bernoulli_(1 - dropout_p, generator=m.generator)
+    noise.div_(1 - dropout_p)
+    for a, (x, n) in enumerate(zip(pls, m.shape)):
+        if isinstance(x, pl.Split):
+            noise = _slice(noise, n, m.coords[a], x.dim)
+    return torch.matmul(probs * noise, v)
 
 
 def cross_entropy_mean(x, target, weight, ignore_index: int, label_smoothing: float, axes: tuple,
