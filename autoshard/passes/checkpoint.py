@@ -42,17 +42,36 @@ def _keep_arithmetic(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op.overloadpacket in ARITHMETIC else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _keep_random(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if torch.Tag.nondeterministic_seeded in op.tags else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_arithmetic_and_random(ctx, op, *args, **kwargs):
+    keep = op.overloadpacket in ARITHMETIC or torch.Tag.nondeterministic_seeded in op.tags
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Recompute(torch.nn.Module):
     """One block of the program: its forward kept only as far as its inputs, run again in
     backward with the rank's mesh active and the generator all ranks share for random ops
     (dropout) as it was, so it draws the same masks. ``selective``: the outputs of its
-    arithmetic (``ARITHMETIC``) kept too, and only the rest run again."""
+    arithmetic (``ARITHMETIC``) kept too, and only the rest run again.
+
+    Traced (torch.compile), the compiler's partitioner does the recomputing, and the block keeps
+    the outputs of its random ops (a dropout's mask; attention kernels that may draw) rather
+    than drawing them again: the generator's state cannot be read in a traced graph, and
+    AOTAutograd's replay of random ops misplaces their saved states in a graph that also saves
+    the parameters' device mesh (a user's compile, whose inputs are DTensors; torch 2.13)."""
 
     def __init__(self, block: fx.GraphModule, name: str, selective: bool = False):
         super().__init__()
         self.block, self.name, self.selective = block, name, selective
 
     def forward(self, *xs):
+        if torch.compiler.is_compiling():
+            keep = _keep_arithmetic_and_random if self.selective else _keep_random
+            return checkpoint(self.block, *xs, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, keep))
         mesh = runtime._mesh()
         state = mesh.generator.get_state()
         runs = [0]
