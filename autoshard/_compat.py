@@ -420,3 +420,19 @@ def wait_collective(t):
     """The result of a collective ``functional_collective`` started, once it is done."""
     import torch
     return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def comm_overlap_options() -> dict:
+    """Inductor's options (``torch.compile(options=)``) that reorder a compiled program's
+    collectives against its compute: each wait sunk to the first use of its result and each start
+    raised as early as its data and the peak memory allow, never two collectives swapped (every
+    rank issues them in one order). Unset, inductor runs the graph's nodes nearly in the order
+    traced, and a backward's gradient all-reduce waits before the weight gradient that does not
+    need it. The option names are inductor's configuration, not a public API."""
+    import torch._inductor.config as inductor
+    if not hasattr(inductor, "reorder_for_compute_comm_overlap_passes"):
+        return {}
+    return {"reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
+                                                        "sink_waits_iterative",
+                                                        "reorder_communication_preserving_peak_memory"]}

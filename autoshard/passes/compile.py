@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autoshard._compat import comm_overlap_options
+
 
 def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=None) -> torch.nn.Module:
     """``program`` compiled as one region (``fullgraph``: a graph break is an error, not a silent
@@ -26,4 +28,5 @@ def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=
     out = fx.GraphModule(program, program.graph)   # checkpointed blocks (passes.checkpoint) kept as submodules
     out.meta.update(program.meta)
     out.meta["passes"] = [*program.meta.get("passes", ()), "compile"]
-    return torch.compile(out, backend=backend, mode=mode, dynamic=False, fullgraph=True)
+    options = comm_overlap_options() if backend == "inductor" and mode is None else None
+    return torch.compile(out, backend=backend, mode=mode, options=options, dynamic=False, fullgraph=True)
