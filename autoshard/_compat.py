@@ -436,3 +436,11 @@ def comm_overlap_options() -> dict:
             "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
                                                         "sink_waits_iterative",
                                                         "reorder_communication_preserving_peak_memory"]}
+
+
+def generated_code(fn) -> tuple:
+    """(``fn()``, the source of every program inductor generated while it ran: a compiled
+    forward's, and its backward's where ``fn`` runs backward), to read the order a compiled
+    program issues its kernels and collectives in. Inductor's own test helper; no public one."""
+    from torch._inductor.utils import run_and_get_code
+    return run_and_get_code(fn)
