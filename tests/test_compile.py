@@ -177,6 +177,7 @@ WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           ("option", "megatron", "blocks"): (_case, "megatron", (2,)),
           ("user", "dp", "blocks"): (_user_compile, "dp", (2,), None, "blocks"),
           ("user", "megatron", "selective"): (_user_compile, "megatron", (2,), None, "selective"),
+          ("user", "fsdp", "blocks"): (_user_compile, "fsdp", (2,), None, "blocks"),
           ("option", "dp", "buckets"): (_case, "dp", (2,)),
           ("option", "dp", "dropout"): (_case, "dp", (2,)),
           ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
@@ -248,7 +249,7 @@ def test_users_max_autotune(world2_results):
 
 
 @pytest.mark.parametrize("key", [("option", "megatron", "blocks"), ("user", "dp", "blocks"),
-                                 ("user", "megatron", "selective")], ids="-".join)
+                                 ("user", "megatron", "selective"), ("user", "fsdp", "blocks")], ids="-".join)
 def test_recomputed_blocks_compile_and_match(world2_results, key):
     """``recompute`` under compile=True and a user's compile: every block checkpointed, traced
     with no graph break, exact."""
