@@ -428,3 +428,27 @@ def wait_collective(t):
     """The result of a collective ``functional_collective`` started, once it is done."""
     import torch
     return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def comm_overlap_options() -> dict:
+    """Inductor's options (``torch.compile(options=)``) that reorder a compiled program's
+    collectives against its compute: each wait sunk to the first use of its result and each start
+    raised as early as its data and the peak memory allow, never two collectives swapped (every
+    rank issues them in one order). Unset, inductor runs the graph's nodes nearly in the order
+    traced, and a backward's gradient all-reduce waits before the weight gradient that does not
+    need it. The option names are inductor's configuration, not a public API."""
+    import torch._inductor.config as inductor
+    if not hasattr(inductor, "reorder_for_compute_comm_overlap_passes"):
+        return {}
+    return {"reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
+                                                        "sink_waits_iterative",
+                                                        "reorder_communication_preserving_peak_memory"]}
+
+
+def generated_code(fn) -> tuple:
+    """(``fn()``, the source of every program inductor generated while it ran: a compiled
+    forward's, and its backward's where ``fn`` runs backward), to read the order a compiled
+    program issues its kernels and collectives in. Inductor's own test helper; no public one."""
+    from torch._inductor.utils import run_and_get_code
+    return run_and_get_code(fn)

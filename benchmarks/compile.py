@@ -9,6 +9,8 @@ Contenders, every one from the same weights on the same global batch:
   as-mt-compiled the same, ``compile=True``                                     (``--megatron``)
   as-fsdp-eager  autoshard pinned FSDP (``schemes.fsdp``), eager                (``--fsdp``)
   as-fsdp-compiled the same, ``compile=True``                                   (``--fsdp``)
+  as-compiled-inorder, as-mt-compiled-inorder  compiled without inductor's comm reordering passes
+                 (``_compat.comm_overlap_options``), in the order inductor keeps by default (``--inorder``)
   as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
                  compile around the parallel module, traced whole                (``--user``)
   ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
@@ -23,6 +25,8 @@ to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians afte
     python benchmarks/compile.py                 # world 2, the small GPT, 20 rounds
     python benchmarks/compile.py --megatron --rounds 30 --d 128
     python benchmarks/compile.py --only as-eager as-mt-eager --megatron   # eager alone (before/after a change)
+    python benchmarks/compile.py --megatron --inorder --only as-eager as-compiled as-compiled-inorder \
+        as-mt-eager as-mt-compiled as-mt-compiled-inorder     # what the comm passes gain
 """
 from __future__ import annotations
 
@@ -64,12 +68,23 @@ def _contenders(a) -> dict:
         m = copy.deepcopy(base)
         return autoshard.parallelize(m, batch, pin=pin, verbose=False, compile=compile), batch
 
+    def inorder(pin):   # compiled (at parallelize, given the batch) with inductor's default order
+        from unittest import mock
+
+        from autoshard.passes import compile as passes_compile
+        with mock.patch.object(passes_compile, "comm_overlap_options", dict):
+            return ours(pin, True)
+
     made["as-eager"] = lambda: ours(dp_pin, False)
     made["as-compiled"] = lambda: ours(dp_pin, True)
+    if a.inorder:
+        made["as-compiled-inorder"] = lambda: inorder(dp_pin)
     if a.megatron:
         mt_pin = autoshard.schemes.megatron(base, batch, (dist.get_world_size(),))
         made["as-mt-eager"] = lambda: ours(mt_pin, False)
         made["as-mt-compiled"] = lambda: ours(mt_pin, True)
+        if a.inorder:
+            made["as-mt-compiled-inorder"] = lambda: inorder(mt_pin)
     if a.fsdp:
         fsdp_pin = autoshard.schemes.fsdp(base, batch, (dist.get_world_size(),))
         made["as-fsdp-eager"] = lambda: ours(fsdp_pin, False)
@@ -146,7 +161,9 @@ def report(a, res):
         else:
             print(f"| {n} | not run: {res['errors'][n]} | |")
     print()
-    pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-fsdp-compiled", "as-fsdp-eager"),
+    pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-compiled-inorder", "as-eager"),
+             ("as-mt-compiled-inorder", "as-mt-eager"), ("as-compiled", "as-compiled-inorder"),
+             ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"),
              ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-user-compiled", "ddp-compiled"),
              ("as-fsdp-compiled", "fsdp2-compiled")]
     for x, y in pairs:
@@ -168,6 +185,7 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--megatron", action="store_true", help="also autoshard pinned Megatron, eager and compiled")
     p.add_argument("--fsdp", action="store_true", help="also autoshard pinned FSDP, eager and compiled")
+    p.add_argument("--inorder", action="store_true", help="also compiled without inductor's comm reordering passes")
     p.add_argument("--user", action="store_true", help="also the user's own torch.compile of the data-parallel module")
     p.add_argument("--only", nargs="+", help="run only these contenders")
     a = p.parse_args()

@@ -1,13 +1,16 @@
 """Compiled autoshard trains exactly as eager autoshard and the single-device model do, in real gloo
 groups: ``parallelize(..., compile=True)`` (the program compiled whole by inductor), and a user's own
 ``torch.compile`` around the parallel module, which dynamo traces with no graph break (the runtime's
-collectives traced as functional collectives, its buckets and parameters as plain autograd).
+collectives traced as functional collectives, its buckets and parameters as plain autograd); with
+recomputed blocks, and with dropout that draws the masks eager autoshard draws. The compiled code
+issues each collective ahead of compute that does not need it and waits after that compute.
 
 The user's own compile runs with ``backend="aot_eager"``: the point there is dynamo's and
 AOTAutograd's tracing of the runtime (graph breaks, the collectives' autograd, the partition into
 forward and backward), which inductor's code generation, shown by ``compile=True`` and by one
 user's compile with ``mode="max-autotune"``, does not change."""
 import copy
+import re
 
 import pytest
 import torch
@@ -15,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from cases import rel_err, run_each, step_on_the_same_gradients
+from autoshard._compat import generated_code
+from cases import by_case, rel_err, run_each, step_on_the_same_gradients
 from models import GPT
 
 pytestmark = pytest.mark.long("inductor compiles each plan's program, forward and backward, on every rank: "
@@ -33,19 +37,29 @@ def _pins(scheme, model, inputs, mesh):
     return getattr(autoshard.schemes, scheme)(model, inputs, mesh)
 
 
-def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy=None, recompute=None):
+def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy=None, recompute=None,
+          dropout=0.0, bucket_bytes=None):
     """Loss and every gradient of one compiled step against eager autoshard and one device, the
-    graph breaks of a user's compile, and a second step (no recompile for the same shapes)."""
+    graph breaks of a user's compile, and a second step (no recompile for the same shapes).
+    ``dropout``: every module draws from the same seed (autoshard's shared generator, one
+    device's default one). ``compile_option``: the order of the compiled code's collectives
+    (``_overlap``). ``bucket_bytes``: the plan's gradient buckets that small."""
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT(dropout=dropout)
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
     pin = _pins(scheme, model, inputs, mesh)
     kw = {"mp_policy": policy} if policy is not None else {}
     if recompute is not None:
         kw["recompute"] = recompute
     ref, eager = copy.deepcopy(model), copy.deepcopy(model)
-    pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=pin, verbose=False, compile=compile_option, **kw)
-    pe = autoshard.parallelize(eager, inputs, mesh=mesh, pin=pin, verbose=False, **kw)
+    if bucket_bytes is not None:
+        plan = autoshard.plan(model, inputs, mesh=mesh, pin=pin, verbose=False, **kw)
+        plan.schedule["bucket_bytes"] = bucket_bytes
+        pm = autoshard.parallelize(model, plan=plan, compile=compile_option)
+        pe = autoshard.parallelize(eager, plan=plan)
+    else:
+        pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=pin, verbose=False, compile=compile_option, **kw)
+        pe = autoshard.parallelize(eager, inputs, mesh=mesh, pin=pin, verbose=False, **kw)
     out = {}
     run = pm
     if backend is not None:
@@ -56,29 +70,77 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
         torch._dynamo.reset()
         run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    losses = [m(*inputs) for m in (run, pe, ref)]
-    for loss in losses:
-        loss.backward()
+
+    def seed(s):
+        pm.manual_seed(s)
+        pe.manual_seed(s)
+        torch.manual_seed(s)
+
+    def step():
+        seed(7)
+        losses = [m(*inputs) for m in (run, pe, ref)]
+        for loss in losses:
+            loss.backward()
+        return losses
+
+    if compile_option:
+        losses, code = generated_code(step)
+        out["order"] = [_overlap(c) for c in code]
+    else:
+        losses = step()
     ref_params, eager_params = dict(ref.named_parameters()), dict(pe.named_parameters())
     out["loss"] = (rel_err(losses[0], losses[2]), rel_err(losses[0], losses[1]))
     out["grads"] = {n: (rel_err(p.grad.full_tensor(), ref_params[n].grad),
                         rel_err(p.grad.full_tensor(), eager_params[n].grad.full_tensor()))
                     for n, p in pm.named_parameters()}
+    if dropout:   # the masks matter: another seed, another loss
+        pe.manual_seed(8)
+        out["other_seed"] = rel_err(pe(*inputs), losses[1])
     step_on_the_same_gradients(pm, ref, opt, ref_opt)
     opt.zero_grad()
     ref_opt.zero_grad()
-    out["again"] = rel_err(run(*inputs), ref(*inputs))   # after a step, the same compiled program
+    seed(9)
+    got = run(*inputs)
+    torch.manual_seed(9)
+    out["again"] = rel_err(got, ref(*inputs))   # after a step, the same compiled program
     out["programs"] = len(pm._programs)
     out["passes"] = pm.program.splitlines()[0]
+    out["recomputed"] = pm.program.count("= self.recompute_")
     return out
 
 
-def _compile_option(scheme):
-    return _case(scheme, (dist.get_world_size(),), compile_option=True)
+# inductor's generated Python: a collective's start (``bufN = ..._c10d_functional.all_gather...(x``
+# or in place ``..._c10d_functional.all_reduce_.default(bufN``), its ``wait_tensor(bufN)``, and the
+# kernels it runs (C++ or Triton kernels, extern matmuls, aten fallbacks)
+_START = re.compile(r"^\s*(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+?)\.default\((?:reinterpret_tensor\()?(\w+)")
+_WAIT = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
+_KERNEL = re.compile(r"^\s*(?:\w+ = )?(extern_kernels\.\w+|cpp_fused_\w+|triton_\w+|torch\.ops\.aten\.\w+)")
 
 
-def _user_compile(scheme, mesh, policy=None, recompute=None):
-    return _case(scheme, mesh, backend="aot_eager", policy=policy, recompute=recompute)
+def _overlap(code: str) -> list:
+    """Each collective of one compiled program, in the order started: (its op, the kernels the
+    program runs between its start and its wait)."""
+    started, out = {}, []
+    for line in code[code.index("def call("):].splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if (w := _WAIT.match(line)) is not None:
+            started.pop(w.group(1), None)
+        elif (s := _START.match(line)) is not None:
+            out.append((s.group(2), []))
+            started[s.group(3) if s.group(2).endswith("_") else s.group(1)] = len(out) - 1
+        elif (k := _KERNEL.match(line)) is not None:
+            for i in started.values():
+                out[i][1].append(k.group(1))
+    return out
+
+
+def _compile_option(scheme, **kw):
+    return _case(scheme, (dist.get_world_size(),), compile_option=True, **kw)
+
+
+def _user_compile(scheme, mesh, policy=None, recompute=None, **kw):
+    return _case(scheme, mesh, backend="aot_eager", policy=policy, recompute=recompute, **kw)
 
 
 def _max_autotune(scheme):
@@ -87,15 +149,57 @@ def _max_autotune(scheme):
     return _case(scheme, (dist.get_world_size(),), backend="inductor", mode="max-autotune")
 
 
+def _saved(scheme, recompute):
+    """The bytes a user's compiled forward keeps for backward (its first call, which compiles)."""
+    torch.manual_seed(0)
+    model = GPT()
+    inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    mesh = (dist.get_world_size(),)
+    pm = autoshard.parallelize(model, inputs, mesh=mesh, pin=_pins(scheme, model, inputs, mesh), verbose=False,
+                               recompute=recompute)
+    torch._dynamo.reset()
+    run = torch.compile(pm, backend="aot_eager", fullgraph=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        loss = run(*inputs)
+    loss.backward()
+    return {"bytes": sum(kept), "recomputed": pm.program.count("= self.recompute_")}
+
+
 SCHEMES = ["dp", "megatron", "fsdp"]
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-# world 4: a 2-D plan, FSDP under the bf16 policy, Megatron. Not here: recomputed blocks, whose
-# checkpoint (passes.checkpoint) reads the shared generator's state, which dynamo cannot trace
-WORLD4 = [("2d", (2, 2), None, None), ("fsdp", (4,), BF16, None), ("megatron", (4,), None, None)]
+# world 2, by key: compile=True and a user's compile on each scheme; recomputed blocks (whole, and
+# selectively), dropout, gradient buckets small enough to be several
+WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
+          **{("user", s): (_user_compile, s, (2,)) for s in SCHEMES},
+          ("autotune", "megatron"): (_max_autotune, "megatron"),
+          ("option", "megatron", "blocks"): (_case, "megatron", (2,)),
+          ("user", "dp", "blocks"): (_user_compile, "dp", (2,), None, "blocks"),
+          ("user", "megatron", "selective"): (_user_compile, "megatron", (2,), None, "selective"),
+          ("user", "fsdp", "blocks"): (_user_compile, "fsdp", (2,), None, "blocks"),
+          ("option", "dp", "buckets"): (_case, "dp", (2,)),
+          ("option", "dp", "dropout"): (_case, "dp", (2,)),
+          ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
+          ("saved", "dp", "none"): (_saved, "dp", "none"),
+          ("saved", "dp", "blocks"): (_saved, "dp", "blocks")}
+WORLD2_KW = {("option", "megatron", "blocks"): {"compile_option": True, "recompute": "blocks"},
+             ("option", "dp", "buckets"): {"compile_option": True, "bucket_bytes": 20_000},
+             ("option", "dp", "dropout"): {"compile_option": True, "dropout": 0.3},
+             ("user", "megatron", "dropout", "blocks"): {"dropout": 0.3}}
+# world 4: a 2-D plan, FSDP under the bf16 policy, Megatron, Megatron under the bf16 policy with
+# every block recomputed
+WORLD4 = [("2d", (2, 2), None, None), ("fsdp", (4,), BF16, None), ("megatron", (4,), None, None),
+          ("megatron", (4,), BF16, "blocks")]
 
 
-def _call(fn, *args):
-    return fn(*args)
+def _call(fn, *args, **kw):
+    return fn(*args, **kw)
+
+
+def _keyed(key):
+    fn, *args = WORLD2[key]
+    return _call(fn, *args, **WORLD2_KW.get(key, {}))
 
 
 def _world_run(n, fn, cases):
@@ -107,9 +211,7 @@ def _world_run(n, fn, cases):
 
 @pytest.fixture(scope="module")
 def world2_results():
-    cases = [(_compile_option, s) for s in SCHEMES] + [(_user_compile, s, (2,)) for s in SCHEMES] + \
-        [(_max_autotune, "megatron")]
-    return _world_run(2, _call, cases)
+    return by_case(list(WORLD2), _world_run(2, _keyed, [(k,) for k in WORLD2]))
 
 
 @pytest.fixture(scope="module")
@@ -126,35 +228,92 @@ def _check(r, tol=TOL):
     assert r["programs"] == 1   # the same shapes again: no new program, nothing compiled again
 
 
-@pytest.mark.parametrize("index", range(len(SCHEMES)), ids=SCHEMES)
-def test_compile_option_matches_eager_and_single_device(world2_results, index):
-    for rank in world2_results:
-        r = rank[index]
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compile_option_matches_eager_and_single_device(world2_results, scheme):
+    for r in world2_results[("option", scheme)]:
         _check(r)
         assert r["passes"].endswith("compile"), r["passes"]
 
 
-@pytest.mark.parametrize("index", range(len(SCHEMES)), ids=SCHEMES)
-def test_users_compile_has_no_graph_break_and_matches(world2_results, index):
-    for rank in world2_results:
-        r = rank[len(SCHEMES) + index]
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_users_compile_has_no_graph_break_and_matches(world2_results, scheme):
+    for r in world2_results[("user", scheme)]:
         _check(r)
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
 
 def test_users_max_autotune(world2_results):
-    for rank in world2_results:
-        r = rank[2 * len(SCHEMES)]
+    for r in world2_results[("autotune", "megatron")]:
         _check(r)
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
 
-@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[f"{c[0]}-{c[1]}" for c in WORLD4])
+@pytest.mark.parametrize("key", [("option", "megatron", "blocks"), ("user", "dp", "blocks"),
+                                 ("user", "megatron", "selective"), ("user", "fsdp", "blocks")], ids="-".join)
+def test_recomputed_blocks_compile_and_match(world2_results, key):
+    """``recompute`` under compile=True and a user's compile: every block checkpointed, traced
+    with no graph break, exact."""
+    for r in world2_results[key]:
+        _check(r)
+        assert r["recomputed"] == 2, r["recomputed"]   # the GPT's two blocks
+        if key[0] == "user":
+            assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+
+
+def test_recomputed_blocks_keep_less_when_compiled(world2_results):
+    """Compiled, the recomputed blocks keep only their inputs (and what draws at random) for
+    backward: the forward saves less than with every activation kept."""
+    kept, recomputed = world2_results[("saved", "dp", "none")], world2_results[("saved", "dp", "blocks")]
+    for a, b in zip(kept, recomputed):
+        assert "error" not in a and "error" not in b, (a.get("error"), b.get("error"))
+        assert b["recomputed"] == 2 and a["recomputed"] == 0
+        assert b["bytes"] < 0.7 * a["bytes"], (b["bytes"], a["bytes"])
+
+
+@pytest.mark.parametrize("key", [("option", "dp", "dropout"), ("user", "megatron", "dropout", "blocks")],
+                         ids="-".join)
+def test_dropout_draws_the_masks_eager_draws(world2_results, key):
+    """Dropout compiled draws from the generator every rank shares, as eager autoshard does: from
+    one seed, compiled, eager and one device drop the same units (recomputed blocks too), and
+    the masks matter (another seed, another loss)."""
+    for r in world2_results[key]:
+        _check(r)
+        assert r["other_seed"] > 1e-3, r["other_seed"]
+
+
+def _hidden(order):
+    """How many of a program's collectives have a matmul between their start and their wait."""
+    return sum(any(k.startswith("extern_kernels.") and k.endswith("mm") for k in between) for _, between in order)
+
+
+def test_compiled_megatron_waits_after_the_weight_gradients(world2_results):
+    """A Megatron backward's all-reduce of the input gradient starts, the weight gradient's matmul
+    (which does not need it) runs, then it is waited on: inductor's comm passes (compile=True)."""
+    for r in world2_results[("option", "megatron")]:
+        forward, backward = r["order"]
+        assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
+        assert _hidden(backward) >= 3, backward
+
+
+def test_compiled_gradient_buckets_overlap_backward(world2_results):
+    """Data parallel with several gradient buckets: each bucket's all-reduce but the last runs
+    beside the backward matmuls of the layers before it, as the schedule starts them."""
+    for r in world2_results[("option", "dp", "buckets")]:
+        _check(r)
+        forward, backward = r["order"]
+        buckets = [b for op, b in backward]
+        assert len(buckets) >= 4, backward
+        assert _hidden(backward) >= len(buckets) - 2, backward
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[f"{c[0]}-{c[1]}-{c[3] or 'kept'}" for c in WORLD4])
 def test_users_compile_world4(world4_results, index):
     for rank in world4_results:
         r = rank[index]
         _check(r, BF16_TOL if WORLD4[index][2] is not None else TOL)
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+        if WORLD4[index][3] is not None:
+            assert r["recomputed"] == 2, r["recomputed"]
 
 
 def test_compile_is_checked():

@@ -42,17 +42,36 @@ def _keep_arithmetic(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op.overloadpacket in ARITHMETIC else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _keep_random(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if torch.Tag.nondeterministic_seeded in op.tags else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_arithmetic_and_random(ctx, op, *args, **kwargs):
+    keep = op.overloadpacket in ARITHMETIC or torch.Tag.nondeterministic_seeded in op.tags
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Recompute(torch.nn.Module):
     """One block of the program: its forward kept only as far as its inputs, run again in
     backward with the rank's mesh active and the generator all ranks share for random ops
     (dropout) as it was, so it draws the same masks. ``selective``: the outputs of its
-    arithmetic (``ARITHMETIC``) kept too, and only the rest run again."""
+    arithmetic (``ARITHMETIC``) kept too, and only the rest run again.
+
+    Traced (torch.compile), the compiler's partitioner does the recomputing, and the block keeps
+    the outputs of its random ops (a dropout's mask; attention kernels that may draw) rather
+    than drawing them again: the generator's state cannot be read in a traced graph, and
+    AOTAutograd's replay of random ops misplaces their saved states in a graph that also saves
+    the parameters' device mesh (a user's compile, whose inputs are DTensors; torch 2.13)."""
 
     def __init__(self, block: fx.GraphModule, name: str, selective: bool = False):
         super().__init__()
         self.block, self.name, self.selective = block, name, selective
 
     def forward(self, *xs):
+        if torch.compiler.is_compiling():
+            keep = _keep_arithmetic_and_random if self.selective else _keep_random
+            return checkpoint(self.block, *xs, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, keep))
         mesh = runtime._mesh()
         state = mesh.generator.get_state()
         runs = [0]
@@ -90,8 +109,9 @@ def checkpoint_blocks(program: fx.GraphModule, graph, plan) -> fx.GraphModule:
     root = torch.nn.Module()
     regather = plan.schedule.get("reshard_after_forward", False)
     selective = bool((plan.recompute or {}).get("selective"))
+    weights = {n.name for n in graph.nodes if n.kind in ("param", "buffer")}
     for name in chosen:
-        _region(g, root, name, set(blocks[name]), regather, selective and name not in user)
+        _region(g, root, name, set(blocks[name]), weights, regather, selective and name not in user)
     g.lint()
     gm = fx.GraphModule(root, g, class_name="RankProgram")
     gm.meta.update(program.meta)
@@ -108,22 +128,30 @@ def user_regions(graph) -> dict:
     return out
 
 
-def _region(g: fx.Graph, root, name: str, sources: set, regather: bool, selective: bool = False) -> None:
+def _from_weights(g: fx.Graph, weights: set) -> set:
+    """The program's nodes made from parameters and buffers alone (``weights``: their names): their
+    shares, gradient syncs, policy casts, gathers."""
+    out: set = set()
+    for n in g.nodes:
+        if (n.op == "placeholder" and n.target in weights) or \
+                (n.op == "call_function" and all(u in out for u in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
+def _region(g: fx.Graph, root, name: str, sources: set, weights: set, regather: bool, selective: bool = False) -> None:
+    # what the block makes from its weights alone is hoisted before the region and kept (unless
+    # regathered): it bounds no region, wherever the program put it (a precision policy casts
+    # every block's parameters at the program's start)
+    kept = set() if regather else _from_weights(g, weights)
     nodes = list(g.nodes)
-    at = [i for i, n in enumerate(nodes) if n.meta.get("source") in sources]
+    at = [i for i, n in enumerate(nodes) if n.meta.get("source") in sources and n not in kept]
     if not at:
         return
     span = nodes[at[0]:at[-1] + 1]
-    inside: set = set()
-    hoisted = []
-    for n in span:
-        uses = n.all_input_nodes
-        if n.op == "call_function" and not regather and not any(u in inside for u in uses) and \
-                all(u.op == "placeholder" or u in hoisted for u in uses):
-            hoisted.append(n)   # made from placeholders alone: before the region, kept
-        else:
-            inside.add(n)
-    members = [n for n in span if n in inside]
+    hoisted = [n for n in span if n in kept]
+    members = [n for n in span if n not in kept]
+    inside = set(members)
     first = members[0]
     for n in hoisted:
         first.prepend(n)

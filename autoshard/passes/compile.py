@@ -6,9 +6,11 @@ collectives (``autoshard._compat.functional_collective``): each a start and a ``
 the graph where the program starts and waits on it, each with its dual step as its autograd; its
 parameter and gradient handling and its buckets become plain autograd (``autoshard.runtime``:
 each function's traced branch). So the program compiles as one graph, with no break: forward and
-backward (AOTAutograd), the collectives among the fused kernels, where inductor's scheduler keeps
-them in the program's order. Every rank traces the same program, so every rank issues the same
-collectives in the same order.
+backward (AOTAutograd), the collectives among the fused kernels. Inductor's comm passes
+(``_compat.comm_overlap_options``) then sink each wait to the first use of its result and raise
+each start, as the schedule pass does in the eager program (a backward's all-reduce waits after
+the weight gradient that does not need it), never swapping two collectives. Every rank traces
+the same program, so every rank issues the same collectives in the same order.
 
 A program is lowered once per input shape (``ParallelModule._program_for``), so it is compiled
 once, for static shapes (``dynamic=False``): a new shape makes a new program, compiled once.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autoshard._compat import comm_overlap_options
+
 
 def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=None) -> torch.nn.Module:
     """``program`` compiled as one region (``fullgraph``: a graph break is an error, not a silent
@@ -26,4 +30,5 @@ def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=
     out = fx.GraphModule(program, program.graph)   # checkpointed blocks (passes.checkpoint) kept as submodules
     out.meta.update(program.meta)
     out.meta["passes"] = [*program.meta.get("passes", ()), "compile"]
-    return torch.compile(out, backend=backend, mode=mode, dynamic=False, fullgraph=True)
+    options = comm_overlap_options() if backend == "inductor" and mode is None else None
+    return torch.compile(out, backend=backend, mode=mode, options=options, dynamic=False, fullgraph=True)

@@ -6,8 +6,10 @@ thread-local, read through ``_mesh()``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -17,6 +19,10 @@ from autoshard import placement as pl
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits
 
 _state = threading.local()   # .mesh: the RankMesh ``active`` set on this thread
+# key -> RankMesh, for what a compiled program calls by a constant (its generator: ``by_key``);
+# keys count up as meshes are made, so every rank gives a module's mesh the same key
+_by_key: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_keys = itertools.count()
 
 
 class RankMesh:
@@ -32,6 +38,8 @@ class RankMesh:
         # an input, so that every rank's graph is the same graph (``steps.keep_partial``)
         self.first = [torch.tensor(c == 0, device=device_mesh.device_type) for c in self.coords]
         self.generator = generator
+        self.key = next(_keys)
+        _by_key[self.key] = self
         self.kept: dict = {}    # key -> what a scheduled collective keeps from call to call
         self.hybrid: list = []  # backward: hybrid gather buckets reduce-scattered, their all-reduces not started
         self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
@@ -112,6 +120,12 @@ def _mesh() -> RankMesh:
     if m is None:
         raise RuntimeError("an autoshard program ran outside its parallel module")
     return m
+
+
+def by_key(key: int) -> RankMesh:
+    """The mesh whose ``key`` this is (a compiled program names its mesh by the key: a traced
+    graph holds no Python objects)."""
+    return _by_key[key]
 
 
 def dtensor_placements(placement: tuple, name: str) -> list:

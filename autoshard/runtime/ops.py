@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from autoshard import placement as pl
 from autoshard.runtime.edges import _convert, _whole
-from autoshard.runtime.mesh import _mesh
+from autoshard.runtime.mesh import _mesh, by_key
 from autoshard.runtime.steps import _run, _slice, all_gather
 
 
@@ -30,12 +30,37 @@ def dropout(x, p: float, train: bool, placement: tuple):
             shape[q.dim] *= n
     if p == 1:
         return x * 0
-    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=m.generator)
-    noise.div_(1 - p)
+    if torch.compiler.is_compiling():
+        noise = shared_mask(x.detach(), p, shape, m.key)
+    else:
+        noise = _draw(x, p, shape, m.generator)
     for a, (q, n) in enumerate(zip(pls, m.shape)):
         if isinstance(q, pl.Split):
             noise = _slice(noise, n, m.coords[a], q.dim)
     return x * noise
+
+
+def _draw(x, p: float, shape, generator) -> torch.Tensor:
+    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
+    return noise.div_(1 - p)
+
+
+# Traced (torch.compile), dropout's mask is drawn by an op the compiler calls as it is, from the
+# generator every rank shares, as eager autoshard draws it: dynamo cannot take a torch.Generator,
+# and the compiler's own random ops draw from other streams (inductor's), so compiled and eager
+# would drop different units. Tagged random, so the compiler neither merges two draws nor draws
+# again in backward (it keeps the mask); ``x``, the tensor it masks, orders the draw after what
+# computes it, so the draws come in the program's order.
+@torch.library.custom_op("autoshard::shared_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def shared_mask(x: torch.Tensor, p: float, shape: list[int], mesh: int) -> torch.Tensor:
+    """Dropout's whole mask (scaled by 1 / (1 - p)) for ``x``, drawn from the generator of the
+    mesh keyed ``mesh`` (``RankMesh.key``)."""
+    return _draw(x, p, shape, by_key(mesh).generator)
+
+
+@shared_mask.register_fake
+def _(x, p, shape, mesh):
+    return x.new_empty(shape)
 
 
 def causal_attention(q, k, v, attn_mask, dropout_p: float, scale, enable_gqa: bool, start: int):
