@@ -79,9 +79,6 @@ class PlanOptions:
             if not self.pipelined:
                 raise ValueError("microbatches= cuts the batch for a pipeline's schedule; pass pipeline=k (k > 1) with "
                                  "it, or leave it out")
-        if self.pipelined and self.mp_policy is not None:
-            raise ValueError("pipeline= does not yet run under a mixed-precision policy: pass mp_policy=None, or plan "
-                             "without pipeline=")
 
     @property
     def pipelined(self) -> bool:

@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard._compat import tree_flatten
-from autoshard.passes.capture import capture
 from autoshard.passes.lower import lower
-from autoshard.planner.pipeline import PipelinePlan, cut, input_device, plan_pipeline, stage_inputs
+from autoshard.planner.pipeline import (PipelinePlan, capture_stage, cut, input_device, plan_pipeline, stage_inputs,
+                                       stage_policy)
+from autoshard.precision import reduce_dtype
 from autoshard.runtime import agree, optim
 from autoshard.runtime.mesh import RankMesh, dtensor_placements
 from autoshard.runtime.pipeline import Runner, StageProgram, chunked
@@ -82,18 +83,20 @@ class ParallelPipeline(nn.Module):
         with torch.no_grad():   # every rank starts from rank 0's values, as parallelize promises
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t, src=0)
-        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts)
+        policy = stage_policy(plan)   # the plan's own: a saved plan runs under the policy it was made for
+        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts, policy)
         mesh = _device_mesh(device.type, tuple(plan.mesh_shape))
         sub = mesh[AXIS_NAMES[1:len(plan.mesh_shape)]]
         s = mesh.get_coordinate()[0]
         held = stages.modules[s]
         splan = plan.stages[s].plan
-        graph = capture(held, stage_inputs(stages, s, input_device(example_inputs)), None, outputs)
+        graph = capture_stage(stages, s, input_device(example_inputs), outputs, policy)
         seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(seed, src=0)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
         rank_mesh = RankMesh(sub, gen, {})
+        rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
         program = lower(graph, splan, device=device, coords=rank_mesh.coords, overlap=overlap)
         if program.meta["joint_axes"]:
             raise ValueError("a pipeline's stages run on one more axis at most yet")
@@ -116,7 +119,7 @@ class ParallelPipeline(nn.Module):
         gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < k else \
             torch.zeros((), device=at)
         runner = Runner(StageProgram(program, held, slots, rank_mesh, first=s == 0, last=s == k - 1), s, k, plan.microbatches,
-                        mesh.get_group("pipeline"), last, device, ties, takes, gives)
+                        mesh.get_group("pipeline"), last, device, ties, takes, gives, stages.loss_dtype)
         self._modules = held._modules          # named_parameters and state_dict: the stage's, by their names
         self._parameters = held._parameters
         self._buffers = held._buffers

@@ -83,6 +83,59 @@ def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
         assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
 
 
+def _bf16_against_one_device(pipeline, microbatches=None, **options):
+    """Under MixedPrecisionPolicy(bf16, reduce fp32): the pipelined GPT's loss and every held
+    gradient against one device computing in bf16 from its fp32 parameters (the policy's own
+    semantics), with that device's distance from fp32 (test_precision's bound)."""
+    from test_precision import POLICY, _err, _fp32_run, _noise
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    ref = copy.deepcopy(model)
+    idx, tgt = _batch()
+    fp32_loss, fp32 = _fp32_run(model, (idx, tgt))
+    pm = autoshard.parallelize(model, (idx, tgt), verbose=False, cluster="a100-80gb-nvlink-ib", pipeline=pipeline,
+                               microbatches=microbatches, mp_policy=POLICY, **options)
+    loss = pm(idx, tgt)
+    loss.backward()
+    copies = {n: p.to(torch.bfloat16) for n, p in ref.named_parameters()}
+    want = torch.func.functional_call(ref, copies, (idx, tgt), tie_weights=True)
+    want.backward()
+    refp = dict(ref.named_parameters(remove_duplicate=False))
+    return {"stage": pm.stage, "loss": _err(loss, want), "noise": _noise(want, ref, fp32_loss, fp32),
+            "grads": {n: _err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters()},
+            "dtypes": {str(p.dtype) for p in pm.parameters()} | {str(p.grad.dtype) for p in pm.parameters()},
+            "loss_dtype": str(loss.dtype), "program": pm.program, "plan": pm.plan.to_json()}
+
+
+def _check_bf16(results):
+    from test_precision import bf16_tol
+    for r in results:
+        assert r["dtypes"] == {"torch.float32"}, r["dtypes"]   # fp32 masters and their gradients
+        assert r["loss_dtype"] == "torch.bfloat16"
+        assert "torch.bfloat16" in r["program"]
+        assert r["loss"] <= bf16_tol(r), (r["loss"], r["noise"])
+        bad = {n: e for n, e in r["grads"].items() if e > bf16_tol(r)}
+        assert not bad, (bad, r["noise"])
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert all(s.plan.schedule["precision"]["policy"]["param_dtype"] == "bfloat16" for s in plan.stages)
+    # the residual crosses in bf16: half the bytes of fp32 (the targets, int64, beside it)
+    assert plan.stages[0].sends[-1][0] == 8 // plan.microbatches * 16 * 32 * 2
+
+
+def test_bf16_policy_two_stages_at_world_2(world2):
+    _check_bf16(world2.run(_bf16_against_one_device, 2))
+
+
+@pytest.mark.parametrize("scheme", ["data", "megatron"])
+def test_bf16_policy_two_stages_by_two_at_world_4(world4, scheme):
+    pins = megatron_pins([f"blocks.{i}." for i in range(4)]) if scheme == "megatron" else None
+    results = world4.run(_bf16_against_one_device, 2, 2, pin=pins)
+    _check_bf16(results)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    if scheme == "megatron":
+        assert all(s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",) for s in plan.stages)
+
+
 def _steps(pipeline, no_sync=False):
     """Accumulation over two calls (the first under ``no_sync``), a scaled loss, an SGD step and
     evaluation, beside the model's own."""

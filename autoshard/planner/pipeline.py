@@ -28,6 +28,7 @@ from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, split
 from autoshard.plan import Plan
+from autoshard.precision import policy_from_record, policy_record
 from autoshard.planner.solution import NoPlanInTime
 from autoshard.runtime.pipeline import chunked, schedule_name
 
@@ -294,13 +295,30 @@ def stage_inputs(stages, s: int, device, grads: bool = False) -> tuple:
                  for shape, dtype in stages.inputs[s])
 
 
-def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None):
+def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None, mp_policy=None):
     """The stages of ``model`` for ``k`` stages and ``m`` microbatches (``passes.stages``),
-    beginning at blocks ``starts`` (by default as even as they go)."""
+    beginning at blocks ``starts`` (by default as even as they go). Under ``mp_policy`` the
+    model is captured with its casts written in (``autoshard.precision``), so each stage casts
+    the parameters it holds, and what crosses between stages travels in the dtype it has there."""
     args, kwargs = microbatch_inputs(example_inputs, m)
-    graph = capture(model, args, kwargs or None, outputs)
+    graph = capture(model, args, kwargs or None, outputs, mp_policy=mp_policy)
     _, indices = block_stack(graph)
     return split(graph, model, list(starts) if starts else even_cuts(len(indices), k))
+
+
+def capture_stage(stages, s: int, device, outputs: str, mp_policy=None):
+    """Stage ``s``'s program captured as a model of its own (one microbatch's shapes). Its
+    policy's casts are already in it (``cut``); the graph records the policy, by which its plan
+    reduces the gradients in ``reduce_dtype`` (``precision.reduce_dtype``)."""
+    graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, outputs)
+    if mp_policy is not None:
+        graph.precision = {"policy": policy_record(mp_policy), "autocast": None}
+    return graph
+
+
+def stage_policy(plan: "PipelinePlan"):
+    """The precision policy a pipelined plan was made under (its stages' record), or None."""
+    return policy_from_record((plan.stages[0].plan.schedule.get("precision") or {}).get("policy"))
 
 
 def input_device(example_inputs):
@@ -315,13 +333,13 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
     k = mesh_shape[0]
     inner = tuple(mesh_shape[1:]) or (1,)
     m = options.microbatches or default_microbatches(example_inputs, k)
-    stages = cut(model, example_inputs, k, m, options.outputs, starts)
+    stages = cut(model, example_inputs, k, m, options.outputs, starts, options.mp_policy)
     device = input_device(example_inputs)
     stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None)
     size = math.prod(inner)
     planned, pinned = [], set()
     for s in range(k):
-        graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, options.outputs)
+        graph = capture_stage(stages, s, device, options.outputs, options.mp_policy)
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)

@@ -130,11 +130,13 @@ class Runner:
     """A rank's stage and schedule, and what one call needs around them."""
 
     def __init__(self, stage_program: StageProgram, stage: int, stages: int, microbatches: int,
-                 pipe_group, last_rank: int, device, ties: list, takes: tuple, gives: tuple):
+                 pipe_group, last_rank: int, device, ties: list, takes: tuple, gives: tuple,
+                 loss_dtype: torch.dtype = torch.float32):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         self.module = stage_program
         self.stage, self.stages, self.microbatches = stage, stages, microbatches
         self.group, self.last_rank, self.device = pipe_group, last_rank, device
+        self.loss_dtype = loss_dtype   # the last stage's (bf16 under a policy): every rank returns it so
         self.ties = ties   # [(parameter name, process group of its holders, same placements)]
         # what it takes and gives, given: nothing runs to find them out
         self.pipe_stage = PipelineStage(stage_program, stage, stages, device, input_args=takes, output_args=gives,
@@ -173,7 +175,7 @@ class Runner:
         if losses:
             loss = torch.stack([x.detach() for x in losses]).mean().reshape(())
         else:
-            loss = torch.zeros((), device=self.device)
+            loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         # a step under no_sync keeps its gradients' sums in the program, and the next synced step
@@ -190,7 +192,7 @@ class Runner:
         with torch.no_grad():
             self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         loss = torch.stack([x.detach() for x in losses]).mean().reshape(()) if losses else \
-            torch.zeros((), device=self.device)
+            torch.zeros((), dtype=self.loss_dtype, device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
