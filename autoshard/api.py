@@ -136,7 +136,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
          inputs: str = "whole", verbose: bool = True, recompute: str = AUTO,
-         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None):
+         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None, virtual: int = 1):
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -173,7 +173,10 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     ``pipeline=k`` (k > 1) cuts the model between its repeated blocks into ``k`` stages along one
     more mesh axis, the first, each stage planned on the other axes (``mesh=(k, ...)``, or
     ``(k, world // k)``), its batch cut into ``microbatches`` (by default up to ``2 k``), and
-    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``); ``1`` plans without a
+    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``). ``virtual=v`` (v > 1)
+    cuts it into ``k v`` chunks instead, rank coordinate ``r`` on the pipeline axis holding chunks
+    ``r, r + k, ...``, run by the interleaved 1F1B schedule (a bubble ``v`` times smaller, ``v``
+    times the sends). ``pipeline=1`` plans without a
     pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
     network beats the best plan without (``planner.pipeline.search_pipeline``).
 
@@ -190,7 +193,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
                           bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                           reshard_after_forward=reshard_after_forward, outputs=outputs, verbose=verbose,
                           recompute=recompute, mp_policy=mp_policy, inputs=inputs, pipeline=pipeline,
-                          microbatches=microbatches)
+                          microbatches=microbatches, virtual=virtual)
     if options.pipelined:   # stages on a first mesh axis, each planned as a model of its own
         mesh_shape = resolve_mesh(world, options.mesh)
         return plan_pipeline(model, example_inputs, pipeline_mesh(math.prod(mesh_shape), options), options, plan_graph)

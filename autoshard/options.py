@@ -39,6 +39,7 @@ class PlanOptions:
     mp_policy: object = None                  # a torch.distributed.fsdp.MixedPrecisionPolicy
     pipeline: Optional[int] = None            # pipeline stages: None or 1, none; k, k stages (planner.pipeline)
     microbatches: Optional[int] = None        # with a pipeline: None, chosen from the batch
+    virtual: int = 1                          # with a pipeline: chunks of blocks per rank; > 1, interleaved 1F1B
 
     def __post_init__(self):
         if self.cluster is not None and not isinstance(self.cluster, (str, Cluster)):
@@ -70,7 +71,8 @@ class PlanOptions:
         self._check_pipeline()
 
     def _check_pipeline(self):
-        """``pipeline``: None or 1 (no pipeline), or k stages; ``microbatches`` only with one."""
+        """``pipeline``: None or 1 (no pipeline), or k stages; ``microbatches`` and ``virtual`` only
+        with one."""
         if self.pipeline is not None:
             check_int("pipeline", self.pipeline, low=1, hint="the number of pipeline stages, such as 2, or None")
         if self.microbatches is not None:
@@ -79,6 +81,10 @@ class PlanOptions:
             if not self.pipelined:
                 raise ValueError("microbatches= cuts the batch for a pipeline's schedule; pass pipeline=k (k > 1) with "
                                  "it, or leave it out")
+        check_int("virtual", self.virtual, low=1, hint="how many chunks of blocks each pipeline rank holds, such as 2")
+        if self.virtual > 1 and not self.pipelined:
+            raise ValueError(f"virtual={self.virtual} interleaves chunks of a pipeline's stages; pass pipeline=k (k > 1) "
+                             "with it, or leave it out")
 
     @property
     def pipelined(self) -> bool:

@@ -84,47 +84,48 @@ class ParallelPipeline(nn.Module):
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t, src=0)
         policy = stage_policy(plan)   # the plan's own: a saved plan runs under the policy it was made for
-        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts, policy)
+        n = len(plan.stages)          # k stages, or k v chunks where each rank holds v (interleaved)
+        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts, policy, plan.virtual)
         mesh = _device_mesh(device.type, tuple(plan.mesh_shape))
         sub = mesh[AXIS_NAMES[1:len(plan.mesh_shape)]]
-        s = mesh.get_coordinate()[0]
-        held = stages.modules[s]
-        splan = plan.stages[s].plan
-        graph = capture_stage(stages, s, input_device(example_inputs), outputs, policy)
+        r = mesh.get_coordinate()[0]
         seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(seed, src=0)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
-        rank_mesh = RankMesh(sub, gen, {})
-        rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
-        program = lower(graph, splan, device=device, coords=rank_mesh.coords, overlap=overlap)
-        if program.meta["joint_axes"]:
-            raise ValueError("a pipeline's stages run on one more axis at most yet")
-        _shard(held, splan, sub)
-        slots = []
-        for n in graph.nodes:
-            if n.kind == "param":
-                slots.append(("param", n.fqn))
-            elif n.kind == "buffer":
-                slots.append(("buffer", n.fqn) if n.fqn in dict(held.named_buffers()) else
-                             graph.exported.constants[n.fqn].to(device))
-        ties = _tie_groups(plan, s, sub.get_coordinate()[0] if sub.ndim == 1 else 0)
-        last = plan.stages[k - 1].ranks[plan.stages[s].ranks.index(dist.get_rank())]
         at = input_device(example_inputs)
-        # what crosses between stages: a floating tensor carries a gradient back (torch's stage
-        # reads which from these examples); the first stage's inputs carry none
         p = math.prod(inner)
-        takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=s > 0)) if s else \
-            stage_inputs(stages, s, at)
-        gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < k else \
-            torch.zeros((), device=at)
-        runner = Runner(StageProgram(program, held, slots, rank_mesh, first=s == 0, last=s == k - 1), s, k, plan.microbatches,
-                        mesh.get_group("pipeline"), last, device, ties, takes, gives, stages.loss_dtype)
-        self._modules = held._modules          # named_parameters and state_dict: the stage's, by their names
-        self._parameters = held._parameters
-        self._buffers = held._buffers
-        self.__dict__.update(_model=model, _plan=plan, _runner=runner, _stage=s, device_mesh=mesh,
-                             _program=program, _shapes=[tuple(x) for x in plan.input_shapes])
+        joint: dict = {}
+        chunks, programs = [], []
+        for st in plan.chunks(r):   # each with its own program and rank mesh (what a collective keeps is the program's)
+            s, held = st.index, stages.modules[st.index]
+            graph = capture_stage(stages, s, at, outputs, policy)
+            rank_mesh = RankMesh(sub, gen, joint)
+            rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
+            program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap)
+            if program.meta["joint_axes"]:
+                raise ValueError("a pipeline's stages run on one more axis at most yet")
+            _shard(held, st.plan, sub)
+            # what crosses between stages: a floating tensor carries a gradient back (torch's stage
+            # reads which from these examples); the first stage's inputs carry none
+            takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=True)) if s else \
+                stage_inputs(stages, s, at)
+            gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < n else \
+                torch.zeros((), dtype=stages.loss_dtype, device=at)
+            chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
+                                        last=s == n - 1), s, takes, gives))
+            programs.append(program)
+        holder = _holder([c[0].held for c in chunks])
+        ties = _tie_groups(plan, [c[1] for c in chunks], sub.get_coordinate()[0] if sub.ndim == 1 else 0)
+        last = plan.stages[n - 1].ranks[plan.stages[r].ranks.index(dist.get_rank())]
+        runner = Runner(chunks, k, plan.microbatches, mesh.get_group("pipeline"), last, device, ties, stages.loss_dtype,
+                        holder)
+        self._modules = holder._modules          # named_parameters and state_dict: the rank's, by their names
+        self._parameters = holder._parameters
+        self._buffers = holder._buffers
+        self.__dict__.update(_model=model, _plan=plan, _runner=runner, _stage=r, device_mesh=mesh,
+                             _programs=programs, _chunks=tuple(c[1] for c in chunks),
+                             _shapes=[tuple(x) for x in plan.input_shapes])
 
     @property
     def plan(self) -> PipelinePlan:
@@ -132,20 +133,26 @@ class ParallelPipeline(nn.Module):
 
     @property
     def stage(self) -> int:
-        """The stage this rank runs."""
+        """The stage this rank runs: its coordinate on the pipeline axis."""
         return self._stage
 
     @property
+    def chunks(self) -> tuple:
+        """The indices in ``plan.stages`` of the stages this rank runs: ``(stage,)``, or under
+        ``virtual=v`` its ``v`` chunks."""
+        return self._chunks
+
+    @property
     def program(self) -> str:
-        """This rank's stage program, as Python."""
-        return (f"# autoshard pipeline stage {self._stage}, built by: {', '.join(self._program.meta['passes'])}\n"
-                + self._program.code)
+        """This rank's stage programs, as Python."""
+        return "\n".join(f"# autoshard pipeline stage {c}, built by: {', '.join(p.meta['passes'])}\n" + p.code
+                         for c, p in zip(self._chunks, self._programs))
 
     def no_sync(self):
         """Gradient accumulation, as ``ParallelModule.no_sync``: the steps run inside reduce no
         gradient over the stages' data axes; each rank keeps its unreduced sum, which the first
         step outside adds to what it reduces."""
-        return self._runner.module.rank_mesh.no_sync()
+        return self._runner.no_sync()
 
     def train(self, mode: bool = True):
         self._model.train(mode)
@@ -171,6 +178,42 @@ def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:
     return x[: x.shape[0] // ranks].detach().clone().requires_grad_(x.requires_grad)
 
 
+def _slots(graph, held: nn.Module, device) -> list:
+    """Per parameter and buffer placeholder of a stage's program: ("param", name), ("buffer",
+    name), or the constant it takes."""
+    slots = []
+    buffers = dict(held.named_buffers())
+    for n in graph.nodes:
+        if n.kind == "param":
+            slots.append(("param", n.fqn))
+        elif n.kind == "buffer":
+            slots.append(("buffer", n.fqn) if n.fqn in buffers else graph.exported.constants[n.fqn].to(device))
+    return slots
+
+
+def _holder(helds: list) -> nn.Module:
+    """One module holding, under their names in the model, the parameters and buffers of every
+    stage a rank runs (the same objects: the stages' programs read them there)."""
+    if len(helds) == 1:
+        return helds[0]
+    holder = nn.Module()
+    for held in helds:
+        for kind, named in (("parameter", held.named_parameters()), ("buffer", held.named_buffers())):
+            for name, t in named:
+                prefix, _, leaf = name.rpartition(".")
+                into = holder
+                for part in prefix.split(".") if prefix else ():
+                    if part not in into._modules:
+                        into.add_module(part, nn.Module())
+                    into = into._modules[part]
+                table = into._parameters if kind == "parameter" else into._buffers
+                if leaf in table:
+                    raise ValueError(f"two chunks of one rank hold {name}: pass a smaller virtual=, or pipeline= that "
+                                     "keeps the stages that share it on other ranks")
+                table[leaf] = t
+    return holder
+
+
 def _shard(held: nn.Module, splan, sub) -> None:
     """The stage's parameters as this rank's DTensor shares on ``sub``, the mesh of the other
     axes (every rank has rank 0's values: each takes its share where it is)."""
@@ -184,9 +227,9 @@ def _shard(held: nn.Module, splan, sub) -> None:
         optim.retire(p, fqn, new)
 
 
-def _tie_groups(plan: PipelinePlan, s: int, coord: int) -> list:
-    """[(name, group, same placements)] for every parameter this rank's stage shares with
-    another. Collective: every rank makes every group, in one order."""
+def _tie_groups(plan: PipelinePlan, mine: list, coord: int) -> list:
+    """[(name, group, same placements)] for every parameter this rank's stages ``mine`` share
+    with another rank's. Collective: every rank makes every group, in one order."""
     holders: dict = {}
     for st in plan.stages:
         for name in st.plan.params:
@@ -194,12 +237,13 @@ def _tie_groups(plan: PipelinePlan, s: int, coord: int) -> list:
     shared = {name: tuple(h) for name, h in holders.items() if len(h) > 1}
     groups = {}
     for hs in sorted(set(shared.values())):
-        lists = [[plan.stages[h].ranks[c] for h in hs] for c in range(len(plan.stages[0].ranks))]
-        mine, _ = dist.new_subgroups_by_enumeration(lists)
-        groups[hs] = mine
+        lists = [sorted({plan.stages[h].ranks[c] for h in hs}) for c in range(len(plan.stages[0].ranks))]
+        if len(lists[0]) < len(hs):
+            raise ValueError(f"stages {list(hs)} share a parameter and run on one rank: pass a smaller virtual=")
+        groups[hs], _ = dist.new_subgroups_by_enumeration(lists)
     out = []
     for name, hs in sorted(shared.items()):
-        if s in hs:
+        if set(mine) & set(hs):
             same = len({tuple(plan.stages[h].plan.params[name]) for h in hs}) == 1
             out.append((name, groups[hs], same))
     return out

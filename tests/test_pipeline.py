@@ -38,8 +38,8 @@ def _against_one_device(pipeline, microbatches=None, layers=4, plan=None, **opti
     want.backward()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     grads = {n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()}
-    return {"stage": pm.stage, "loss": rel_err(loss, want), "grads": grads, "untouched": untouched,
-            "held": sorted(n for n, _ in pm.named_parameters()), "plan": pm.plan.to_json()}
+    return {"stage": pm.stage, "chunks": pm.chunks, "loss": rel_err(loss, want), "grads": grads,
+            "untouched": untouched, "held": sorted(n for n, _ in pm.named_parameters()), "plan": pm.plan.to_json()}
 
 
 def _check(results, stages):
@@ -49,7 +49,8 @@ def _check(results, stages):
         assert r["loss"] < TOL, r["loss"]
         assert max(r["grads"].values()) < TOL, r["grads"]
         assert r["untouched"]
-        assert r["held"] == sorted(n for n in plan.stages[r["stage"]].plan.params if n != "emb.weight")
+        assert r["chunks"] == tuple(range(r["stage"], len(plan.stages), stages))
+        assert r["held"] == sorted(n for c in r["chunks"] for n in plan.stages[c].plan.params if n != "emb.weight")
     held = [set(r["held"]) for r in results]
     assert "blocks.0.qkv.weight" in held[0] and "blocks.3.qkv.weight" not in held[0]
     assert all("head.weight" in h for h, r in zip(held, results) if r["stage"] in (0, stages - 1))   # tied: both ends
@@ -81,6 +82,60 @@ def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
     for s in plan.stages:   # tensor parallel on the stage's axis, every block run again in backward
         assert s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",)
         assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
+
+
+# ---- interleaved 1F1B: virtual=v chunks per rank ---------------------------------------------------
+
+def test_interleaved_two_stages_of_two_chunks_at_world_2(world2):
+    results = world2.run(_against_one_device, 2, virtual=2)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.schedule == "Interleaved1F1B" and plan.virtual == 2 and plan.microbatches == 4
+    assert [s.blocks for s in plan.stages] == [("blocks.0",), ("blocks.1",), ("blocks.2",), ("blocks.3",)]
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)]
+    assert [r["chunks"] for r in results] == [(0, 2), (1, 3)]
+
+
+def test_interleaved_four_stages_of_two_chunks_at_world_4(world4):
+    _check(world4.run(_against_one_device, 4, layers=8, virtual=2), 4)
+
+
+def test_interleaved_two_stages_by_two_data_parallel_at_world_4(world4):
+    results = world4.run(_against_one_device, 2, 4, virtual=2)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.mesh_shape == (2, 2) and [s.ranks for s in plan.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+
+
+def test_interleaved_is_priced_and_drawn():
+    """``virtual=v``: the fill and drain of a chunk, ``v`` times shorter, against ``v`` times the
+    sends; each chunk's activations in flight read off torch's interleaved order."""
+    torch.manual_seed(0)
+    plain = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, microbatches=8, verbose=False)
+    plan = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, microbatches=8, virtual=2, verbose=False)
+    assert plan.bubble == pytest.approx(3 / (2 * 8 + 3)) and plain.bubble == pytest.approx(3 / 11)
+    ranks = [sum(plan.slot(s) for s in plan.stages if s.index % 4 == r) for r in range(4)]
+    assert plan.cost == pytest.approx((8 + 3 / 2) * max(ranks) + max(plan.reduction(s) for s in plan.stages))
+    assert sum(1 for s in plan.stages if plan.send_time(s) > 0) == 7 and sum(1 for s in plain.stages if s.sends) == 3
+    # rank 0 fills with (v - 1) rounds of 4 and 2 (k - 1) more forwards: 6 of chunk 0 before its first backward
+    assert [plan.in_flight(s) for s in plan.stages] == [8, 8, 7, 5, 4, 4, 3, 1]
+    assert plan.rank_memory(0) == pytest.approx(plan.memory(plan.stages[0]) + plan.memory(plan.stages[4]))
+    text = str(plan)
+    assert "a pipeline of 4 stages, 2 chunks per rank (8 in all), 8 microbatches, schedule Interleaved1F1B" in text
+    assert "(8 microbatches + 3/2) x slowest rank" in text
+    assert "  rank 3: .    .    .    F0a  F1a  F2a  F3a  F0b  B0b  B0b" in text
+    again = PipelinePlan.from_json(plan.to_json())
+    assert again.virtual == 2 and again.cost == pytest.approx(plan.cost)
+
+
+def test_interleaved_arguments_say_what_to_change():
+    with pytest.raises(ValueError, match="pass pipeline=k"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, virtual=2, verbose=False)
+    with pytest.raises(ValueError, match="rounds of equal size"):
+        autoshard.plan(GPT(layers=8), _batch(36), world=4, pipeline=4, virtual=2, microbatches=9, verbose=False)
+    with pytest.raises(ValueError, match="pipeline=2 by virtual=4 needs at least 8 repeated blocks"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, virtual=4, verbose=False)
 
 
 def _bf16_against_one_device(pipeline, microbatches=None, **options):
@@ -136,7 +191,7 @@ def test_bf16_policy_two_stages_by_two_at_world_4(world4, scheme):
         assert all(s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",) for s in plan.stages)
 
 
-def _steps(pipeline, no_sync=False):
+def _steps(pipeline, no_sync=False, virtual=1):
     """Accumulation over two calls (the first under ``no_sync``), a scaled loss, an SGD step and
     evaluation, beside the model's own."""
     torch.manual_seed(0)
@@ -144,7 +199,8 @@ def _steps(pipeline, no_sync=False):
     ref = copy.deepcopy(model)
     idx, tgt = _batch()
     idx2, tgt2 = _batch()[1], _batch()[0]
-    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, verbose=False, cluster="a100-80gb-nvlink-ib")
+    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, virtual=virtual, verbose=False,
+                               cluster="a100-80gb-nvlink-ib")
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     scale = 1 if no_sync else 3   # steps under no_sync take their loss's backward unscaled
     with pm.no_sync() if no_sync else contextlib.nullcontext():
@@ -165,18 +221,21 @@ def _steps(pipeline, no_sync=False):
 
 
 @pytest.mark.parametrize("no_sync", [False, True])
-def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync):
-    for grads, after, evaluated in world4.run(_steps, 2, no_sync):
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync, virtual):
+    for grads, after, evaluated in world4.run(_steps, 2, no_sync, virtual):
         assert grads < TOL and after < TOL and evaluated < TOL, (grads, after, evaluated)
 
 
-def _checkpointed(path):
-    """A step at 2 stages by 2-way data parallel, saved with torch.distributed.checkpoint, loaded
-    onto 4 stages of a model started from other weights: the same loss."""
+def _checkpointed(path, virtual=1):
+    """A step at 2 stages (of ``virtual`` chunks each) by 2-way data parallel, saved with
+    torch.distributed.checkpoint, loaded onto 4 stages of a model started from other weights:
+    the same loss."""
     import torch.distributed.checkpoint as dcp
     torch.manual_seed(0)
     idx, tgt = _batch()
-    pm = autoshard.parallelize(GPT(layers=4), (idx, tgt), pipeline=2, verbose=False, cluster="a100-80gb-nvlink-ib")
+    pm = autoshard.parallelize(GPT(layers=4), (idx, tgt), pipeline=2, virtual=virtual, verbose=False,
+                               cluster="a100-80gb-nvlink-ib")
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     pm(idx, tgt).backward()
     opt.step()
@@ -191,8 +250,9 @@ def _checkpointed(path):
     return rel_err(before, want), rel_err(other(idx, tgt).detach(), want)
 
 
-def test_a_checkpoint_loads_onto_another_pipeline_degree(world4, tmp_path):
-    for before, after in world4.run(_checkpointed, str(tmp_path)):
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_a_checkpoint_loads_onto_another_pipeline_degree(world4, tmp_path, virtual):
+    for before, after in world4.run(_checkpointed, str(tmp_path), virtual):
         assert before > 1e-3 and after < TOL, (before, after)
 
 

@@ -52,12 +52,16 @@ def block_stack(graph: Graph) -> tuple:
     return container, tuple(sorted(found[container]))
 
 
-def even_cuts(n_blocks: int, k: int) -> list:
-    """The first block index of each of ``k`` stages holding ``n_blocks`` blocks in runs as even
-    as they go, the longer runs first."""
+def even_cuts(n_blocks: int, k: int, virtual: int = 1) -> list:
+    """The first block index of each of ``k`` stages (``k virtual`` chunks) holding ``n_blocks``
+    blocks in runs as even as they go, the longer runs first."""
+    if k * virtual > n_blocks and virtual > 1:
+        raise ValueError(f"pipeline={k} by virtual={virtual} needs at least {k * virtual} repeated blocks, a chunk "
+                         f"each, and the model has {n_blocks}: pass a smaller virtual=")
     if k > n_blocks:
         raise ValueError(f"pipeline={k} stages need at least {k} repeated blocks, and the model has {n_blocks}: "
                          f"pass pipeline= of at most {n_blocks}")
+    k *= virtual
     return [s * (n_blocks // k) + min(s, n_blocks % k) for s in range(k)]
 
 

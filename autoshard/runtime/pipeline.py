@@ -11,6 +11,8 @@ and ``param.grad`` holds what it held before the call.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,13 +20,26 @@ import torch.nn as nn
 from autoshard.runtime.grads import param_share
 from autoshard.runtime.mesh import RankMesh, active
 
-GPIPE, ONE_F_ONE_B = "GPipe", "1F1B"
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "GPipe", "1F1B", "Interleaved1F1B"
 
 
-def schedule_name(stages: int, microbatches: int) -> str:
+def schedule_name(stages: int, microbatches: int, virtual: int = 1) -> str:
     """1F1B keeps at most ``stages`` microbatches in flight; torch runs it where there are at
-    least as many microbatches as stages, and GPipe (all forwards, then all backwards) else."""
+    least as many microbatches as stages, and GPipe (all forwards, then all backwards) else.
+    With ``virtual`` chunks per rank (> 1), interleaved 1F1B, which torch runs where the
+    microbatches split into its rounds (``check_interleaved``)."""
+    if virtual > 1:
+        return INTERLEAVED
     return ONE_F_ONE_B if microbatches >= stages else GPIPE
+
+
+def check_interleaved(stages: int, microbatches: int) -> None:
+    """torch's interleaved 1F1B takes the microbatches in ``max(1, m // k)`` rounds of equal size."""
+    rounds = max(1, microbatches // stages)
+    if microbatches % rounds:
+        fits = [m for m in range(1, 4 * stages + 1) if m % max(1, m // stages) == 0]
+        raise ValueError(f"interleaved 1F1B runs {microbatches} microbatches on {stages} stages in {rounds} rounds of "
+                         f"equal size, and they do not split so: pass microbatches= one of {fits}, ...")
 
 
 def chunked(shape: tuple, ranks: int) -> bool:
@@ -121,32 +136,52 @@ class _Chunk(torch.autograd.Function):
         return torch.cat(parts), None, None, None
 
 
+def _schedule(pipe_stages: list, k: int, microbatches: int):
+    """torch's schedule for a rank's stages: interleaved 1F1B over several, else 1F1B or GPipe."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    name = schedule_name(k, microbatches, len(pipe_stages))
+    if name == INTERLEAVED:
+        return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+    kind = ScheduleGPipe if name == GPIPE else Schedule1F1B
+    return kind(pipe_stages[0], n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+
+
 def _given_loss(output, target):
     """The last stage's program computes the loss itself: the schedule's loss is its output."""
     return output
 
 
 class Runner:
-    """A rank's stage and schedule, and what one call needs around them."""
+    """A rank's stages and schedule, and what one call needs around them. ``chunks``: per stage
+    the rank runs, ``(StageProgram, stage index, what it takes, what it gives)``; more than one
+    (chunks ``r, r + k, ...``) runs interleaved 1F1B."""
 
-    def __init__(self, stage_program: StageProgram, stage: int, stages: int, microbatches: int,
-                 pipe_group, last_rank: int, device, ties: list, takes: tuple, gives: tuple,
-                 loss_dtype: torch.dtype = torch.float32):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        self.module = stage_program
-        self.stage, self.stages, self.microbatches = stage, stages, microbatches
+    def __init__(self, chunks: list, k: int, microbatches: int, pipe_group, last_rank: int, device, ties: list,
+                 loss_dtype: torch.dtype, holder: nn.Module):
+        from torch.distributed.pipelining import PipelineStage
+        self.modules = [c[0] for c in chunks]
+        n = k * len(chunks)
+        self.microbatches = microbatches
+        self.first, self.last = chunks[0][1] == 0, chunks[-1][1] == n - 1
         self.group, self.last_rank, self.device = pipe_group, last_rank, device
+        self.holder = holder   # the parameters of every stage the rank runs, by their names in the model
         self.loss_dtype = loss_dtype   # the last stage's (bf16 under a policy): every rank returns it so
         self.ties = ties   # [(parameter name, process group of its holders, same placements)]
-        # what it takes and gives, given: nothing runs to find them out
-        self.pipe_stage = PipelineStage(stage_program, stage, stages, device, input_args=takes, output_args=gives,
-                                        group=pipe_group)
-        kind = ScheduleGPipe if schedule_name(stages, microbatches) == GPIPE else Schedule1F1B
-        self.schedule = kind(self.pipe_stage, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+        # what each takes and gives, given: nothing runs to find them out
+        self.pipe_stages = [PipelineStage(module, s, n, device, input_args=takes, output_args=gives, group=pipe_group)
+                            for module, s, takes, gives in chunks]
+        self.schedule = _schedule(self.pipe_stages, k, microbatches)
         self.held_back = False   # whether the last step ran under no_sync
 
+    def no_sync(self):
+        """Every stage's gradients kept unreduced inside (``RankMesh.no_sync``)."""
+        stack = contextlib.ExitStack()
+        for module in self.modules:
+            stack.enter_context(module.rank_mesh.no_sync())
+        return stack
+
     def named_params(self) -> list:
-        return list(self.module.held.named_parameters())
+        return list(self.holder.named_parameters())
 
     def step(self, inputs: list) -> torch.Tensor:
         """Forward and backward of the whole batch ``inputs`` (the first stage's, split into the
@@ -158,15 +193,16 @@ class Runner:
         for p in params:
             p.grad = None
         losses: list = []
-        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
-        args = inputs if self.stage == 0 else []
-        mesh = self.module.rank_mesh
-        synced = mesh.sync_grads   # False under no_sync: no microbatch reduces
-        self.module.calls, self.module.reduce_at = 0, self.microbatches - 1 if synced else None
+        target = torch.zeros(self.microbatches, device=self.device) if self.last else None
+        args = inputs if self.first else []
+        synced = self.modules[0].rank_mesh.sync_grads   # False under no_sync: no microbatch reduces
+        for module in self.modules:
+            module.calls, module.reduce_at = 0, self.microbatches - 1 if synced else None
         try:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
-            self.module.reduce_at, mesh.sync_grads = None, synced
+            for module in self.modules:
+                module.reduce_at, module.rank_mesh.sync_grads = None, synced
         made = {n: p.grad for n, p in named}
         for p, g in zip(params, before):
             p.grad = g
@@ -180,15 +216,15 @@ class Runner:
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         # a step under no_sync keeps its gradients' sums in the program, and the next synced step
         # hands them on with its own: neither can scale them by its loss's gradient
-        held = not self.module.rank_mesh.sync_grads or self.held_back
-        self.held_back = not self.module.rank_mesh.sync_grads
+        held = not synced or self.held_back
+        self.held_back = not synced
         return _Placed.apply(anchor, loss, params, made, held)
 
     def evaluate(self, inputs: list) -> torch.Tensor:
         """The whole batch's loss on every rank, forward only."""
         losses: list = []
-        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
-        args = inputs if self.stage == 0 else []
+        target = torch.zeros(self.microbatches, device=self.device) if self.last else None
+        args = inputs if self.first else []
         with torch.no_grad():
             self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         loss = torch.stack([x.detach() for x in losses]).mean().reshape(()) if losses else \
@@ -201,7 +237,7 @@ class Runner:
         with its own stage's share of the gradient: summed over its holders, both step alike."""
         for name, group, same in self.ties:
             g = grads.get(name)
-            p = self.module.held.get_parameter(name)
+            p = self.holder.get_parameter(name)
             if g is None:   # this stage's part of it had no gradient: its holders still all take part
                 g = grads[name] = torch.zeros_like(p)
             if same:
