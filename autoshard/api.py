@@ -274,10 +274,12 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if example_inputs is not None:
         normalize_inputs(example_inputs)
     if isinstance(plan, PipelinePlan) or (plan is None and plan_kwargs.get("pipeline") not in (None, 1)):
-        if inputs != "whole" or compile or timeout is not None:
-            raise ValueError("a pipeline does not yet take inputs=\"local\", compile=True or timeout=: leave them out, "
-                             "or parallelize without pipeline=")
-        return _parallelize_pipeline(model, example_inputs, world, plan, overlap, plan_kwargs)
+        if compile:
+            raise ValueError("a pipeline does not yet take compile=True: leave it out, or parallelize without pipeline=")
+        if timeout is not None:
+            timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
+        return _parallelize_pipeline(model, example_inputs, world, plan, overlap, plan_kwargs, timeout,
+                                     inputs == inputs_mod.LOCAL)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is an autoshard.Plan (Plan.from_json(text) reads one back), got {type(plan).__name__}")
     check_bool("overlap", overlap)
@@ -312,7 +314,8 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     return pm
 
 
-def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, plan_kwargs: dict):
+def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, plan_kwargs: dict, timeout=None,
+                          local: bool = False):
     """``parallelize`` with pipeline stages (``autoshard.pipelined``)."""
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
     options = PlanOptions(**plan_kwargs)
@@ -326,7 +329,7 @@ def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, pla
     if math.prod(mesh_shape) != dist.get_world_size():
         raise ValueError(f"planned for {math.prod(mesh_shape)} devices but the process group has "
                          f"{dist.get_world_size()}; pass world={dist.get_world_size()}")
-    return parallelize_pipeline(model, example_inputs, mesh_shape, plan, options, plan_graph, overlap)
+    return parallelize_pipeline(model, example_inputs, mesh_shape, plan, options, plan_graph, overlap, timeout, local)
 
 
 def _options_of(plan: Optional[Plan], plan_kwargs: dict) -> PlanOptions:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard._compat import tree_flatten
+from autoshard._compat import set_collective_timeout, tree_flatten, tree_map_only
 from autoshard.passes.lower import lower
 from autoshard.planner.pipeline import (PipelinePlan, capture_stage, cut, input_device, plan_pipeline, stage_inputs,
                                        stage_policy)
@@ -43,16 +43,40 @@ def pipeline_mesh(world: int, options) -> tuple:
 
 
 def parallelize_pipeline(model: nn.Module, example_inputs, mesh_shape: tuple, plan: Optional[PipelinePlan],
-                         options, plan_stage, overlap: bool = True) -> "ParallelPipeline":
+                         options, plan_stage, overlap: bool = True, timeout: Optional[float] = None,
+                         local: bool = False) -> "ParallelPipeline":
+    """``local``: each rank passes its own rows (``inputs="local"``), the global batch being the
+    ranks' rows in rank order, gathered whole at every call (``whole_batch``): the first stage
+    takes the batch whole, and the last its targets."""
     if example_inputs is None:
         raise ValueError("parallelize with a pipeline needs example_inputs (the whole batch a step takes): the "
                          "stages are cut and captured from them")
     if len(mesh_shape) > 2:
         raise ValueError(f"a pipeline runs with one more axis at most yet (mesh (k, n)), not {mesh_shape}")
+    if local:
+        example_inputs = whole_batch(example_inputs)
     if plan is None:   # rank 0 plans, every rank takes its plan
         plan = PipelinePlan.from_json(agree.from_first_rank(
             lambda: plan_pipeline(model, example_inputs, mesh_shape, options, plan_stage).to_json()))
-    return ParallelPipeline(model, plan, example_inputs, options.outputs, overlap)
+    return ParallelPipeline(model, plan, example_inputs, options.outputs, overlap, timeout, local)
+
+
+def whole_batch(inputs):
+    """Every rank's own rows of each input of one dim or more (``inputs="local"``), gathered
+    whole in rank order (ragged too); a tensor of no dim is the same on every rank. Collective."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            return x
+        rows = torch.tensor([x.shape[0]], device=x.device)
+        counts = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, rows)
+        counts = [int(c) for c in counts]
+        most = max(counts)
+        padded = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))]) if most > x.shape[0] else x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([part[:c] for part, c in zip(parts, counts)])
+    return tree_map_only(torch.Tensor, gather, inputs)
 
 
 _MESHES: dict = {}   # (rank, device type, shape) -> DeviceMesh with the pipeline axis named
@@ -73,7 +97,8 @@ class ParallelPipeline(nn.Module):
     in the model) and ``module(*batch)`` returns the whole batch's loss on every rank; that
     loss's ``backward()`` puts the step's gradients in ``param.grad`` (runtime.pipeline)."""
 
-    def __init__(self, model: nn.Module, plan: PipelinePlan, example_inputs, outputs: str, overlap: bool):
+    def __init__(self, model: nn.Module, plan: PipelinePlan, example_inputs, outputs: str, overlap: bool,
+                 timeout: Optional[float] = None, local: bool = False):
         super().__init__()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         k, inner = plan.mesh_shape[0], tuple(plan.mesh_shape[1:])
@@ -120,12 +145,14 @@ class ParallelPipeline(nn.Module):
         last = plan.stages[n - 1].ranks[plan.stages[r].ranks.index(dist.get_rank())]
         runner = Runner(chunks, k, plan.microbatches, mesh.get_group("pipeline"), last, device, ties, stages.loss_dtype,
                         holder)
+        if timeout is not None:   # every collective and send of the pipeline's groups
+            set_collective_timeout([*mesh.get_all_groups(), *joint.values(), *(g for _, g, _ in ties)], timeout)
         self._modules = holder._modules          # named_parameters and state_dict: the rank's, by their names
         self._parameters = holder._parameters
         self._buffers = holder._buffers
         self.__dict__.update(_model=model, _plan=plan, _runner=runner, _stage=r, device_mesh=mesh,
                              _programs=programs, _chunks=tuple(c[1] for c in chunks),
-                             _shapes=[tuple(x) for x in plan.input_shapes])
+                             _shapes=[tuple(x) for x in plan.input_shapes], _local=local)
 
     @property
     def plan(self) -> PipelinePlan:
@@ -159,6 +186,8 @@ class ParallelPipeline(nn.Module):
         return super().train(mode)
 
     def forward(self, *args, **kwargs):
+        if self._local:   # each rank's own rows: the batch whole
+            args, kwargs = whole_batch((args, kwargs))
         # in the order capture saw them: positional, then keywords by name (capture.normalize_inputs)
         leaves = [x for x in tree_flatten((args, dict(sorted(kwargs.items()))))[0] if isinstance(x, torch.Tensor)]
         shapes = [tuple(x.shape) for x in leaves]

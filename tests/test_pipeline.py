@@ -138,6 +138,65 @@ def test_interleaved_arguments_say_what_to_change():
         autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, virtual=4, verbose=False)
 
 
+def _local_rows(rows_per_rank):
+    """``inputs="local"``: each rank passes its own rows of the batch, the global batch the
+    ranks' rows in rank order (ragged on the second call); against one device on that batch."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    ref = copy.deepcopy(model)
+    idx, tgt = _batch()
+
+    def mine(t, rows):
+        first = sum(rows[:dist.get_rank()])
+        return t[first:first + rows[dist.get_rank()]]
+
+    pm = autoshard.parallelize(model, (mine(idx, rows_per_rank), mine(tgt, rows_per_rank)), pipeline=2,
+                               inputs="local", verbose=False, cluster="a100-80gb-nvlink-ib")
+    ragged = [rows_per_rank[0] + 1, rows_per_rank[1] - 1] + list(rows_per_rank[2:])
+    pm(mine(idx, rows_per_rank), mine(tgt, rows_per_rank)).backward()
+    loss = pm(mine(idx, ragged), mine(tgt, ragged))
+    loss.backward()
+    want = ref(idx, tgt)
+    (want * 2).backward()
+    refp = dict(ref.named_parameters(remove_duplicate=False))
+    return rel_err(loss, want), max(rel_err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters())
+
+
+def test_local_inputs_gathered_whole(world4):
+    for loss, grads in world4.run(_local_rows, [2, 2, 2, 2]):
+        assert loss < TOL and grads < TOL, (loss, grads)
+
+
+def _timed_out(seconds):
+    """parallelize(timeout=) bounds the pipeline's groups: rank 1 skips a collective on the
+    pipeline axis, and rank 0 waits at most that long."""
+    import time
+
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    pm = autoshard.parallelize(GPT(layers=4), _batch(), pipeline=2, timeout=seconds, verbose=False)
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.ones(1), group=pm.device_mesh.get_group("pipeline"))
+        except Exception as e:  # noqa: BLE001 - gloo's timeout error
+            return time.monotonic() - start, str(e)
+        return "rank 0's all-reduce returned though rank 1 never joined it"
+    time.sleep(seconds * 2)
+    return None
+
+
+def test_timeout_bounds_the_pipeline_groups():
+    from autoshard.testing.launch import LocalWorld
+    world = LocalWorld(2)   # its own: the group rank 0 gave up on is of no use after
+    try:
+        waited, error = world.run(_timed_out, 2.0)[0]
+    finally:
+        world.close()
+    assert "Timed out" in error and waited < 30, (waited, error)
+
+
 def _bf16_against_one_device(pipeline, microbatches=None, **options):
     """Under MixedPrecisionPolicy(bf16, reduce fp32): the pipelined GPT's loss and every held
     gradient against one device computing in bf16 from its fp32 parameters (the policy's own
@@ -177,8 +236,9 @@ def _check_bf16(results):
     assert plan.stages[0].sends[-1][0] == 8 // plan.microbatches * 16 * 32 * 2
 
 
-def test_bf16_policy_two_stages_at_world_2(world2):
-    _check_bf16(world2.run(_bf16_against_one_device, 2))
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_bf16_policy_two_stages_at_world_2(world2, virtual):
+    _check_bf16(world2.run(_bf16_against_one_device, 2, virtual=virtual))
 
 
 @pytest.mark.parametrize("scheme", ["data", "megatron"])
