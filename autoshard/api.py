@@ -136,7 +136,8 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
          inputs: str = "whole", verbose: bool = True, recompute: str = AUTO,
-         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None, virtual: int = 1):
+         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None, virtual: int = 1,
+         schedule: Optional[str] = None):
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -176,7 +177,10 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``). ``virtual=v`` (v > 1)
     cuts it into ``k v`` chunks instead, rank coordinate ``r`` on the pipeline axis holding chunks
     ``r, r + k, ...``, run by the interleaved 1F1B schedule (a bubble ``v`` times smaller, ``v``
-    times the sends). ``pipeline=1`` plans without a
+    times the sends). ``schedule=`` names torch's schedule to run: ``"1F1B"``, ``"GPipe"``,
+    ``"Interleaved1F1B"`` or ``"InterleavedZeroBubble"`` (input and weight gradients apart, the
+    weights' filling the bubble; stages of one rank each); by default 1F1B (GPipe with fewer
+    microbatches than stages), interleaved where ``virtual > 1``. ``pipeline=1`` plans without a
     pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
     network beats the best plan without (``planner.pipeline.search_pipeline``).
 
@@ -193,7 +197,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
                           bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                           reshard_after_forward=reshard_after_forward, outputs=outputs, verbose=verbose,
                           recompute=recompute, mp_policy=mp_policy, inputs=inputs, pipeline=pipeline,
-                          microbatches=microbatches, virtual=virtual)
+                          microbatches=microbatches, virtual=virtual, schedule=schedule)
     if options.pipelined:   # stages on a first mesh axis, each planned as a model of its own
         mesh_shape = resolve_mesh(world, options.mesh)
         return plan_pipeline(model, example_inputs, pipeline_mesh(math.prod(mesh_shape), options), options, plan_graph)

@@ -10,6 +10,9 @@ import numbers
 MAX_AXES = 4   # the most mesh axes a plan has
 # planner.recompute's modes: the solver chooses, none, every repeated block, every block's cheap ops
 RECOMPUTE_MODES = ("auto", "none", "blocks", "selective")
+# a pipeline's schedules: torch.distributed.pipelining's, by their class names less "Schedule"
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"
+SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE)
 
 
 def _is_int(value) -> bool:

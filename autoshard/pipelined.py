@@ -23,7 +23,7 @@ from autoshard.planner.pipeline import (PipelinePlan, capture_stage, cut, input_
 from autoshard.precision import reduce_dtype
 from autoshard.runtime import agree, optim
 from autoshard.runtime.mesh import RankMesh, dtensor_placements
-from autoshard.runtime.pipeline import Runner, StageProgram, chunked
+from autoshard.runtime.pipeline import ZERO_BUBBLE, Runner, StageProgram, chunked
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
 
@@ -138,13 +138,13 @@ class ParallelPipeline(nn.Module):
             gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < n else \
                 torch.zeros((), dtype=stages.loss_dtype, device=at)
             chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
-                                        last=s == n - 1), s, takes, gives))
+                                        last=s == n - 1, split_backward=plan.schedule == ZERO_BUBBLE), s, takes, gives))
             programs.append(program)
         holder = _holder([c[0].held for c in chunks])
         ties = _tie_groups(plan, [c[1] for c in chunks], sub.get_coordinate()[0] if sub.ndim == 1 else 0)
         last = plan.stages[n - 1].ranks[plan.stages[r].ranks.index(dist.get_rank())]
         runner = Runner(chunks, k, plan.microbatches, mesh.get_group("pipeline"), last, device, ties, stages.loss_dtype,
-                        holder)
+                        holder, plan.schedule)
         if timeout is not None:   # every collective and send of the pipeline's groups
             set_collective_timeout([*mesh.get_all_groups(), *joint.values(), *(g for _, g, _ in ties)], timeout)
         self._modules = holder._modules          # named_parameters and state_dict: the rank's, by their names

@@ -138,6 +138,42 @@ def test_interleaved_arguments_say_what_to_change():
         autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, virtual=4, verbose=False)
 
 
+# ---- zero bubble: schedule="InterleavedZeroBubble" ------------------------------------------------
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_zero_bubble_at_world_2(world2, virtual):
+    results = world2.run(_against_one_device, 2, virtual=virtual, schedule="InterleavedZeroBubble")
+    _check(results, 2)
+    assert PipelinePlan.from_json(results[0]["plan"]).schedule == "InterleavedZeroBubble"
+
+
+def test_zero_bubble_four_stages_of_two_chunks_at_world_4(world4):
+    _check(world4.run(_against_one_device, 4, layers=8, virtual=2, schedule="InterleavedZeroBubble"), 4)
+
+
+def test_schedules_priced_by_their_timelines():
+    """The step in microbatches through the slowest rank, ``m + k - 1`` for 1F1B and GPipe and
+    ``m + (k - 1) / v`` interleaved, is the simulated timeline's; zero bubble's weight passes
+    fill part of what is left."""
+    from autoshard.planner.pipeline import simulate, step_slots
+    for k, m, v in ((2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2), (4, 16, 3)):
+        for name in (["1F1B", "GPipe"] if v == 1 else []) + ["Interleaved1F1B", "InterleavedZeroBubble"]:
+            slots = step_slots(name, k, m, v)
+            assert slots == pytest.approx(simulate(name, k, m, v)[1] / (3 * v)), (name, k, m, v)
+            if name == "InterleavedZeroBubble":
+                assert m < slots < step_slots("Interleaved1F1B", k, m, v)
+    torch.manual_seed(0)
+    plan = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, schedule="InterleavedZeroBubble",
+                          verbose=False)
+    assert plan.bubble == pytest.approx(1 / 9) and "I0  W0  F4" in str(plan)
+    with pytest.raises(ValueError, match="stages of one rank each"):
+        autoshard.plan(GPT(layers=4), _batch(), world=4, pipeline=2, schedule="InterleavedZeroBubble", verbose=False)
+    with pytest.raises(ValueError, match="schedule is one of"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, schedule="ZBV", verbose=False)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, virtual=2, schedule="1F1B", verbose=False)
+
+
 def _local_rows(rows_per_rank):
     """``inputs="local"``: each rank passes its own rows of the batch, the global batch the
     ranks' rows in rank order (ragged on the second call); against one device on that batch."""

@@ -34,10 +34,11 @@ import torch
 from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, split
+from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 from autoshard.plan import Plan
 from autoshard.precision import policy_from_record, policy_record
 from autoshard.planner.solution import NoPlanInTime
-from autoshard.runtime.pipeline import GPIPE, INTERLEAVED, check_interleaved, chunked, schedule_name
+from autoshard.runtime.pipeline import check_schedule, chunked, schedule_name
 
 
 @dataclass
@@ -79,7 +80,7 @@ class PipelinePlan:
         """Estimated seconds per step: the slowest rank's microbatch (through all its chunks) and
         sends, ``m + (k - 1) / v`` times, and the gradients' reduction the stages wait on, once."""
         k, m, v = self.mesh_shape[0], self.microbatches, self.virtual
-        return (m + (k - 1) / v) * self.slowest + max(self.reduction(s) for s in self.stages)
+        return step_slots(self.schedule, k, m, v) * self.slowest + max(self.reduction(s) for s in self.stages)
 
     def chunks(self, r: int) -> list:
         """The stages (chunks) pipeline coordinate ``r`` holds, in order."""
@@ -121,9 +122,10 @@ class PipelinePlan:
 
     @property
     def bubble(self) -> float:
-        """The part of a step the stages stand idle: ``(k - 1) / (v m + k - 1)``."""
+        """The part of a step the stages stand idle: ``(k - 1) / (v m + k - 1)`` (``step_slots``)."""
         k, m, v = self.mesh_shape[0], self.microbatches, self.virtual
-        return (k - 1) / (v * m + k - 1)
+        slots = step_slots(self.schedule, k, m, v)
+        return (slots - m) / slots
 
     def stage_of(self, name: str) -> list:
         """The stages that hold parameter (or node) ``name``."""
@@ -150,6 +152,7 @@ class PipelinePlan:
         reduce = max(self.reduction(s) for s in self.stages)
         chunked = f", {v} chunks per rank ({k * v} in all)" if v > 1 else ""
         fill = f"{k - 1}" if v == 1 else f"{k - 1}/{v}"
+        fill = f"{step_slots(self.schedule, k, m, v) - m:.2f}" if self.schedule == ZERO_BUBBLE else fill
         lines = [f"autoshard pipeline plan: {self.world} devices as mesh {tuple(self.mesh_shape)}, the first axis "
                  f"a pipeline of {k} stages{chunked}, {m} microbatches, schedule {self.schedule} "
                  f"(torch.distributed.pipelining)",
@@ -167,7 +170,8 @@ class PipelinePlan:
         if v > 1:
             lines.append("memory per rank: " + ", ".join(f"{r}: {self.rank_memory(r) / 1e9:.2f}GB" for r in range(k)))
         letters = "; chunk a, b, ... of the rank" if v > 1 else ""
-        lines += ["", f"schedule (F forward, B backward of microbatch n{letters}; . idle):"]
+        parts = "I input and W weight gradients" if self.schedule == ZERO_BUBBLE else "B backward"
+        lines += ["", f"schedule (F forward, {parts} of microbatch n{letters}; . idle):"]
         lines += timeline(self.schedule, k, m, virtual=v)
         if self.candidates:
             lines += ["", "pipelines searched (estimated step; pipelines by their block prices):"]
@@ -228,82 +232,116 @@ def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
 
 def orders(schedule: str, k: int, m: int, virtual: int = 1) -> list:
     """Per rank of ``k``, the forwards and backwards it runs, in its order: ``(kind, microbatch,
-    stage)`` with kind ``"F"`` or ``"B"`` and ``stage`` the chunk (``k virtual`` in all; rank ``r``
+    stage)`` with kind ``"F"`` or ``"B"`` (``"I"`` and ``"W"``, a backward's input and weight
+    gradients apart, under zero bubble) and ``stage`` the chunk (``k virtual`` in all; rank ``r``
     holds ``r, r + k, ...``). GPipe: every forward, then every backward. 1F1B: ``k - r - 1``
     forwards to fill the pipe, then one forward and one backward in turn. Interleaved 1F1B, as
     torch's ``ScheduleInterleaved1F1B`` orders it (the Megatron-LM schedule, depth first): the
     microbatches go in rounds of ``m / max(1, m // k)`` through the rank's chunks in turn, forwards
     first to chunk 0, backwards first from its last chunk; ``(v - 1)`` rounds and ``2 (k - r - 1)``
-    forwards fill the pipe."""
+    forwards fill the pipe. Interleaved zero bubble (``ScheduleInterleavedZeroBubble``, ZB1P):
+    ``k - r - 1`` forwards and the rounds fill it, and each rank's weight passes trail its input
+    passes by ``r``, filling the drain."""
     out = []
     for r in range(k):
         if schedule == GPIPE:
             out.append([("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)])
             continue
-        v = virtual if schedule == INTERLEAVED else 1
+        v = virtual if schedule in (INTERLEAVED, ZERO_BUBBLE) else 1
         per_round = m // max(1, m // k)
-        warm = min((v - 1) * per_round + 2 * (k - r - 1), m * v) if v > 1 else min(k - r - 1, m)
-        forward = [(op // per_round) % v * k + r for op in range(m * v)] if v > 1 else [r] * m
-        backward = [(v - 1 - ((op - warm) // per_round) % v) * k + r for op in range(warm, warm + m * v)] \
-            if v > 1 else [r] * m
-        made, taken, order = {}, {}, []
+        fill = 1 if schedule == ZERO_BUBBLE else 2
+        warm = min((v - 1) * per_round + fill * (k - r - 1), m * v) if schedule != ONE_F_ONE_B else min(k - r - 1, m)
+        forward = [(op // per_round) % v * k + r for op in range(m * v)]
+        backward = [(v - 1 - ((op - warm) // per_round) % v) * k + r for op in range(warm, warm + m * v)]
+        back = "I" if schedule == ZERO_BUBBLE else "B"
+        count: dict = {}
+        order, weights = [], []
+
+        def add(kind, c):
+            order.append((kind, count.setdefault((kind, c), 0), c))
+            count[(kind, c)] += 1
+
         for op in range(m * v + warm):
             if op < m * v:
-                c = forward[op]
-                order.append(("F", made.setdefault(c, 0), c))
-                made[c] += 1
+                add("F", forward[op])
             if op >= warm:
-                c = backward[op - warm]
-                order.append(("B", taken.setdefault(c, 0), c))
-                taken[c] += 1
+                add(back, backward[op - warm])
+                weights.append(backward[op - warm])
+                if schedule == ZERO_BUBBLE and op - warm >= r:
+                    add("W", weights.pop(0))
+        for c in weights if schedule == ZERO_BUBBLE else ():
+            add("W", c)
         out.append(order)
     return out
 
 
 def in_flight(schedule: str, k: int, m: int, virtual: int = 1) -> list:
     """Per stage (chunk), the most microbatches whose activations it keeps at once in its rank's
-    order (``orders``): ``min(k - s, m)`` under 1F1B, ``m`` under GPipe."""
+    order (``orders``), from a forward to its backward (its weight pass under zero bubble):
+    ``min(k - s, m)`` under 1F1B, ``m`` under GPipe."""
     most = [0] * (k * virtual)
     for order in orders(schedule, k, m, virtual):
         held: dict = {}
         for kind, _, c in order:
+            if kind == "I":
+                continue
             held[c] = held.get(c, 0) + (1 if kind == "F" else -1)
             most[c] = max(most[c], held[c])
     return most
 
 
-def timeline(schedule: str, k: int, m: int, width: int = 110, virtual: int = 1) -> list:
-    """One row per rank, one column per time slot (a forward takes one, a backward two, as its
-    FLOPs do; a chunk's, a ``virtual``-th of a stage's, the same), each rank's forwards and
-    backwards in the schedule's order (``orders``), each as early as the stage before (forward)
-    or after (backward) allows: where the bubble is, drawn. With chunks, each cell names its
-    chunk of the rank: ``F0a``, ``B3b``."""
+SPAN = {"F": 1, "B": 2, "I": 1, "W": 1}   # time slots: a backward twice a forward's FLOPs, halved when split
+
+
+def simulate(schedule: str, k: int, m: int, virtual: int = 1) -> tuple:
+    """(per rank, {slot: label}; the slots the step takes): each rank's work in its order
+    (``orders``), each as early as the stage before (forward) or after (backward) allows, a
+    chunk's forward one slot (``SPAN``)."""
     n = k * virtual
     done: dict = {}   # (kind, microbatch, stage) -> the slot it ends at
-    rows = orders(schedule, k, m, virtual)
     cells = [dict() for _ in range(k)]
     free = [0] * k
-    pending = [list(r) for r in rows]
+    pending = orders(schedule, k, m, virtual)
     while any(pending):
         moved = False
         for r in list(range(k)) + list(reversed(range(k))):
             while pending[r]:
                 kind, i, c = pending[r][0]
-                dep = ("F", i, c - 1) if kind == "F" and c > 0 else ("F", i, c) if kind == "B" and c == n - 1 \
-                    else ("B", i, c + 1) if kind == "B" else None
+                if kind == "F":
+                    dep = ("F", i, c - 1) if c > 0 else None
+                elif kind == "W":
+                    dep = ("I", i, c)
+                else:
+                    dep = ("F", i, c) if c == n - 1 else (kind, i, c + 1)
                 if dep is not None and dep not in done:
                     break
                 t0 = max(free[r], done.get(dep, 0))
-                span = 1 if kind == "F" else 2
                 label = f"{kind}{i}" + (chr(ord("a") + c // k) if virtual > 1 else "")
-                for t in range(t0, t0 + span):
+                for t in range(t0, t0 + SPAN[kind]):
                     cells[r][t] = label
-                done[(kind, i, c)] = free[r] = t0 + span
+                done[(kind, i, c)] = free[r] = t0 + SPAN[kind]
                 pending[r].pop(0)
                 moved = True
         if not moved:
             break
-    end = max(free)
+    return cells, max(free)
+
+
+def step_slots(schedule: str, k: int, m: int, virtual: int = 1) -> float:
+    """A step in microbatches through the slowest rank: ``m + k - 1`` (1F1B, GPipe),
+    ``m + (k - 1) / v`` (interleaved); zero bubble's, its simulated step (``simulate``) over the
+    three slots of a microbatch's forward, input and weight passes through each chunk."""
+    if schedule == ZERO_BUBBLE:
+        return simulate(schedule, k, m, virtual)[1] / (3 * virtual)
+    if schedule == INTERLEAVED:
+        return m + (k - 1) / virtual
+    return m + k - 1
+
+
+def timeline(schedule: str, k: int, m: int, width: int = 110, virtual: int = 1) -> list:
+    """One row per rank, one column per time slot (``simulate``): where the bubble is, drawn.
+    With chunks, each cell names its chunk of the rank: ``F0a``, ``B3b``."""
+    cells, end = simulate(schedule, k, m, virtual)
     cell = 4 if virtual == 1 else 5
     out = []
     for r in range(k):
@@ -401,13 +439,12 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
     k, v = mesh_shape[0], options.virtual
     inner = tuple(mesh_shape[1:]) or (1,)
     m = options.microbatches or default_microbatches(example_inputs, k)
-    schedule = schedule_name(k, m, v)
-    if schedule == INTERLEAVED:
-        check_interleaved(k, m)
+    schedule = options.schedule or schedule_name(k, m, v)
+    check_schedule(schedule, mesh_shape, m)
     n = k * v
     stages = cut(model, example_inputs, k, m, options.outputs, starts, options.mp_policy, v)
     device = input_device(example_inputs)
-    stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None, virtual=1)
+    stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None, virtual=1, schedule=None)
     size = math.prod(inner)
     flights = in_flight(schedule, k, m, v)
     planned, pinned = [], set()

@@ -117,6 +117,14 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 _SHARES = WeakIdKeyDictionary()
 
 
+def hand_back(p: torch.Tensor) -> None:
+    """Whatever gradient ``p``'s share (``param_share``) holds that backward's hook did not hand
+    on (a gradient set on the share directly: torch's zero-bubble weight pass), added to ``p.grad``."""
+    hit = _SHARES.get(p)
+    if hit is not None and hit[1].grad is not None:
+        _hand_back(hit[1], p)
+
+
 def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
     g, leaf.grad = leaf.grad, None
     if g is None:   # its reduction held back (no_sync): nothing to hand on

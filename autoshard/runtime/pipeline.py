@@ -12,34 +12,46 @@ and ``param.grad`` holds what it held before the call.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.runtime.grads import param_share
+from autoshard._compat import is_view
+from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from autoshard.runtime.grads import hand_back, param_share
 from autoshard.runtime.mesh import RankMesh, active
 
-GPIPE, ONE_F_ONE_B, INTERLEAVED = "GPipe", "1F1B", "Interleaved1F1B"
 
 
 def schedule_name(stages: int, microbatches: int, virtual: int = 1) -> str:
     """1F1B keeps at most ``stages`` microbatches in flight; torch runs it where there are at
     least as many microbatches as stages, and GPipe (all forwards, then all backwards) else.
     With ``virtual`` chunks per rank (> 1), interleaved 1F1B, which torch runs where the
-    microbatches split into its rounds (``check_interleaved``)."""
+    microbatches split into its rounds (``check_schedule``)."""
     if virtual > 1:
         return INTERLEAVED
     return ONE_F_ONE_B if microbatches >= stages else GPIPE
 
 
-def check_interleaved(stages: int, microbatches: int) -> None:
-    """torch's interleaved 1F1B takes the microbatches in ``max(1, m // k)`` rounds of equal size."""
-    rounds = max(1, microbatches // stages)
-    if microbatches % rounds:
-        fits = [m for m in range(1, 4 * stages + 1) if m % max(1, m // stages) == 0]
-        raise ValueError(f"interleaved 1F1B runs {microbatches} microbatches on {stages} stages in {rounds} rounds of "
-                         f"equal size, and they do not split so: pass microbatches= one of {fits}, ...")
+def check_schedule(name: str, mesh_shape: tuple, microbatches: int) -> None:
+    """Whether torch runs schedule ``name`` on a pipeline of ``mesh_shape[0]`` stages with
+    ``microbatches``; a ValueError that says what to change where it does not."""
+    k = mesh_shape[0]
+    if name == ONE_F_ONE_B and microbatches < k:
+        raise ValueError(f"1F1B runs at least as many microbatches as stages, {k}, not {microbatches}: pass "
+                         f"microbatches= of {k} or more, or schedule='GPipe'")
+    if name in (INTERLEAVED, ZERO_BUBBLE):   # the microbatches in max(1, m // k) rounds of equal size
+        rounds = max(1, microbatches // k)
+        if microbatches % rounds:
+            fits = [m for m in range(1, 4 * k + 1) if m % max(1, m // k) == 0]
+            raise ValueError(f"{name} runs {microbatches} microbatches on {k} stages in {rounds} rounds of equal "
+                             f"size, and they do not split so: pass microbatches= one of {fits}, ...")
+    if name == ZERO_BUBBLE and math.prod(mesh_shape[1:]) > 1:
+        raise ValueError(f"{name} runs a stage's input and weight gradients apart, which autoshard does yet only on "
+                         f"stages of one rank each, not on mesh {tuple(mesh_shape)}: pass mesh=({k}, 1) (world {k}), "
+                         f"or schedule={INTERLEAVED!r}")
 
 
 def chunked(shape: tuple, ranks: int) -> bool:
@@ -59,8 +71,11 @@ class StageProgram(nn.Module):
     back the same way."""
 
     def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh, first: bool = False,
-                 last: bool = False):
+                 last: bool = False, split_backward: bool = False):
         super().__init__()
+        # a zero-bubble schedule runs the input gradients and the weights' apart, on the tensors
+        # the program takes (its parameters' shares: ``parameters``)
+        self.split_backward = split_backward
         self.held = held
         self.program = program
         self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
@@ -86,7 +101,20 @@ class StageProgram(nn.Module):
         if self.ranks > 1 and not self.last:
             out = [_Chunk.apply(x, self.rank_mesh.groups[0], self.ranks, self.coord)
                    if chunked(tuple(x.shape), self.ranks) else x for x in out]
+        if self.split_backward:   # torch's weight pass detaches a stage's outputs in place, which a view cannot be
+            out = [x.clone() if is_view(x) else x for x in out]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def parameters(self, recurse: bool = True):
+        """The stage's parameters as torch's stage computes their gradients: under a split backward,
+        the shares the program takes (``runtime.grads.param_share``), whose gradients ``Runner``
+        hands to the parameters (``hand_back``); else the parameters."""
+        if not self.split_backward:
+            yield from super().parameters(recurse)
+            return
+        for p in self.held.parameters():
+            if p.requires_grad:
+                yield param_share(p)
 
     def _run(self, crossing):
         feed = []
@@ -136,13 +164,13 @@ class _Chunk(torch.autograd.Function):
         return torch.cat(parts), None, None, None
 
 
-def _schedule(pipe_stages: list, k: int, microbatches: int):
-    """torch's schedule for a rank's stages: interleaved 1F1B over several, else 1F1B or GPipe."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    name = schedule_name(k, microbatches, len(pipe_stages))
-    if name == INTERLEAVED:
-        return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
-    kind = ScheduleGPipe if name == GPIPE else Schedule1F1B
+def _schedule(pipe_stages: list, k: int, microbatches: int, name: str):
+    """torch's schedule ``name`` for a rank's stages (``SCHEDULES``)."""
+    from torch.distributed import pipelining
+    kind = getattr(pipelining, "Schedule" + name)
+    if name in (INTERLEAVED, ZERO_BUBBLE):   # the schedules of several stages per rank
+        # zero bubble: the gradients are scaled where they land (Runner.step)
+        return kind(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=name != ZERO_BUBBLE)
     return kind(pipe_stages[0], n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
 
 
@@ -157,7 +185,7 @@ class Runner:
     (chunks ``r, r + k, ...``) runs interleaved 1F1B."""
 
     def __init__(self, chunks: list, k: int, microbatches: int, pipe_group, last_rank: int, device, ties: list,
-                 loss_dtype: torch.dtype, holder: nn.Module):
+                 loss_dtype: torch.dtype, holder: nn.Module, schedule: str):
         from torch.distributed.pipelining import PipelineStage
         self.modules = [c[0] for c in chunks]
         n = k * len(chunks)
@@ -170,7 +198,7 @@ class Runner:
         # what each takes and gives, given: nothing runs to find them out
         self.pipe_stages = [PipelineStage(module, s, n, device, input_args=takes, output_args=gives, group=pipe_group)
                             for module, s, takes, gives in chunks]
-        self.schedule = _schedule(self.pipe_stages, k, microbatches)
+        self.schedule = _schedule(self.pipe_stages, k, microbatches, schedule)
         self.held_back = False   # whether the last step ran under no_sync
 
     def no_sync(self):
@@ -203,6 +231,13 @@ class Runner:
         finally:
             for module in self.modules:
                 module.reduce_at, module.rank_mesh.sync_grads = None, synced
+        if any(module.split_backward for module in self.modules):
+            # the weight passes left their gradients on the shares: on the parameters, the
+            # microbatches' mean (torch scales only what it sees, and not these)
+            for p in params:
+                hand_back(p)
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
         made = {n: p.grad for n, p in named}
         for p, g in zip(params, before):
             p.grad = g
