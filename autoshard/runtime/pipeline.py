@@ -1,9 +1,12 @@
 """Running a rank's pipeline stage on torch's own engine, ``torch.distributed.pipelining``.
 
-Each rank holds one stage: the program lowered for it on the mesh of the other axes
-(``StageProgram``, the module a ``PipelineStage`` wraps), run by one of torch's schedules
-(``Schedule1F1B``, or ``ScheduleGPipe`` where there are fewer microbatches than stages). A
-schedule's ``step`` runs forward and backward together; ``run_step`` presents it as a training
+Each rank holds one stage, or ``v`` chunks of the blocks (``r, r + k, ...``): the program lowered
+for each on the mesh of the other axes (``StageProgram``, the module a ``PipelineStage`` wraps),
+run by one of torch's schedules (``Schedule1F1B``, ``ScheduleGPipe`` where there are fewer
+microbatches than stages, ``ScheduleInterleaved1F1B`` over several chunks, or
+``ScheduleInterleavedZeroBubble``, whose split backward runs on the parameters' shares the
+program takes: ``StageProgram.parameters``). A
+schedule's ``step`` runs forward and backward together; ``Runner.step`` presents it as a training
 loop expects: it returns the whole batch's loss on every rank, as a tensor whose backward puts
 the gradients the step made into ``param.grad`` (scaled by the gradient the loss is given, so
 ``(loss * c).backward()`` is exact too). Until that backward the step's gradients wait aside,
@@ -22,7 +25,6 @@ from autoshard._compat import is_view
 from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 from autoshard.runtime.grads import hand_back, param_share
 from autoshard.runtime.mesh import RankMesh, active
-
 
 
 def schedule_name(stages: int, microbatches: int, virtual: int = 1) -> str:
@@ -164,8 +166,8 @@ class _Chunk(torch.autograd.Function):
         return torch.cat(parts), None, None, None
 
 
-def _schedule(pipe_stages: list, k: int, microbatches: int, name: str):
-    """torch's schedule ``name`` for a rank's stages (``SCHEDULES``)."""
+def _schedule(pipe_stages: list, microbatches: int, name: str):
+    """torch's schedule ``name`` for a rank's stages (``arguments.SCHEDULES``)."""
     from torch.distributed import pipelining
     kind = getattr(pipelining, "Schedule" + name)
     if name in (INTERLEAVED, ZERO_BUBBLE):   # the schedules of several stages per rank
@@ -180,9 +182,9 @@ def _given_loss(output, target):
 
 
 class Runner:
-    """A rank's stages and schedule, and what one call needs around them. ``chunks``: per stage
-    the rank runs, ``(StageProgram, stage index, what it takes, what it gives)``; more than one
-    (chunks ``r, r + k, ...``) runs interleaved 1F1B."""
+    """A rank's stages and schedule (torch's, by name), and what one call needs around them.
+    ``chunks``: per stage the rank runs, ``(StageProgram, stage index, what it takes, what it
+    gives)``; more than one (chunks ``r, r + k, ...``) run by an interleaved schedule."""
 
     def __init__(self, chunks: list, k: int, microbatches: int, pipe_group, last_rank: int, device, ties: list,
                  loss_dtype: torch.dtype, holder: nn.Module, schedule: str):
@@ -198,7 +200,7 @@ class Runner:
         # what each takes and gives, given: nothing runs to find them out
         self.pipe_stages = [PipelineStage(module, s, n, device, input_args=takes, output_args=gives, group=pipe_group)
                             for module, s, takes, gives in chunks]
-        self.schedule = _schedule(self.pipe_stages, k, microbatches, schedule)
+        self.schedule = _schedule(self.pipe_stages, microbatches, schedule)
         self.held_back = False   # whether the last step ran under no_sync
 
     def no_sync(self):
