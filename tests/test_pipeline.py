@@ -151,6 +151,16 @@ def test_zero_bubble_four_stages_of_two_chunks_at_world_4(world4):
     _check(world4.run(_against_one_device, 4, layers=8, virtual=2, schedule="InterleavedZeroBubble"), 4)
 
 
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
+def test_interleaved_schedules_recomputed_and_under_bf16(world2, schedule):
+    # chunks of two blocks: a stage of one block is not a stack, and recomputes nothing
+    results = world2.run(_against_one_device, 2, layers=8, virtual=2, schedule=schedule, recompute="blocks")
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert all(sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks) for s in plan.stages)
+    _check_bf16(world2.run(_bf16_against_one_device, 2, virtual=2, schedule=schedule))
+
+
 def test_schedules_priced_by_their_timelines():
     """The step in microbatches through the slowest rank, ``m + k - 1`` for 1F1B and GPipe and
     ``m + (k - 1) / v`` interleaved, is the simulated timeline's; zero bubble's weight passes
