@@ -127,7 +127,11 @@ class ParallelPipeline(nn.Module):
             graph = capture_stage(stages, s, at, outputs, policy)
             rank_mesh = RankMesh(sub, gen, joint)
             rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
-            program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap)
+            # zero bubble runs each parameter group's weight pass on its own: no gradient bucket
+            # (the schedule pass's) may span groups, and what a microbatch keeps unreduced hands on zeros
+            split = plan.schedule == ZERO_BUBBLE
+            rank_mesh.held_as_zeros = split
+            program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap and not split)
             if program.meta["joint_axes"]:
                 raise ValueError("a pipeline's stages run on one more axis at most yet")
             _shard(held, st.plan, sub)
@@ -138,7 +142,7 @@ class ParallelPipeline(nn.Module):
             gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < n else \
                 torch.zeros((), dtype=stages.loss_dtype, device=at)
             chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
-                                        last=s == n - 1, split_backward=plan.schedule == ZERO_BUBBLE), s, takes, gives))
+                                        last=s == n - 1, split_backward=split), s, takes, gives))
             programs.append(program)
         holder = _holder([c[0].held for c in chunks])
         ties = _tie_groups(plan, [c[1] for c in chunks], sub.get_coordinate()[0] if sub.ndim == 1 else 0)

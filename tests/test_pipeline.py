@@ -151,6 +151,21 @@ def test_zero_bubble_four_stages_of_two_chunks_at_world_4(world4):
     _check(world4.run(_against_one_device, 4, layers=8, virtual=2, schedule="InterleavedZeroBubble"), 4)
 
 
+@pytest.mark.parametrize("scheme", ["data", "megatron"])
+def test_zero_bubble_two_stages_by_two_at_world_4(world4, scheme):
+    """Each stage data or tensor parallel on its axis: the weight passes run each parameter
+    group's reduction on its own, the microbatches kept unreduced handing on zeros."""
+    pins = megatron_pins([f"blocks.{i}." for i in range(4)]) if scheme == "megatron" else None
+    results = world4.run(_against_one_device, 2, 4, virtual=2, schedule="InterleavedZeroBubble", pin=pins)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.mesh_shape == (2, 2)
+    if scheme == "megatron":
+        assert all(s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",) for s in plan.stages)
+    else:
+        assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+
+
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
 def test_interleaved_schedules_recomputed_and_under_bf16(world2, schedule):
     # chunks of two blocks: a stage of one block is not a stack, and recomputes nothing
@@ -176,8 +191,6 @@ def test_schedules_priced_by_their_timelines():
     plan = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, schedule="InterleavedZeroBubble",
                           verbose=False)
     assert plan.bubble == pytest.approx(1 / 9) and "I0  W0  F4" in str(plan)
-    with pytest.raises(ValueError, match="stages of one rank each"):
-        autoshard.plan(GPT(layers=4), _batch(), world=4, pipeline=2, schedule="InterleavedZeroBubble", verbose=False)
     with pytest.raises(ValueError, match="schedule is one of"):
         autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, schedule="ZBV", verbose=False)
     with pytest.raises(ValueError, match="runs one stage per rank"):
@@ -288,16 +301,17 @@ def test_bf16_policy_two_stages_at_world_2(world2, virtual):
 
 
 @pytest.mark.parametrize("scheme", ["data", "megatron"])
-def test_bf16_policy_two_stages_by_two_at_world_4(world4, scheme):
+@pytest.mark.parametrize("schedule", [None, "InterleavedZeroBubble"])
+def test_bf16_policy_two_stages_by_two_at_world_4(world4, scheme, schedule):
     pins = megatron_pins([f"blocks.{i}." for i in range(4)]) if scheme == "megatron" else None
-    results = world4.run(_bf16_against_one_device, 2, 2, pin=pins)
+    results = world4.run(_bf16_against_one_device, 2, 2, pin=pins, schedule=schedule)
     _check_bf16(results)
     plan = PipelinePlan.from_json(results[0]["plan"])
     if scheme == "megatron":
         assert all(s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",) for s in plan.stages)
 
 
-def _steps(pipeline, no_sync=False, virtual=1):
+def _steps(pipeline, no_sync=False, virtual=1, schedule=None):
     """Accumulation over two calls (the first under ``no_sync``), a scaled loss, an SGD step and
     evaluation, beside the model's own."""
     torch.manual_seed(0)
@@ -305,8 +319,8 @@ def _steps(pipeline, no_sync=False, virtual=1):
     ref = copy.deepcopy(model)
     idx, tgt = _batch()
     idx2, tgt2 = _batch()[1], _batch()[0]
-    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, virtual=virtual, verbose=False,
-                               cluster="a100-80gb-nvlink-ib")
+    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, virtual=virtual, schedule=schedule,
+                               verbose=False, cluster="a100-80gb-nvlink-ib")
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     scale = 1 if no_sync else 3   # steps under no_sync take their loss's backward unscaled
     with pm.no_sync() if no_sync else contextlib.nullcontext():
@@ -327,9 +341,9 @@ def _steps(pipeline, no_sync=False, virtual=1):
 
 
 @pytest.mark.parametrize("no_sync", [False, True])
-@pytest.mark.parametrize("virtual", [1, 2])
-def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync, virtual):
-    for grads, after, evaluated in world4.run(_steps, 2, no_sync, virtual):
+@pytest.mark.parametrize("virtual, schedule", [(1, None), (2, None), (2, "InterleavedZeroBubble")])
+def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync, virtual, schedule):
+    for grads, after, evaluated in world4.run(_steps, 2, no_sync, virtual, schedule):
         assert grads < TOL and after < TOL and evaluated < TOL, (grads, after, evaluated)
 
 

@@ -52,6 +52,7 @@ class _GradSync(torch.autograd.Function):
     def forward(ctx, x, group, kept, reduce):
         ctx.group, ctx.kept, ctx.reduce = group, kept, reduce
         ctx.sync = kept is None or _mesh().sync_grads
+        ctx.zeros = _mesh().held_as_zeros
         return x.view_as(x)
 
     @staticmethod
@@ -62,7 +63,7 @@ class _GradSync(torch.autograd.Function):
             return _run(g, "all_reduce", ctx.group, None, None, None, None), None, None, None
         if not ctx.sync:
             _unsynced(ctx.kept, g)
-            return None, None, None, None
+            return torch.zeros_like(g) if ctx.zeros else None, None, None, None
         return _run(_with_unsynced(ctx.kept, g), "all_reduce", ctx.group, None, None, None, None), None, None, None
 
 

@@ -15,7 +15,6 @@ and ``param.grad`` holds what it held before the call.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -50,10 +49,6 @@ def check_schedule(name: str, mesh_shape: tuple, microbatches: int) -> None:
             fits = [m for m in range(1, 4 * k + 1) if m % max(1, m // k) == 0]
             raise ValueError(f"{name} runs {microbatches} microbatches on {k} stages in {rounds} rounds of equal "
                              f"size, and they do not split so: pass microbatches= one of {fits}, ...")
-    if name == ZERO_BUBBLE and math.prod(mesh_shape[1:]) > 1:
-        raise ValueError(f"{name} runs a stage's input and weight gradients apart, which autoshard does yet only on "
-                         f"stages of one rank each, not on mesh {tuple(mesh_shape)}: pass mesh=({k}, 1) (world {k}), "
-                         f"or schedule={INTERLEAVED!r}")
 
 
 def chunked(shape: tuple, ranks: int) -> bool:
