@@ -122,14 +122,14 @@ class ParallelPipeline(nn.Module):
         p = math.prod(inner)
         joint: dict = {}
         chunks, programs = [], []
+        # zero bubble runs each parameter group's weight pass on its own: no gradient bucket (the
+        # schedule pass's) may span groups, and what a microbatch keeps unreduced hands on zeros
+        split = plan.schedule == ZERO_BUBBLE
         for st in plan.chunks(r):   # each with its own program and rank mesh (what a collective keeps is the program's)
             s, held = st.index, stages.modules[st.index]
             graph = capture_stage(stages, s, at, outputs, policy)
             rank_mesh = RankMesh(sub, gen, joint)
             rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
-            # zero bubble runs each parameter group's weight pass on its own: no gradient bucket
-            # (the schedule pass's) may span groups, and what a microbatch keeps unreduced hands on zeros
-            split = plan.schedule == ZERO_BUBBLE
             rank_mesh.held_as_zeros = split
             program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap and not split)
             if program.meta["joint_axes"]:
