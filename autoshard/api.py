@@ -178,8 +178,9 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     cuts it into ``k v`` chunks instead, rank coordinate ``r`` on the pipeline axis holding chunks
     ``r, r + k, ...``, run by the interleaved 1F1B schedule (a bubble ``v`` times smaller, ``v``
     times the sends). ``schedule=`` names torch's schedule to run: ``"1F1B"``, ``"GPipe"``,
-    ``"Interleaved1F1B"`` or ``"InterleavedZeroBubble"`` (input and weight gradients apart, the
-    weights' filling the bubble); by default 1F1B (GPipe with fewer
+    ``"Interleaved1F1B"``, ``"InterleavedZeroBubble"`` (input and weight gradients apart, the
+    weights' filling the bubble) or ``"ZBVZeroBubble"`` (two chunks per rank in a V: ``r`` and
+    ``2k - 1 - r``; it does not evaluate); by default 1F1B (GPipe with fewer
     microbatches than stages), interleaved where ``virtual > 1``. ``pipeline=1`` plans without a
     pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
     network beats the best plan without (``planner.pipeline.search_pipeline``).

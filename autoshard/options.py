@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from autoshard.arguments import (GPIPE, INTERLEAVED, MAX_AXES, ONE_F_ONE_B, RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE,
+from autoshard.arguments import (GPIPE, INTERLEAVED, MAX_AXES, ONE_F_ONE_B, RECOMPUTE_MODES, SCHEDULES, ZBV, ZERO_BUBBLE,
                                  check_bool, check_budget, check_int, check_mesh, check_number)
 from autoshard.machine.cluster import Cluster
 from autoshard.inputs import check_inputs
@@ -93,6 +93,8 @@ class PlanOptions:
             if not self.pipelined:
                 raise ValueError(f"schedule={self.schedule!r} runs a pipeline; pass pipeline=k (k > 1) with it, or leave "
                                  "it out")
+            if self.schedule == ZBV and self.virtual != 2:
+                raise ValueError(f"schedule={ZBV!r} runs exactly two chunks per rank: pass virtual=2 with it")
             if self.virtual > 1 and self.schedule in (ONE_F_ONE_B, GPIPE):
                 raise ValueError(f"schedule={self.schedule!r} runs one stage per rank, and virtual={self.virtual} makes "
                                  f"several: pass schedule={INTERLEAVED!r} or {ZERO_BUBBLE!r}, or virtual=1")

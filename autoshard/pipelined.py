@@ -23,7 +23,8 @@ from autoshard.planner.pipeline import (PipelinePlan, capture_stage, cut, input_
 from autoshard.precision import reduce_dtype
 from autoshard.runtime import agree, optim
 from autoshard.runtime.mesh import RankMesh, dtensor_placements
-from autoshard.runtime.pipeline import ZERO_BUBBLE, Runner, StageProgram, chunked
+from autoshard.arguments import SPLIT_BACKWARD
+from autoshard.runtime.pipeline import Runner, StageProgram, chunked
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
 
@@ -121,10 +122,11 @@ class ParallelPipeline(nn.Module):
         at = input_device(example_inputs)
         p = math.prod(inner)
         joint: dict = {}
+        made: dict = {}   # the model's parameters as sharded, by id: two chunks of a rank may hold one
         chunks, programs = [], []
         # zero bubble runs each parameter group's weight pass on its own: no gradient bucket (the
         # schedule pass's) may span groups, and what a microbatch keeps unreduced hands on zeros
-        split = plan.schedule == ZERO_BUBBLE
+        split = plan.schedule in SPLIT_BACKWARD
         for st in plan.chunks(r):   # each with its own program and rank mesh (what a collective keeps is the program's)
             s, held = st.index, stages.modules[st.index]
             graph = capture_stage(stages, s, at, outputs, policy)
@@ -134,7 +136,7 @@ class ParallelPipeline(nn.Module):
             program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap and not split)
             if program.meta["joint_axes"]:
                 raise ValueError("a pipeline's stages run on one more axis at most yet")
-            _shard(held, st.plan, sub)
+            _shard(held, st.plan, sub, made)
             # what crosses between stages: a floating tensor carries a gradient back (torch's stage
             # reads which from these examples); the first stage's inputs carry none
             takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=True)) if s else \
@@ -240,22 +242,33 @@ def _holder(helds: list) -> nn.Module:
                         into.add_module(part, nn.Module())
                     into = into._modules[part]
                 table = into._parameters if kind == "parameter" else into._buffers
-                if leaf in table:
+                if leaf in table and table[leaf] is not t:
                     raise ValueError(f"two chunks of one rank hold {name}: pass a smaller virtual=, or pipeline= that "
                                      "keeps the stages that share it on other ranks")
                 table[leaf] = t
     return holder
 
 
-def _shard(held: nn.Module, splan, sub) -> None:
+def _shard(held: nn.Module, splan, sub, made: dict) -> None:
     """The stage's parameters as this rank's DTensor shares on ``sub``, the mesh of the other
-    axes (every rank has rank 0's values: each takes its share where it is)."""
+    axes (every rank has rank 0's values: each takes its share where it is). ``made``: the model's
+    parameters already sharded for another chunk of this rank, which this one takes as they are
+    (an embedding tied to the head, both ends of ZBV's V on the first rank)."""
     from torch.distributed.tensor import distribute_tensor
     for fqn, p in list(held.named_parameters()):
-        dt = dtensor_placements(splan.params.get(fqn, ("B",) * sub.ndim), fqn)
-        new = nn.Parameter(distribute_tensor(p.detach(), sub, dt, src_data_rank=None), requires_grad=p.requires_grad)
+        placements = tuple(splan.params.get(fqn, ("B",) * sub.ndim))
         prefix, _, name = fqn.rpartition(".")
+        if id(p) in made:
+            new, before = made[id(p)]
+            if before != placements:
+                raise ValueError(f"two chunks of one rank hold {fqn}, laid out {before} and {placements}: pin it "
+                                 "(pin={...}) to one layout")
+            held.get_submodule(prefix)._parameters[name] = new
+            continue
+        dt = dtensor_placements(placements, fqn)
+        new = nn.Parameter(distribute_tensor(p.detach(), sub, dt, src_data_rank=None), requires_grad=p.requires_grad)
         held.get_submodule(prefix)._parameters[name] = new
+        made[id(p)] = (new, placements)
         optim.adopt([new])
         optim.retire(p, fqn, new)
 
@@ -267,12 +280,14 @@ def _tie_groups(plan: PipelinePlan, mine: list, coord: int) -> list:
     for st in plan.stages:
         for name in st.plan.params:
             holders.setdefault(name, []).append(st.index)
-    shared = {name: tuple(h) for name, h in holders.items() if len(h) > 1}
+    # held by chunks of one rank alone: one parameter there (``_shard``), nothing to sum across ranks
+    shared = {name: tuple(h) for name, h in holders.items() if len({plan.stages[i].ranks for i in h}) > 1}
     groups = {}
     for hs in sorted(set(shared.values())):
         lists = [sorted({plan.stages[h].ranks[c] for h in hs}) for c in range(len(plan.stages[0].ranks))]
         if len(lists[0]) < len(hs):
-            raise ValueError(f"stages {list(hs)} share a parameter and run on one rank: pass a smaller virtual=")
+            raise ValueError(f"stages {list(hs)} share a parameter, two of them on one rank and one on another: pass "
+                             "another virtual= or schedule=")
         groups[hs], _ = dist.new_subgroups_by_enumeration(lists)
     out = []
     for name, hs in sorted(shared.items()):

@@ -34,7 +34,8 @@ import torch
 from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, split
-from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from autoshard.arguments import (GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE,
+                                 stage_coordinate)
 from autoshard.plan import Plan
 from autoshard.precision import policy_from_record, policy_record
 from autoshard.planner.solution import NoPlanInTime
@@ -60,7 +61,8 @@ class StagePlan:
 @dataclass
 class PipelinePlan:
     """A plan whose first mesh axis is a pipeline: ``stages[s]`` runs at coordinate ``s % k`` on
-    it (``k`` its size; ``virtual`` stages, chunks, per coordinate, ``k virtual`` in all)."""
+    it (``k`` its size; ``virtual`` stages, chunks, per coordinate, ``k virtual`` in all; in a V
+    under ZBV, ``arguments.stage_coordinate``)."""
     mesh_shape: tuple
     microbatches: int
     schedule: str
@@ -84,7 +86,7 @@ class PipelinePlan:
 
     def chunks(self, r: int) -> list:
         """The stages (chunks) pipeline coordinate ``r`` holds, in order."""
-        return [s for s in self.stages if s.index % self.mesh_shape[0] == r]
+        return [s for s in self.stages if stage_coordinate(self.schedule, s.index, self.mesh_shape[0]) == r]
 
     @property
     def slowest(self) -> float:
@@ -102,8 +104,10 @@ class PipelinePlan:
 
     def send_time(self, stage: "StagePlan") -> float:
         """Seconds of a microbatch's sends from ``stage`` to the next, forward and back."""
-        if not stage.sends or stage.plan.cluster is None:
-            return 0.0
+        k = self.mesh_shape[0]
+        if not stage.sends or stage.plan.cluster is None or \
+                stage_coordinate(self.schedule, stage.index, k) == stage_coordinate(self.schedule, stage.index + 1, k):
+            return 0.0   # the next chunk on the same rank (ZBV's turn): handed on in place
         return send_seconds(stage.sends, tuple(self.mesh_shape), stage.plan.cluster)
 
     def in_flight(self, stage: "StagePlan") -> int:
@@ -152,7 +156,7 @@ class PipelinePlan:
         reduce = max(self.reduction(s) for s in self.stages)
         chunked = f", {v} chunks per rank ({k * v} in all)" if v > 1 else ""
         fill = f"{k - 1}" if v == 1 else f"{k - 1}/{v}"
-        fill = f"{step_slots(self.schedule, k, m, v) - m:.2f}" if self.schedule == ZERO_BUBBLE else fill
+        fill = f"{step_slots(self.schedule, k, m, v) - m:.2f}" if self.schedule in SPLIT_BACKWARD else fill
         lines = [f"autoshard pipeline plan: {self.world} devices as mesh {tuple(self.mesh_shape)}, the first axis "
                  f"a pipeline of {k} stages{chunked}, {m} microbatches, schedule {self.schedule} "
                  f"(torch.distributed.pipelining)",
@@ -170,7 +174,7 @@ class PipelinePlan:
         if v > 1:
             lines.append("memory per rank: " + ", ".join(f"{r}: {self.rank_memory(r) / 1e9:.2f}GB" for r in range(k)))
         letters = "; chunk a, b, ... of the rank" if v > 1 else ""
-        parts = "I input and W weight gradients" if self.schedule == ZERO_BUBBLE else "B backward"
+        parts = "I input and W weight gradients" if self.schedule in SPLIT_BACKWARD else "B backward"
         lines += ["", f"schedule (F forward, {parts} of microbatch n{letters}; . idle):"]
         lines += timeline(self.schedule, k, m, virtual=v)
         if self.candidates:
@@ -247,6 +251,9 @@ def orders(schedule: str, k: int, m: int, virtual: int = 1) -> list:
         if schedule == GPIPE:
             out.append([("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)])
             continue
+        if schedule == ZBV:
+            out.append(_zbv_order(r, k, m))
+            continue
         v = virtual if schedule in (INTERLEAVED, ZERO_BUBBLE) else 1
         per_round = m // max(1, m // k)
         fill = 1 if schedule == ZERO_BUBBLE else 2
@@ -273,6 +280,55 @@ def orders(schedule: str, k: int, m: int, virtual: int = 1) -> list:
             add("W", c)
         out.append(order)
     return out
+
+
+def _zbv_order(r: int, k: int, m: int) -> list:
+    """Rank ``r``'s work under ZBV, as torch's ``ScheduleZBVZeroBubble`` orders it (the ZB-V
+    schedule): its chunks ``r`` (down the V) and ``2k - 1 - r`` (back up); ``2 (k - r) - 1``
+    forwards of the first fill, ``r`` of each in turn, then ``k - r`` of the second each with its
+    input and weight passes; then each step a forward, input and weight pass of both; then the
+    drain, input passes first and the weights' after. Torch plans at least ``2k - 1``
+    microbatches and idles where there are fewer."""
+    lo, hi = r, 2 * k - 1 - r
+    n = max(2 * k - 1, m)
+    count: dict = {}
+    order = []
+
+    def add(kind, c):
+        i = count.get((kind, c), 0)
+        count[(kind, c)] = i + 1
+        order.append((kind, i, c))
+
+    def done(kind, c):
+        return count.get((kind, c), 0)
+
+    for _ in range(2 * (k - r) - 1):
+        add("F", lo)
+    for _ in range(r):
+        add("F", hi)
+        add("F", lo)
+    for _ in range(k - r):
+        add("F", hi)
+        add("I", hi)
+        add("W", hi)
+    while done("F", hi) < done("F", lo) or done("F", lo) < n:
+        if done("F", lo) < n:
+            add("F", lo)
+        add("I", lo)
+        add("W", lo)
+        add("F", hi)
+        add("I", hi)
+        add("W", hi)
+    weights = {lo: done("W", lo), hi: done("W", hi)}
+    for _ in range(r):
+        add("I", lo)
+        add("I", hi)
+    for _ in range(k - r):
+        add("I", lo)
+        add("W", lo)
+    order += [("W", i, hi) for i in range(weights[hi], done("I", hi))]
+    order += [("W", i, lo) for i in range(count[("W", lo)], done("I", lo))]
+    return [(kind, i, c) for kind, i, c in order if i < m]   # torch's microbatches beyond m idle
 
 
 def in_flight(schedule: str, k: int, m: int, virtual: int = 1) -> list:
@@ -331,7 +387,7 @@ def step_slots(schedule: str, k: int, m: int, virtual: int = 1) -> float:
     """A step in microbatches through the slowest rank: ``m + k - 1`` (1F1B, GPipe),
     ``m + (k - 1) / v`` (interleaved); zero bubble's, its simulated step (``simulate``) over the
     three slots of a microbatch's forward, input and weight passes through each chunk."""
-    if schedule == ZERO_BUBBLE:
+    if schedule in (ZERO_BUBBLE, ZBV):
         return simulate(schedule, k, m, virtual)[1] / (3 * virtual)
     if schedule == INTERLEAVED:
         return m + (k - 1) / virtual
@@ -471,7 +527,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
                     splan = plan_stage(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed))
                 except (ValueError, NoPlanInTime):
                     pass   # none fits: the plan says how far over it is (``PipelinePlan.memory``)
-        r = s % k
+        r = stage_coordinate(schedule, s, k)
         planned.append(StagePlan(s, stages.blocks[s], tuple(range(r * size, (r + 1) * size)), splan, sends))
     unknown = sorted(set(options.pin or {}) - pinned)
     if unknown:

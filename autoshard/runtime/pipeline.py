@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard._compat import is_view
-from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE
 from autoshard.runtime.grads import hand_back, param_share
 from autoshard.runtime.mesh import RankMesh, active
 
@@ -165,9 +165,10 @@ def _schedule(pipe_stages: list, microbatches: int, name: str):
     """torch's schedule ``name`` for a rank's stages (``arguments.SCHEDULES``)."""
     from torch.distributed import pipelining
     kind = getattr(pipelining, "Schedule" + name)
-    if name in (INTERLEAVED, ZERO_BUBBLE):   # the schedules of several stages per rank
+    if name in (INTERLEAVED, *SPLIT_BACKWARD):   # the schedules of several stages per rank
         # zero bubble: the gradients are scaled where they land (Runner.step)
-        return kind(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=name != ZERO_BUBBLE)
+        return kind(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss,
+                    scale_grads=name not in SPLIT_BACKWARD)
     return kind(pipe_stages[0], n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
 
 
@@ -195,7 +196,7 @@ class Runner:
         # what each takes and gives, given: nothing runs to find them out
         self.pipe_stages = [PipelineStage(module, s, n, device, input_args=takes, output_args=gives, group=pipe_group)
                             for module, s, takes, gives in chunks]
-        self.schedule = _schedule(self.pipe_stages, microbatches, schedule)
+        self.schedule, self.schedule_name = _schedule(self.pipe_stages, microbatches, schedule), schedule
         self.held_back = False   # whether the last step ran under no_sync
 
     def no_sync(self):
@@ -254,6 +255,10 @@ class Runner:
 
     def evaluate(self, inputs: list) -> torch.Tensor:
         """The whole batch's loss on every rank, forward only."""
+        if self.schedule_name == ZBV:
+            raise ValueError("a pipeline under ZBVZeroBubble does not evaluate: torch's ScheduleZBVZeroBubble.eval "
+                             "fails where the V turns on a rank (it hands on a backward it did not run). Evaluate a "
+                             "copy parallelized with schedule='InterleavedZeroBubble', or train under that schedule")
         losses: list = []
         target = torch.zeros(self.microbatches, device=self.device) if self.last else None
         args = inputs if self.first else []
