@@ -3,7 +3,8 @@
 torch.utils._pytree flattens and rebuilds nested inputs and outputs exactly as torch.export saw
 them (ExportedProgram.call_spec holds its TreeSpecs); torch has no public equivalent yet.
 Ring attention's blocks need attention's log-sum-exp beside its output, which only torch's
-private fused kernels return (``attention_block``).
+private fused kernels return (``attention_block``). Whether a tensor is a view of another
+(``is_view``) has no public test.
 """
 import torch
 import torch.utils._pytree as _pytree
@@ -30,6 +31,11 @@ def register_block_mask() -> None:
 
 
 register_block_mask()
+
+
+def is_view(t) -> bool:
+    """Whether ``t`` is a view of another tensor (its storage another's, its autograd a view's)."""
+    return t._is_view()
 
 
 def block_masks_closing_over_tensors(inputs) -> list:

@@ -136,7 +136,8 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
          training: bool = True, time_limit: float = 60.0, bucket_bytes: Optional[int] = None,
          memory_budget: Optional[float] = None, reshard_after_forward: bool = False, outputs: str = WHOLE,
          inputs: str = "whole", verbose: bool = True, recompute: str = AUTO,
-         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None):
+         mp_policy=None, pipeline: Optional[int] = None, microbatches: Optional[int] = None, virtual: int = 1,
+         schedule: Optional[str] = None):
     """Plan the layout of every tensor of ``model`` for ``world`` devices (or a ``mesh``).
 
     Needs no process group; the model and inputs may live on the meta device. Every rank's
@@ -173,7 +174,14 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     ``pipeline=k`` (k > 1) cuts the model between its repeated blocks into ``k`` stages along one
     more mesh axis, the first, each stage planned on the other axes (``mesh=(k, ...)``, or
     ``(k, world // k)``), its batch cut into ``microbatches`` (by default up to ``2 k``), and
-    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``); ``1`` plans without a
+    returns an ``autoshard.planner.pipeline.PipelinePlan`` (``plan.stages``). ``virtual=v`` (v > 1)
+    cuts it into ``k v`` chunks instead, rank coordinate ``r`` on the pipeline axis holding chunks
+    ``r, r + k, ...``, run by the interleaved 1F1B schedule (a bubble ``v`` times smaller, ``v``
+    times the sends). ``schedule=`` names torch's schedule to run: ``"1F1B"``, ``"GPipe"``,
+    ``"Interleaved1F1B"``, ``"InterleavedZeroBubble"`` (input and weight gradients apart, the
+    weights' filling the bubble) or ``"ZBVZeroBubble"`` (two chunks per rank in a V: ``r`` and
+    ``2k - 1 - r``; it does not evaluate); by default 1F1B (GPipe with fewer
+    microbatches than stages), interleaved where ``virtual > 1``. ``pipeline=1`` plans without a
     pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
     network beats the best plan without (``planner.pipeline.search_pipeline``).
 
@@ -190,7 +198,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
                           bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                           reshard_after_forward=reshard_after_forward, outputs=outputs, verbose=verbose,
                           recompute=recompute, mp_policy=mp_policy, inputs=inputs, pipeline=pipeline,
-                          microbatches=microbatches)
+                          microbatches=microbatches, virtual=virtual, schedule=schedule)
     if options.pipelined:   # stages on a first mesh axis, each planned as a model of its own
         mesh_shape = resolve_mesh(world, options.mesh)
         return plan_pipeline(model, example_inputs, pipeline_mesh(math.prod(mesh_shape), options), options, plan_graph)
@@ -271,10 +279,12 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     if example_inputs is not None:
         normalize_inputs(example_inputs)
     if isinstance(plan, PipelinePlan) or (plan is None and plan_kwargs.get("pipeline") not in (None, 1)):
-        if inputs != "whole" or compile or timeout is not None:
-            raise ValueError("a pipeline does not yet take inputs=\"local\", compile=True or timeout=: leave them out, "
-                             "or parallelize without pipeline=")
-        return _parallelize_pipeline(model, example_inputs, world, plan, overlap, plan_kwargs)
+        if compile:
+            raise ValueError("a pipeline does not yet take compile=True: leave it out, or parallelize without pipeline=")
+        if timeout is not None:
+            timeout = check_number("timeout", timeout, positive=True, hint="seconds a collective may wait")
+        return _parallelize_pipeline(model, example_inputs, world, plan, overlap, plan_kwargs, timeout,
+                                     inputs == inputs_mod.LOCAL)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is an autoshard.Plan (Plan.from_json(text) reads one back), got {type(plan).__name__}")
     check_bool("overlap", overlap)
@@ -309,7 +319,8 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     return pm
 
 
-def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, plan_kwargs: dict):
+def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, plan_kwargs: dict, timeout=None,
+                          local: bool = False):
     """``parallelize`` with pipeline stages (``autoshard.pipelined``)."""
     check_options("parallelize", plan_kwargs, PLAN_OPTIONS)
     options = PlanOptions(**plan_kwargs)
@@ -323,7 +334,7 @@ def _parallelize_pipeline(model, example_inputs, world, plan, overlap: bool, pla
     if math.prod(mesh_shape) != dist.get_world_size():
         raise ValueError(f"planned for {math.prod(mesh_shape)} devices but the process group has "
                          f"{dist.get_world_size()}; pass world={dist.get_world_size()}")
-    return parallelize_pipeline(model, example_inputs, mesh_shape, plan, options, plan_graph, overlap)
+    return parallelize_pipeline(model, example_inputs, mesh_shape, plan, options, plan_graph, overlap, timeout, local)
 
 
 def _options_of(plan: Optional[Plan], plan_kwargs: dict) -> PlanOptions:

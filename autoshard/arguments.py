@@ -10,6 +10,19 @@ import numbers
 MAX_AXES = 4   # the most mesh axes a plan has
 # planner.recompute's modes: the solver chooses, none, every repeated block, every block's cheap ops
 RECOMPUTE_MODES = ("auto", "none", "blocks", "selective")
+# a pipeline's schedules: torch.distributed.pipelining's, by their class names less "Schedule"
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"
+ZBV = "ZBVZeroBubble"   # zero bubble on two chunks per rank placed in a V: rank r holds r and 2k - 1 - r
+SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE, ZBV)
+SPLIT_BACKWARD = (ZERO_BUBBLE, ZBV)   # the schedules that run input and weight gradients apart
+
+
+def stage_coordinate(schedule: str, c: int, k: int) -> int:
+    """The pipeline coordinate that runs chunk ``c`` of ``k`` ranks' chunks: ``c % k`` (looped), or
+    in a V under ZBV (``c``, then ``2k - 1 - c``)."""
+    if schedule == ZBV:
+        return c if c < k else 2 * k - 1 - c
+    return c % k
 
 
 def _is_int(value) -> bool:

@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from autoshard.arguments import (MAX_AXES, RECOMPUTE_MODES, check_bool, check_budget, check_int, check_mesh,
-                                 check_number)
+from autoshard.arguments import (GPIPE, INTERLEAVED, MAX_AXES, ONE_F_ONE_B, RECOMPUTE_MODES, SCHEDULES, ZBV, ZERO_BUBBLE,
+                                 check_bool, check_budget, check_int, check_mesh, check_number)
 from autoshard.machine.cluster import Cluster
 from autoshard.inputs import check_inputs
 from autoshard.outputs import WHOLE, check_outputs
@@ -39,6 +39,8 @@ class PlanOptions:
     mp_policy: object = None                  # a torch.distributed.fsdp.MixedPrecisionPolicy
     pipeline: Optional[int] = None            # pipeline stages: None or 1, none; k, k stages (planner.pipeline)
     microbatches: Optional[int] = None        # with a pipeline: None, chosen from the batch
+    virtual: int = 1                          # with a pipeline: chunks of blocks per rank; > 1, interleaved 1F1B
+    schedule: Optional[str] = None            # with a pipeline: one of SCHEDULES; None, chosen (planner.pipeline)
 
     def __post_init__(self):
         if self.cluster is not None and not isinstance(self.cluster, (str, Cluster)):
@@ -70,7 +72,8 @@ class PlanOptions:
         self._check_pipeline()
 
     def _check_pipeline(self):
-        """``pipeline``: None or 1 (no pipeline), or k stages; ``microbatches`` only with one."""
+        """``pipeline``: None or 1 (no pipeline), or k stages; ``microbatches`` and ``virtual`` only
+        with one."""
         if self.pipeline is not None:
             check_int("pipeline", self.pipeline, low=1, hint="the number of pipeline stages, such as 2, or None")
         if self.microbatches is not None:
@@ -79,9 +82,22 @@ class PlanOptions:
             if not self.pipelined:
                 raise ValueError("microbatches= cuts the batch for a pipeline's schedule; pass pipeline=k (k > 1) with "
                                  "it, or leave it out")
-        if self.pipelined and self.mp_policy is not None:
-            raise ValueError("pipeline= does not yet run under a mixed-precision policy: pass mp_policy=None, or plan "
-                             "without pipeline=")
+        check_int("virtual", self.virtual, low=1, hint="how many chunks of blocks each pipeline rank holds, such as 2")
+        if self.virtual > 1 and not self.pipelined:
+            raise ValueError(f"virtual={self.virtual} interleaves chunks of a pipeline's stages; pass pipeline=k (k > 1) "
+                             "with it, or leave it out")
+        if self.schedule is not None:
+            if self.schedule not in SCHEDULES:
+                raise ValueError(f"schedule is one of {', '.join(map(repr, SCHEDULES))} (torch.distributed.pipelining's "
+                                 f"schedules by name), or None to let the planner choose; got {self.schedule!r}")
+            if not self.pipelined:
+                raise ValueError(f"schedule={self.schedule!r} runs a pipeline; pass pipeline=k (k > 1) with it, or leave "
+                                 "it out")
+            if self.schedule == ZBV and self.virtual != 2:
+                raise ValueError(f"schedule={ZBV!r} runs exactly two chunks per rank: pass virtual=2 with it")
+            if self.virtual > 1 and self.schedule in (ONE_F_ONE_B, GPIPE):
+                raise ValueError(f"schedule={self.schedule!r} runs one stage per rank, and virtual={self.virtual} makes "
+                                 f"several: pass schedule={INTERLEAVED!r} or {ZERO_BUBBLE!r}, or virtual=1")
 
     @property
     def pipelined(self) -> bool:

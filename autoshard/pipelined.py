@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard._compat import tree_flatten
-from autoshard.passes.capture import capture
+from autoshard._compat import set_collective_timeout, tree_flatten, tree_map_only
 from autoshard.passes.lower import lower
-from autoshard.planner.pipeline import PipelinePlan, cut, input_device, plan_pipeline, stage_inputs
+from autoshard.planner.pipeline import (PipelinePlan, capture_stage, cut, input_device, plan_pipeline, stage_inputs,
+                                       stage_policy)
+from autoshard.precision import reduce_dtype
 from autoshard.runtime import agree, optim
 from autoshard.runtime.mesh import RankMesh, dtensor_placements
+from autoshard.arguments import SPLIT_BACKWARD
 from autoshard.runtime.pipeline import Runner, StageProgram, chunked
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
@@ -42,16 +44,40 @@ def pipeline_mesh(world: int, options) -> tuple:
 
 
 def parallelize_pipeline(model: nn.Module, example_inputs, mesh_shape: tuple, plan: Optional[PipelinePlan],
-                         options, plan_stage, overlap: bool = True) -> "ParallelPipeline":
+                         options, plan_stage, overlap: bool = True, timeout: Optional[float] = None,
+                         local: bool = False) -> "ParallelPipeline":
+    """``local``: each rank passes its own rows (``inputs="local"``), the global batch being the
+    ranks' rows in rank order, gathered whole at every call (``whole_batch``): the first stage
+    takes the batch whole, and the last its targets."""
     if example_inputs is None:
         raise ValueError("parallelize with a pipeline needs example_inputs (the whole batch a step takes): the "
                          "stages are cut and captured from them")
     if len(mesh_shape) > 2:
         raise ValueError(f"a pipeline runs with one more axis at most yet (mesh (k, n)), not {mesh_shape}")
+    if local:
+        example_inputs = whole_batch(example_inputs)
     if plan is None:   # rank 0 plans, every rank takes its plan
         plan = PipelinePlan.from_json(agree.from_first_rank(
             lambda: plan_pipeline(model, example_inputs, mesh_shape, options, plan_stage).to_json()))
-    return ParallelPipeline(model, plan, example_inputs, options.outputs, overlap)
+    return ParallelPipeline(model, plan, example_inputs, options.outputs, overlap, timeout, local)
+
+
+def whole_batch(inputs):
+    """Every rank's own rows of each input of one dim or more (``inputs="local"``), gathered
+    whole in rank order (ragged too); a tensor of no dim is the same on every rank. Collective."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            return x
+        rows = torch.tensor([x.shape[0]], device=x.device)
+        counts = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, rows)
+        counts = [int(c) for c in counts]
+        most = max(counts)
+        padded = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))]) if most > x.shape[0] else x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([part[:c] for part, c in zip(parts, counts)])
+    return tree_map_only(torch.Tensor, gather, inputs)
 
 
 _MESHES: dict = {}   # (rank, device type, shape) -> DeviceMesh with the pipeline axis named
@@ -72,7 +98,8 @@ class ParallelPipeline(nn.Module):
     in the model) and ``module(*batch)`` returns the whole batch's loss on every rank; that
     loss's ``backward()`` puts the step's gradients in ``param.grad`` (runtime.pipeline)."""
 
-    def __init__(self, model: nn.Module, plan: PipelinePlan, example_inputs, outputs: str, overlap: bool):
+    def __init__(self, model: nn.Module, plan: PipelinePlan, example_inputs, outputs: str, overlap: bool,
+                 timeout: Optional[float] = None, local: bool = False):
         super().__init__()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         k, inner = plan.mesh_shape[0], tuple(plan.mesh_shape[1:])
@@ -82,46 +109,56 @@ class ParallelPipeline(nn.Module):
         with torch.no_grad():   # every rank starts from rank 0's values, as parallelize promises
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t, src=0)
-        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts)
+        policy = stage_policy(plan)   # the plan's own: a saved plan runs under the policy it was made for
+        n = len(plan.stages)          # k stages, or k v chunks where each rank holds v (interleaved)
+        stages = cut(model, example_inputs, k, plan.microbatches, outputs, plan.starts, policy, plan.virtual)
         mesh = _device_mesh(device.type, tuple(plan.mesh_shape))
         sub = mesh[AXIS_NAMES[1:len(plan.mesh_shape)]]
-        s = mesh.get_coordinate()[0]
-        held = stages.modules[s]
-        splan = plan.stages[s].plan
-        graph = capture(held, stage_inputs(stages, s, input_device(example_inputs)), None, outputs)
+        r = mesh.get_coordinate()[0]
         seed = [torch.initial_seed() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(seed, src=0)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
-        rank_mesh = RankMesh(sub, gen, {})
-        program = lower(graph, splan, device=device, coords=rank_mesh.coords, overlap=overlap)
-        if program.meta["joint_axes"]:
-            raise ValueError("a pipeline's stages run on one more axis at most yet")
-        _shard(held, splan, sub)
-        slots = []
-        for n in graph.nodes:
-            if n.kind == "param":
-                slots.append(("param", n.fqn))
-            elif n.kind == "buffer":
-                slots.append(("buffer", n.fqn) if n.fqn in dict(held.named_buffers()) else
-                             graph.exported.constants[n.fqn].to(device))
-        ties = _tie_groups(plan, s, sub.get_coordinate()[0] if sub.ndim == 1 else 0)
-        last = plan.stages[k - 1].ranks[plan.stages[s].ranks.index(dist.get_rank())]
         at = input_device(example_inputs)
-        # what crosses between stages: a floating tensor carries a gradient back (torch's stage
-        # reads which from these examples); the first stage's inputs carry none
         p = math.prod(inner)
-        takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=s > 0)) if s else \
-            stage_inputs(stages, s, at)
-        gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < k else \
-            torch.zeros((), device=at)
-        runner = Runner(StageProgram(program, held, slots, rank_mesh, first=s == 0, last=s == k - 1), s, k, plan.microbatches,
-                        mesh.get_group("pipeline"), last, device, ties, takes, gives)
-        self._modules = held._modules          # named_parameters and state_dict: the stage's, by their names
-        self._parameters = held._parameters
-        self._buffers = held._buffers
-        self.__dict__.update(_model=model, _plan=plan, _runner=runner, _stage=s, device_mesh=mesh,
-                             _program=program, _shapes=[tuple(x) for x in plan.input_shapes])
+        joint: dict = {}
+        made: dict = {}   # the model's parameters as sharded, by id: two chunks of a rank may hold one
+        chunks, programs = [], []
+        # zero bubble runs each parameter group's weight pass on its own: no gradient bucket (the
+        # schedule pass's) may span groups, and what a microbatch keeps unreduced hands on zeros
+        split = plan.schedule in SPLIT_BACKWARD
+        for st in plan.chunks(r):   # each with its own program and rank mesh (what a collective keeps is the program's)
+            s, held = st.index, stages.modules[st.index]
+            graph = capture_stage(stages, s, at, outputs, policy)
+            rank_mesh = RankMesh(sub, gen, joint)
+            rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
+            rank_mesh.held_as_zeros = split
+            program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap and not split)
+            if program.meta["joint_axes"]:
+                raise ValueError("a pipeline's stages run on one more axis at most yet")
+            _shard(held, st.plan, sub, made)
+            # what crosses between stages: a floating tensor carries a gradient back (torch's stage
+            # reads which from these examples); the first stage's inputs carry none
+            takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=True)) if s else \
+                stage_inputs(stages, s, at)
+            gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < n else \
+                torch.zeros((), dtype=stages.loss_dtype, device=at)
+            chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
+                                        last=s == n - 1, split_backward=split), s, takes, gives))
+            programs.append(program)
+        holder = _holder([c[0].held for c in chunks])
+        ties = _tie_groups(plan, [c[1] for c in chunks], sub.get_coordinate()[0] if sub.ndim == 1 else 0)
+        last = plan.stages[n - 1].ranks[plan.stages[r].ranks.index(dist.get_rank())]
+        runner = Runner(chunks, k, plan.microbatches, mesh.get_group("pipeline"), last, device, ties, stages.loss_dtype,
+                        holder, plan.schedule)
+        if timeout is not None:   # every collective and send of the pipeline's groups
+            set_collective_timeout([*mesh.get_all_groups(), *joint.values(), *(g for _, g, _ in ties)], timeout)
+        self._modules = holder._modules          # named_parameters and state_dict: the rank's, by their names
+        self._parameters = holder._parameters
+        self._buffers = holder._buffers
+        self.__dict__.update(_model=model, _plan=plan, _runner=runner, _stage=r, device_mesh=mesh,
+                             _programs=programs, _chunks=tuple(c[1] for c in chunks),
+                             _shapes=[tuple(x) for x in plan.input_shapes], _local=local)
 
     @property
     def plan(self) -> PipelinePlan:
@@ -129,26 +166,34 @@ class ParallelPipeline(nn.Module):
 
     @property
     def stage(self) -> int:
-        """The stage this rank runs."""
+        """The stage this rank runs: its coordinate on the pipeline axis."""
         return self._stage
 
     @property
+    def chunks(self) -> tuple:
+        """The indices in ``plan.stages`` of the stages this rank runs: ``(stage,)``, or under
+        ``virtual=v`` its ``v`` chunks."""
+        return self._chunks
+
+    @property
     def program(self) -> str:
-        """This rank's stage program, as Python."""
-        return (f"# autoshard pipeline stage {self._stage}, built by: {', '.join(self._program.meta['passes'])}\n"
-                + self._program.code)
+        """This rank's stage programs, as Python."""
+        return "\n".join(f"# autoshard pipeline stage {c}, built by: {', '.join(p.meta['passes'])}\n" + p.code
+                         for c, p in zip(self._chunks, self._programs))
 
     def no_sync(self):
         """Gradient accumulation, as ``ParallelModule.no_sync``: the steps run inside reduce no
         gradient over the stages' data axes; each rank keeps its unreduced sum, which the first
         step outside adds to what it reduces."""
-        return self._runner.module.rank_mesh.no_sync()
+        return self._runner.no_sync()
 
     def train(self, mode: bool = True):
         self._model.train(mode)
         return super().train(mode)
 
     def forward(self, *args, **kwargs):
+        if self._local:   # each rank's own rows: the batch whole
+            args, kwargs = whole_batch((args, kwargs))
         # in the order capture saw them: positional, then keywords by name (capture.normalize_inputs)
         leaves = [x for x in tree_flatten((args, dict(sorted(kwargs.items()))))[0] if isinstance(x, torch.Tensor)]
         shapes = [tuple(x.shape) for x in leaves]
@@ -168,35 +213,85 @@ def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:
     return x[: x.shape[0] // ranks].detach().clone().requires_grad_(x.requires_grad)
 
 
-def _shard(held: nn.Module, splan, sub) -> None:
+def _slots(graph, held: nn.Module, device) -> list:
+    """Per parameter and buffer placeholder of a stage's program: ("param", name), ("buffer",
+    name), or the constant it takes."""
+    slots = []
+    buffers = dict(held.named_buffers())
+    for n in graph.nodes:
+        if n.kind == "param":
+            slots.append(("param", n.fqn))
+        elif n.kind == "buffer":
+            slots.append(("buffer", n.fqn) if n.fqn in buffers else graph.exported.constants[n.fqn].to(device))
+    return slots
+
+
+def _holder(helds: list) -> nn.Module:
+    """One module holding, under their names in the model, the parameters and buffers of every
+    stage a rank runs (the same objects: the stages' programs read them there)."""
+    if len(helds) == 1:
+        return helds[0]
+    holder = nn.Module()
+    for held in helds:
+        for kind, named in (("parameter", held.named_parameters()), ("buffer", held.named_buffers())):
+            for name, t in named:
+                prefix, _, leaf = name.rpartition(".")
+                into = holder
+                for part in prefix.split(".") if prefix else ():
+                    if part not in into._modules:
+                        into.add_module(part, nn.Module())
+                    into = into._modules[part]
+                table = into._parameters if kind == "parameter" else into._buffers
+                if leaf in table and table[leaf] is not t:
+                    raise ValueError(f"two chunks of one rank hold {name}: pass a smaller virtual=, or pipeline= that "
+                                     "keeps the stages that share it on other ranks")
+                table[leaf] = t
+    return holder
+
+
+def _shard(held: nn.Module, splan, sub, made: dict) -> None:
     """The stage's parameters as this rank's DTensor shares on ``sub``, the mesh of the other
-    axes (every rank has rank 0's values: each takes its share where it is)."""
+    axes (every rank has rank 0's values: each takes its share where it is). ``made``: the model's
+    parameters already sharded for another chunk of this rank, which this one takes as they are
+    (an embedding tied to the head, both ends of ZBV's V on the first rank)."""
     from torch.distributed.tensor import distribute_tensor
     for fqn, p in list(held.named_parameters()):
-        dt = dtensor_placements(splan.params.get(fqn, ("B",) * sub.ndim), fqn)
-        new = nn.Parameter(distribute_tensor(p.detach(), sub, dt, src_data_rank=None), requires_grad=p.requires_grad)
+        placements = tuple(splan.params.get(fqn, ("B",) * sub.ndim))
         prefix, _, name = fqn.rpartition(".")
+        if id(p) in made:
+            new, before = made[id(p)]
+            if before != placements:
+                raise ValueError(f"two chunks of one rank hold {fqn}, laid out {before} and {placements}: pin it "
+                                 "(pin={...}) to one layout")
+            held.get_submodule(prefix)._parameters[name] = new
+            continue
+        dt = dtensor_placements(placements, fqn)
+        new = nn.Parameter(distribute_tensor(p.detach(), sub, dt, src_data_rank=None), requires_grad=p.requires_grad)
         held.get_submodule(prefix)._parameters[name] = new
+        made[id(p)] = (new, placements)
         optim.adopt([new])
         optim.retire(p, fqn, new)
 
 
-def _tie_groups(plan: PipelinePlan, s: int, coord: int) -> list:
-    """[(name, group, same placements)] for every parameter this rank's stage shares with
-    another. Collective: every rank makes every group, in one order."""
+def _tie_groups(plan: PipelinePlan, mine: list, coord: int) -> list:
+    """[(name, group, same placements)] for every parameter this rank's stages ``mine`` share
+    with another rank's. Collective: every rank makes every group, in one order."""
     holders: dict = {}
     for st in plan.stages:
         for name in st.plan.params:
             holders.setdefault(name, []).append(st.index)
-    shared = {name: tuple(h) for name, h in holders.items() if len(h) > 1}
+    # held by chunks of one rank alone: one parameter there (``_shard``), nothing to sum across ranks
+    shared = {name: tuple(h) for name, h in holders.items() if len({plan.stages[i].ranks for i in h}) > 1}
     groups = {}
     for hs in sorted(set(shared.values())):
-        lists = [[plan.stages[h].ranks[c] for h in hs] for c in range(len(plan.stages[0].ranks))]
-        mine, _ = dist.new_subgroups_by_enumeration(lists)
-        groups[hs] = mine
+        lists = [sorted({plan.stages[h].ranks[c] for h in hs}) for c in range(len(plan.stages[0].ranks))]
+        if len(lists[0]) < len(hs):
+            raise ValueError(f"stages {list(hs)} share a parameter, two of them on one rank and one on another: pass "
+                             "another virtual= or schedule=")
+        groups[hs], _ = dist.new_subgroups_by_enumeration(lists)
     out = []
     for name, hs in sorted(shared.items()):
-        if s in hs:
+        if set(mine) & set(hs):
             same = len({tuple(plan.stages[h].plan.params[name]) for h in hs}) == 1
             out.append((name, groups[hs], same))
     return out

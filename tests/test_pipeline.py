@@ -38,8 +38,8 @@ def _against_one_device(pipeline, microbatches=None, layers=4, plan=None, **opti
     want.backward()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     grads = {n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()}
-    return {"stage": pm.stage, "loss": rel_err(loss, want), "grads": grads, "untouched": untouched,
-            "held": sorted(n for n, _ in pm.named_parameters()), "plan": pm.plan.to_json()}
+    return {"stage": pm.stage, "chunks": pm.chunks, "loss": rel_err(loss, want), "grads": grads,
+            "untouched": untouched, "held": sorted(n for n, _ in pm.named_parameters()), "plan": pm.plan.to_json()}
 
 
 def _check(results, stages):
@@ -49,10 +49,12 @@ def _check(results, stages):
         assert r["loss"] < TOL, r["loss"]
         assert max(r["grads"].values()) < TOL, r["grads"]
         assert r["untouched"]
-        assert r["held"] == sorted(n for n in plan.stages[r["stage"]].plan.params if n != "emb.weight")
+        assert r["chunks"] == tuple(s.index for s in plan.chunks(r["stage"]))
+        assert r["held"] == sorted({n for c in r["chunks"] for n in plan.stages[c].plan.params if n != "emb.weight"})
     held = [set(r["held"]) for r in results]
-    assert "blocks.0.qkv.weight" in held[0] and "blocks.3.qkv.weight" not in held[0]
-    assert all("head.weight" in h for h, r in zip(held, results) if r["stage"] in (0, stages - 1))   # tied: both ends
+    assert "blocks.0.qkv.weight" in held[0]   # and no other block than its chunks' (above)
+    ends = {0, len(plan.stages) - 1}
+    assert all("head.weight" in h for h, r in zip(held, results) if ends & set(r["chunks"]))   # tied: both ends
 
 
 def test_two_stages_at_world_2(world2):
@@ -83,7 +85,255 @@ def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
         assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
 
 
-def _steps(pipeline, no_sync=False):
+# ---- interleaved 1F1B: virtual=v chunks per rank ---------------------------------------------------
+
+def test_interleaved_two_stages_of_two_chunks_at_world_2(world2):
+    results = world2.run(_against_one_device, 2, virtual=2)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.schedule == "Interleaved1F1B" and plan.virtual == 2 and plan.microbatches == 4
+    assert [s.blocks for s in plan.stages] == [("blocks.0",), ("blocks.1",), ("blocks.2",), ("blocks.3",)]
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)]
+    assert [r["chunks"] for r in results] == [(0, 2), (1, 3)]
+
+
+def test_interleaved_four_stages_of_two_chunks_at_world_4(world4):
+    _check(world4.run(_against_one_device, 4, layers=8, virtual=2), 4)
+
+
+def test_interleaved_two_stages_by_two_data_parallel_at_world_4(world4):
+    results = world4.run(_against_one_device, 2, 4, virtual=2)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.mesh_shape == (2, 2) and [s.ranks for s in plan.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+
+
+def test_interleaved_is_priced_and_drawn():
+    """``virtual=v``: the fill and drain of a chunk, ``v`` times shorter, against ``v`` times the
+    sends; each chunk's activations in flight read off torch's interleaved order."""
+    torch.manual_seed(0)
+    plain = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, microbatches=8, verbose=False)
+    plan = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, microbatches=8, virtual=2, verbose=False)
+    assert plan.bubble == pytest.approx(3 / (2 * 8 + 3)) and plain.bubble == pytest.approx(3 / 11)
+    ranks = [sum(plan.slot(s) for s in plan.stages if s.index % 4 == r) for r in range(4)]
+    assert plan.cost == pytest.approx((8 + 3 / 2) * max(ranks) + max(plan.reduction(s) for s in plan.stages))
+    assert sum(1 for s in plan.stages if plan.send_time(s) > 0) == 7 and sum(1 for s in plain.stages if s.sends) == 3
+    # rank 0 fills with (v - 1) rounds of 4 and 2 (k - 1) more forwards: 6 of chunk 0 before its first backward
+    assert [plan.in_flight(s) for s in plan.stages] == [8, 8, 7, 5, 4, 4, 3, 1]
+    assert plan.rank_memory(0) == pytest.approx(plan.memory(plan.stages[0]) + plan.memory(plan.stages[4]))
+    text = str(plan)
+    assert "a pipeline of 4 stages, 2 chunks per rank (8 in all), 8 microbatches, schedule Interleaved1F1B" in text
+    assert "(8 microbatches + 3/2) x slowest rank" in text
+    assert "  rank 3: .    .    .    F0a  F1a  F2a  F3a  F0b  B0b  B0b" in text
+    again = PipelinePlan.from_json(plan.to_json())
+    assert again.virtual == 2 and again.cost == pytest.approx(plan.cost)
+
+
+def test_interleaved_arguments_say_what_to_change():
+    with pytest.raises(ValueError, match="pass pipeline=k"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, virtual=2, verbose=False)
+    with pytest.raises(ValueError, match="rounds of equal size"):
+        autoshard.plan(GPT(layers=8), _batch(36), world=4, pipeline=4, virtual=2, microbatches=9, verbose=False)
+    with pytest.raises(ValueError, match="pipeline=2 by virtual=4 needs at least 8 repeated blocks"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, virtual=4, verbose=False)
+
+
+# ---- zero bubble: schedule="InterleavedZeroBubble" ------------------------------------------------
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_zero_bubble_at_world_2(world2, virtual):
+    results = world2.run(_against_one_device, 2, virtual=virtual, schedule="InterleavedZeroBubble")
+    _check(results, 2)
+    assert PipelinePlan.from_json(results[0]["plan"]).schedule == "InterleavedZeroBubble"
+
+
+def test_zero_bubble_four_stages_of_two_chunks_at_world_4(world4):
+    _check(world4.run(_against_one_device, 4, layers=8, virtual=2, schedule="InterleavedZeroBubble"), 4)
+
+
+@pytest.mark.parametrize("scheme", ["data", "megatron"])
+def test_zero_bubble_two_stages_by_two_at_world_4(world4, scheme):
+    """Each stage data or tensor parallel on its axis: the weight passes run each parameter
+    group's reduction on its own, the microbatches kept unreduced handing on zeros."""
+    pins = megatron_pins([f"blocks.{i}." for i in range(4)]) if scheme == "megatron" else None
+    results = world4.run(_against_one_device, 2, 4, virtual=2, schedule="InterleavedZeroBubble", pin=pins)
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.mesh_shape == (2, 2)
+    if scheme == "megatron":
+        assert all(s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",) for s in plan.stages)
+    else:
+        assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
+def test_interleaved_schedules_recomputed_and_under_bf16(world2, schedule):
+    # chunks of two blocks: a stage of one block is not a stack, and recomputes nothing
+    results = world2.run(_against_one_device, 2, layers=8, virtual=2, schedule=schedule, recompute="blocks")
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert all(sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks) for s in plan.stages)
+    _check_bf16(world2.run(_bf16_against_one_device, 2, virtual=2, schedule=schedule))
+
+
+def test_zbv_two_stages_in_a_v_at_world_2(world2):
+    """ZBV: rank r holds chunks r and 2k - 1 - r, so the first rank holds both ends, the
+    embedding and the head tied to it one parameter there; the turn of the V stays on a rank."""
+    results = world2.run(_against_one_device, 2, virtual=2, schedule="ZBVZeroBubble")
+    _check(results, 2)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
+    assert [r["chunks"] for r in results] == [(0, 3), (1, 2)]
+    assert plan.send_time(plan.stages[1]) == 0 and plan.send_time(plan.stages[0]) > 0
+    assert "rank 1: .    F0a  F0b" in str(plan)
+
+
+@pytest.mark.parametrize("pipeline, microbatches, layers", [(4, None, 8), (2, 4, 4)])
+def test_zbv_at_world_4(world4, pipeline, microbatches, layers):
+    _check(world4.run(_against_one_device, pipeline, microbatches, layers=layers, virtual=2, schedule="ZBVZeroBubble"),
+           pipeline)
+
+
+def test_schedules_priced_by_their_timelines():
+    """The step in microbatches through the slowest rank, ``m + k - 1`` for 1F1B and GPipe and
+    ``m + (k - 1) / v`` interleaved, is the simulated timeline's; zero bubble's weight passes
+    fill part of what is left."""
+    from autoshard.planner.pipeline import simulate, step_slots
+    for k, m, v in ((2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2), (4, 16, 3)):
+        for name in (["1F1B", "GPipe"] if v == 1 else ["ZBVZeroBubble"] if v == 2 else []) + \
+                ["Interleaved1F1B", "InterleavedZeroBubble"]:
+            slots = step_slots(name, k, m, v)
+            assert slots == pytest.approx(simulate(name, k, m, v)[1] / (3 * v)), (name, k, m, v)
+            if name in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+                assert m < slots < step_slots("Interleaved1F1B", k, m, v)
+    torch.manual_seed(0)
+    plan = autoshard.plan(GPT(layers=8), _batch(16), world=4, pipeline=4, schedule="InterleavedZeroBubble",
+                          verbose=False)
+    assert plan.bubble == pytest.approx(1 / 9) and "I0  W0  F4" in str(plan)
+    with pytest.raises(ValueError, match="schedule is one of"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, schedule="ZBV", verbose=False)
+    with pytest.raises(ValueError, match="exactly two chunks per rank"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, schedule="ZBVZeroBubble", verbose=False)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        autoshard.plan(GPT(layers=4), _batch(), world=2, pipeline=2, virtual=2, schedule="1F1B", verbose=False)
+
+
+def _local_rows(rows_per_rank):
+    """``inputs="local"``: each rank passes its own rows of the batch, the global batch the
+    ranks' rows in rank order (ragged on the second call); against one device on that batch."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    ref = copy.deepcopy(model)
+    idx, tgt = _batch()
+
+    def mine(t, rows):
+        first = sum(rows[:dist.get_rank()])
+        return t[first:first + rows[dist.get_rank()]]
+
+    pm = autoshard.parallelize(model, (mine(idx, rows_per_rank), mine(tgt, rows_per_rank)), pipeline=2,
+                               inputs="local", verbose=False, cluster="a100-80gb-nvlink-ib")
+    ragged = [rows_per_rank[0] + 1, rows_per_rank[1] - 1] + list(rows_per_rank[2:])
+    pm(mine(idx, rows_per_rank), mine(tgt, rows_per_rank)).backward()
+    loss = pm(mine(idx, ragged), mine(tgt, ragged))
+    loss.backward()
+    want = ref(idx, tgt)
+    (want * 2).backward()
+    refp = dict(ref.named_parameters(remove_duplicate=False))
+    return rel_err(loss, want), max(rel_err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters())
+
+
+def test_local_inputs_gathered_whole(world4):
+    for loss, grads in world4.run(_local_rows, [2, 2, 2, 2]):
+        assert loss < TOL and grads < TOL, (loss, grads)
+
+
+def _timed_out(seconds):
+    """parallelize(timeout=) bounds the pipeline's groups: rank 1 skips a collective on the
+    pipeline axis, and rank 0 waits at most that long."""
+    import time
+
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    pm = autoshard.parallelize(GPT(layers=4), _batch(), pipeline=2, timeout=seconds, verbose=False)
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.ones(1), group=pm.device_mesh.get_group("pipeline"))
+        except Exception as e:  # noqa: BLE001 - gloo's timeout error
+            return time.monotonic() - start, str(e)
+        return "rank 0's all-reduce returned though rank 1 never joined it"
+    time.sleep(seconds * 2)
+    return None
+
+
+def test_timeout_bounds_the_pipeline_groups():
+    from autoshard.testing.launch import LocalWorld
+    world = LocalWorld(2)   # its own: the group rank 0 gave up on is of no use after
+    try:
+        waited, error = world.run(_timed_out, 2.0)[0]
+    finally:
+        world.close()
+    assert "Timed out" in error and waited < 30, (waited, error)
+
+
+def _bf16_against_one_device(pipeline, microbatches=None, **options):
+    """Under MixedPrecisionPolicy(bf16, reduce fp32): the pipelined GPT's loss and every held
+    gradient against one device computing in bf16 from its fp32 parameters (the policy's own
+    semantics), with that device's distance from fp32 (test_precision's bound)."""
+    from test_precision import POLICY, _err, _fp32_run, _noise
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    ref = copy.deepcopy(model)
+    idx, tgt = _batch()
+    fp32_loss, fp32 = _fp32_run(model, (idx, tgt))
+    pm = autoshard.parallelize(model, (idx, tgt), verbose=False, cluster="a100-80gb-nvlink-ib", pipeline=pipeline,
+                               microbatches=microbatches, mp_policy=POLICY, **options)
+    loss = pm(idx, tgt)
+    loss.backward()
+    copies = {n: p.to(torch.bfloat16) for n, p in ref.named_parameters()}
+    want = torch.func.functional_call(ref, copies, (idx, tgt), tie_weights=True)
+    want.backward()
+    refp = dict(ref.named_parameters(remove_duplicate=False))
+    return {"stage": pm.stage, "loss": _err(loss, want), "noise": _noise(want, ref, fp32_loss, fp32),
+            "grads": {n: _err(p.grad.full_tensor(), refp[n].grad) for n, p in pm.named_parameters()},
+            "dtypes": {str(p.dtype) for p in pm.parameters()} | {str(p.grad.dtype) for p in pm.parameters()},
+            "loss_dtype": str(loss.dtype), "program": pm.program, "plan": pm.plan.to_json()}
+
+
+def _check_bf16(results):
+    from test_precision import bf16_tol
+    for r in results:
+        assert r["dtypes"] == {"torch.float32"}, r["dtypes"]   # fp32 masters and their gradients
+        assert r["loss_dtype"] == "torch.bfloat16"
+        assert "torch.bfloat16" in r["program"]
+        assert r["loss"] <= bf16_tol(r), (r["loss"], r["noise"])
+        bad = {n: e for n, e in r["grads"].items() if e > bf16_tol(r)}
+        assert not bad, (bad, r["noise"])
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    assert all(s.plan.schedule["precision"]["policy"]["param_dtype"] == "bfloat16" for s in plan.stages)
+    # the residual crosses in bf16: half the bytes of fp32 (the targets, int64, beside it)
+    assert plan.stages[0].sends[-1][0] == 8 // plan.microbatches * 16 * 32 * 2
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_bf16_policy_two_stages_at_world_2(world2, virtual):
+    _check_bf16(world2.run(_bf16_against_one_device, 2, virtual=virtual))
+
+
+@pytest.mark.parametrize("scheme", ["data", "megatron"])
+@pytest.mark.parametrize("schedule", [None, "InterleavedZeroBubble"])
+def test_bf16_policy_two_stages_by_two_at_world_4(world4, scheme, schedule):
+    pins = megatron_pins([f"blocks.{i}." for i in range(4)]) if scheme == "megatron" else None
+    results = world4.run(_bf16_against_one_device, 2, 2, pin=pins, schedule=schedule)
+    _check_bf16(results)
+    plan = PipelinePlan.from_json(results[0]["plan"])
+    if scheme == "megatron":
+        assert all(s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",) for s in plan.stages)
+
+
+def _steps(pipeline, no_sync=False, virtual=1, schedule=None):
     """Accumulation over two calls (the first under ``no_sync``), a scaled loss, an SGD step and
     evaluation, beside the model's own."""
     torch.manual_seed(0)
@@ -91,7 +341,8 @@ def _steps(pipeline, no_sync=False):
     ref = copy.deepcopy(model)
     idx, tgt = _batch()
     idx2, tgt2 = _batch()[1], _batch()[0]
-    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, verbose=False, cluster="a100-80gb-nvlink-ib")
+    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, virtual=virtual, schedule=schedule,
+                               verbose=False, cluster="a100-80gb-nvlink-ib")
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     scale = 1 if no_sync else 3   # steps under no_sync take their loss's backward unscaled
     with pm.no_sync() if no_sync else contextlib.nullcontext():
@@ -107,23 +358,31 @@ def _steps(pipeline, no_sync=False):
     pm.eval()
     ref.eval()
     with torch.no_grad():
+        if schedule == "ZBVZeroBubble":   # torch's ZBV does not evaluate: told so
+            with pytest.raises(ValueError, match="does not evaluate"):
+                pm(idx2, tgt2)
+            return grads, after, 0.0
         evaluated = rel_err(pm(idx2, tgt2), ref(idx2, tgt2))
     return grads, after, evaluated
 
 
 @pytest.mark.parametrize("no_sync", [False, True])
-def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync):
-    for grads, after, evaluated in world4.run(_steps, 2, no_sync):
+@pytest.mark.parametrize("virtual, schedule", [(1, None), (2, None), (2, "InterleavedZeroBubble"),
+                                               (2, "ZBVZeroBubble")])
+def test_accumulation_scaled_loss_sgd_step_and_eval(world4, no_sync, virtual, schedule):
+    for grads, after, evaluated in world4.run(_steps, 2, no_sync, virtual, schedule):
         assert grads < TOL and after < TOL and evaluated < TOL, (grads, after, evaluated)
 
 
-def _checkpointed(path):
-    """A step at 2 stages by 2-way data parallel, saved with torch.distributed.checkpoint, loaded
-    onto 4 stages of a model started from other weights: the same loss."""
+def _checkpointed(path, virtual=1, schedule=None):
+    """A step at 2 stages (of ``virtual`` chunks each) by 2-way data parallel, saved with
+    torch.distributed.checkpoint, loaded onto 4 stages of a model started from other weights:
+    the same loss."""
     import torch.distributed.checkpoint as dcp
     torch.manual_seed(0)
     idx, tgt = _batch()
-    pm = autoshard.parallelize(GPT(layers=4), (idx, tgt), pipeline=2, verbose=False, cluster="a100-80gb-nvlink-ib")
+    pm = autoshard.parallelize(GPT(layers=4), (idx, tgt), pipeline=2, virtual=virtual, schedule=schedule,
+                               verbose=False, cluster="a100-80gb-nvlink-ib")
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     pm(idx, tgt).backward()
     opt.step()
@@ -138,8 +397,9 @@ def _checkpointed(path):
     return rel_err(before, want), rel_err(other(idx, tgt).detach(), want)
 
 
-def test_a_checkpoint_loads_onto_another_pipeline_degree(world4, tmp_path):
-    for before, after in world4.run(_checkpointed, str(tmp_path)):
+@pytest.mark.parametrize("virtual, schedule", [(1, None), (2, None), (2, "ZBVZeroBubble")])
+def test_a_checkpoint_loads_onto_another_pipeline_degree(world4, tmp_path, virtual, schedule):
+    for before, after in world4.run(_checkpointed, str(tmp_path), virtual, schedule):
         assert before > 1e-3 and after < TOL, (before, after)
 
 

@@ -27,10 +27,12 @@ from autoshard.planner.repeat import _block_of
 @dataclass(frozen=True)
 class Stages:
     """The cut: ``blocks[s]``, the block names stage ``s`` holds (``"blocks.0"``, ...);
-    ``modules[s]``, its program; ``inputs[s]``, the metas (shape, dtype) of what it takes."""
+    ``modules[s]``, its program; ``inputs[s]``, the metas (shape, dtype) of what it takes;
+    ``loss_dtype``, the dtype of the loss the last returns."""
     blocks: tuple
     modules: tuple
     inputs: tuple
+    loss_dtype: torch.dtype = torch.float32
 
 
 def block_stack(graph: Graph) -> tuple:
@@ -78,12 +80,16 @@ def short_stack(model: torch.nn.Module, container: str, keep: int):
         setattr(parent, attr, stack)
 
 
-def even_cuts(n_blocks: int, k: int) -> list:
-    """The first block index of each of ``k`` stages holding ``n_blocks`` blocks in runs as even
-    as they go, the longer runs first."""
+def even_cuts(n_blocks: int, k: int, virtual: int = 1) -> list:
+    """The first block index of each of ``k`` stages (``k virtual`` chunks) holding ``n_blocks``
+    blocks in runs as even as they go, the longer runs first."""
+    if k * virtual > n_blocks and virtual > 1:
+        raise ValueError(f"pipeline={k} by virtual={virtual} needs at least {k * virtual} repeated blocks, a chunk "
+                         f"each, and the model has {n_blocks}: pass a smaller virtual=")
     if k > n_blocks:
         raise ValueError(f"pipeline={k} stages need at least {k} repeated blocks, and the model has {n_blocks}: "
                          f"pass pipeline= of at most {n_blocks}")
+    k *= virtual
     return [s * (n_blocks // k) + min(s, n_blocks % k) for s in range(k)]
 
 
@@ -110,6 +116,10 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
 
     stage: dict = {}        # fx node -> the stage that computes it (user inputs: 0)
     attrs: dict = {}        # fx placeholder of a parameter, buffer or constant -> its target name
+    # a value made from parameters alone (a precision policy's bf16 copy of a weight, which the
+    # policy writes at the top of the graph) is made again by each stage that reads it: sent, it
+    # would carry a weight every microbatch, and a weight tied across stages would not be tied
+    derived: set = set()
     current = 0
     for fxn in gm.graph.nodes:
         if fxn.op == "placeholder":
@@ -118,6 +128,8 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
                 stage[fxn] = 0
             else:
                 attrs[fxn] = spec.target
+        elif fxn.op == "call_function" and _from_parameters(fxn, attrs, derived):
+            derived.add(fxn)
         elif fxn.op == "call_function":
             node = by_fx.get(fxn)
             b = _block_of(node) if node is not None else None
@@ -163,15 +175,22 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
             env[n] = g.placeholder(n.name)
             env[n].meta["val"] = n.meta.get("val")
         roots: dict = {}
-        for fxn in gm.graph.nodes:
-            if fxn.op != "call_function" or stage[fxn] != s:
-                continue
+
+        def copy(fxn):   # fxn into the stage's graph, after what it reads from parameters alone
             for a in fxn.all_input_nodes:
-                if a in attrs and a not in env:
+                if a in env:
+                    continue
+                if a in attrs:
                     target = attrs[a]
                     roots[target] = _attribute(model, constants, target, graph.param_aliases)
                     env[a] = g.get_attr(target)
+                elif a in derived:
+                    copy(a)
             env[fxn] = g.node_copy(fxn, env.__getitem__)
+
+        for fxn in gm.graph.nodes:
+            if fxn.op == "call_function" and stage.get(fxn) == s:
+                copy(fxn)
         if s == k - 1:
             g.output(env[outs[0]])
         else:
@@ -181,7 +200,16 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
     names = [[] for _ in range(k)]
     for i in indices:
         names[stage_of_block[i]].append(f"{container}.{i}")
-    return Stages(tuple(tuple(b) for b in names), tuple(modules), tuple(metas))
+    return Stages(tuple(tuple(b) for b in names), tuple(modules), tuple(metas), outs[0].meta["val"].dtype)
+
+
+def _from_parameters(fxn: fx.Node, attrs: dict, derived: set) -> bool:
+    """Whether ``fxn`` computes, the same each time, from parameters, buffers and constants alone
+    (or from values so made)."""
+    inputs = fxn.all_input_nodes
+    tags = getattr(fxn.target, "tags", ())
+    return bool(inputs) and all(a in attrs or a in derived for a in inputs) and \
+        torch.Tag.nondeterministic_seeded not in tags
 
 
 def _scalar_loss(n) -> bool:

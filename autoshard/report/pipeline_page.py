@@ -2,7 +2,7 @@
 files beside it, no script.
 
 The page shows the plan's summary, the schedule drawn as each stage's row of forwards and
-backwards in time (the slots ``planner.pipeline.schedule_cells`` places them in, given by the
+backwards in time (the slots ``planner.pipeline.simulate`` places them in, given by the
 plan, a backward twice
 a forward, idle slots left blank: the bubble is the blank), the stages' table, and each stage's
 own plan (its summary, folded until opened).
@@ -15,19 +15,21 @@ SLOT = 22        # pixels per time slot
 ROW = 26         # pixels per stage
 LEFT = 70        # the stage labels' margin
 FORWARD, BACKWARD = "#3b7dd8", "#27ae60"
+WORK = {"F": "forward", "B": "backward", "I": "input gradients", "W": "weight gradients"}
 
 
 def schedule_svg(plan, cells: list) -> str:
     """The schedule of ``plan`` as an SVG: a row per stage, a rectangle per forward (F) and
     backward (B) of each microbatch in the slots ``cells`` gives (per stage, {slot: "F3"}),
     labelled with its number."""
-    k = len(plan.stages)
+    k = len(cells)   # the pipeline axis's ranks (with chunks, each runs several stages)
+    who = "stage" if k == len(plan.stages) else "rank"
     end = max((max(c) + 1 for c in cells if c), default=0)
     width, height = LEFT + end * SLOT + 10, k * ROW + 24
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" id="schedule" width="{width}" height="{height}">']
     for s, row in enumerate(cells):
         y = s * ROW + 4
-        parts.append(f'<text x="4" y="{y + 16}">stage {s}</text>')
+        parts.append(f'<text x="4" y="{y + 16}">{who} {s}</text>')
         parts.append(f'<rect class="lane" x="{LEFT}" y="{y}" width="{end * SLOT}" height="{ROW - 6}" '
                      'fill="#f2f2f2"/>')
         t = 0
@@ -41,10 +43,9 @@ def schedule_svg(plan, cells: list) -> str:
             color = FORWARD if label[0] == "F" else BACKWARD
             parts.append(f'<rect class="work" data-stage="{s}" data-work="{label}" x="{LEFT + start * SLOT + 1}" '
                          f'y="{y}" width="{(t - start) * SLOT - 2}" height="{ROW - 6}" fill="{color}">'
-                         f'<title>stage {s}: {"forward" if label[0] == "F" else "backward"} of microbatch '
-                         f'{label[1:]}</title></rect>')
+                         f'<title>{who} {s}: {WORK.get(label[0], label[0])} of microbatch {label[1:]}</title></rect>')
             parts.append(f'<text x="{LEFT + start * SLOT + 4}" y="{y + 15}" fill="#fff">{label}</text>')
-    parts.append(f'<text x="{LEFT}" y="{height - 4}">time: a forward one slot, a backward two; blank: '
+    parts.append(f'<text x="{LEFT}" y="{height - 4}">time, slot by slot; blank: '
                  f'the bubble, {plan.bubble:.0%} of the step</text>')
     parts.append("</svg>")
     return "\n".join(parts)

@@ -52,6 +52,7 @@ class _GradSync(torch.autograd.Function):
     def forward(ctx, x, group, kept, reduce):
         ctx.group, ctx.kept, ctx.reduce = group, kept, reduce
         ctx.sync = kept is None or _mesh().sync_grads
+        ctx.zeros = _mesh().held_as_zeros
         return x.view_as(x)
 
     @staticmethod
@@ -62,7 +63,7 @@ class _GradSync(torch.autograd.Function):
             return _run(g, "all_reduce", ctx.group, None, None, None, None), None, None, None
         if not ctx.sync:
             _unsynced(ctx.kept, g)
-            return None, None, None, None
+            return torch.zeros_like(g) if ctx.zeros else None, None, None, None
         return _run(_with_unsynced(ctx.kept, g), "all_reduce", ctx.group, None, None, None, None), None, None, None
 
 
@@ -115,6 +116,14 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 
 # parameter -> (its local tensor, its leaf); keyed by identity, as tensors compare elementwise
 _SHARES = WeakIdKeyDictionary()
+
+
+def hand_back(p: torch.Tensor) -> None:
+    """Whatever gradient ``p``'s share (``param_share``) holds that backward's hook did not hand
+    on (a gradient set on the share directly: torch's zero-bubble weight pass), added to ``p.grad``."""
+    hit = _SHARES.get(p)
+    if hit is not None and hit[1].grad is not None:
+        _hand_back(hit[1], p)
 
 
 def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:

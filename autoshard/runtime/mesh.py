@@ -44,6 +44,9 @@ class RankMesh:
         self.hybrid: list = []  # backward: hybrid gather buckets reduce-scattered, their all-reduces not started
         self.sync_grads = True  # False under ParallelModule.no_sync(): gradients kept unreduced
         self.reduce_dtype = None  # a mixed-precision policy's: parameter gradients all-reduced in it
+        # a gradient kept unreduced hands on zeros rather than nothing: torch's zero-bubble weight
+        # pass asks autograd for every parameter's gradient, and takes no missing one
+        self.held_as_zeros = False
         # axes -> the group spanning them; ``joint`` shares them between modules on one mesh
         self._joint: dict = {} if joint is None else joint
 

@@ -1,9 +1,12 @@
 """Running a rank's pipeline stage on torch's own engine, ``torch.distributed.pipelining``.
 
-Each rank holds one stage: the program lowered for it on the mesh of the other axes
-(``StageProgram``, the module a ``PipelineStage`` wraps), run by one of torch's schedules
-(``Schedule1F1B``, or ``ScheduleGPipe`` where there are fewer microbatches than stages). A
-schedule's ``step`` runs forward and backward together; ``run_step`` presents it as a training
+Each rank holds one stage, or ``v`` chunks of the blocks (``r, r + k, ...``): the program lowered
+for each on the mesh of the other axes (``StageProgram``, the module a ``PipelineStage`` wraps),
+run by one of torch's schedules (``Schedule1F1B``, ``ScheduleGPipe`` where there are fewer
+microbatches than stages, ``ScheduleInterleaved1F1B`` over several chunks, or
+``ScheduleInterleavedZeroBubble``, whose split backward runs on the parameters' shares the
+program takes: ``StageProgram.parameters``). A
+schedule's ``step`` runs forward and backward together; ``Runner.step`` presents it as a training
 loop expects: it returns the whole batch's loss on every rank, as a tensor whose backward puts
 the gradients the step made into ``param.grad`` (scaled by the gradient the loss is given, so
 ``(loss * c).backward()`` is exact too). Until that backward the step's gradients wait aside,
@@ -11,20 +14,41 @@ and ``param.grad`` holds what it held before the call.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.runtime.grads import param_share
+from autoshard._compat import is_view
+from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE
+from autoshard.runtime.grads import hand_back, param_share
 from autoshard.runtime.mesh import RankMesh, active
 
-GPIPE, ONE_F_ONE_B = "GPipe", "1F1B"
 
-
-def schedule_name(stages: int, microbatches: int) -> str:
+def schedule_name(stages: int, microbatches: int, virtual: int = 1) -> str:
     """1F1B keeps at most ``stages`` microbatches in flight; torch runs it where there are at
-    least as many microbatches as stages, and GPipe (all forwards, then all backwards) else."""
+    least as many microbatches as stages, and GPipe (all forwards, then all backwards) else.
+    With ``virtual`` chunks per rank (> 1), interleaved 1F1B, which torch runs where the
+    microbatches split into its rounds (``check_schedule``)."""
+    if virtual > 1:
+        return INTERLEAVED
     return ONE_F_ONE_B if microbatches >= stages else GPIPE
+
+
+def check_schedule(name: str, mesh_shape: tuple, microbatches: int) -> None:
+    """Whether torch runs schedule ``name`` on a pipeline of ``mesh_shape[0]`` stages with
+    ``microbatches``; a ValueError that says what to change where it does not."""
+    k = mesh_shape[0]
+    if name == ONE_F_ONE_B and microbatches < k:
+        raise ValueError(f"1F1B runs at least as many microbatches as stages, {k}, not {microbatches}: pass "
+                         f"microbatches= of {k} or more, or schedule='GPipe'")
+    if name in (INTERLEAVED, ZERO_BUBBLE):   # the microbatches in max(1, m // k) rounds of equal size
+        rounds = max(1, microbatches // k)
+        if microbatches % rounds:
+            fits = [m for m in range(1, 4 * k + 1) if m % max(1, m // k) == 0]
+            raise ValueError(f"{name} runs {microbatches} microbatches on {k} stages in {rounds} rounds of equal "
+                             f"size, and they do not split so: pass microbatches= one of {fits}, ...")
 
 
 def chunked(shape: tuple, ranks: int) -> bool:
@@ -44,8 +68,11 @@ class StageProgram(nn.Module):
     back the same way."""
 
     def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh, first: bool = False,
-                 last: bool = False):
+                 last: bool = False, split_backward: bool = False):
         super().__init__()
+        # a zero-bubble schedule runs the input gradients and the weights' apart, on the tensors
+        # the program takes (its parameters' shares: ``parameters``)
+        self.split_backward = split_backward
         self.held = held
         self.program = program
         self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
@@ -71,7 +98,20 @@ class StageProgram(nn.Module):
         if self.ranks > 1 and not self.last:
             out = [_Chunk.apply(x, self.rank_mesh.groups[0], self.ranks, self.coord)
                    if chunked(tuple(x.shape), self.ranks) else x for x in out]
+        if self.split_backward:   # torch's weight pass detaches a stage's outputs in place, which a view cannot be
+            out = [x.clone() if is_view(x) else x for x in out]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def parameters(self, recurse: bool = True):
+        """The stage's parameters as torch's stage computes their gradients: under a split backward,
+        the shares the program takes (``runtime.grads.param_share``), whose gradients ``Runner``
+        hands to the parameters (``hand_back``); else the parameters."""
+        if not self.split_backward:
+            yield from super().parameters(recurse)
+            return
+        for p in self.held.parameters():
+            if p.requires_grad:
+                yield param_share(p)
 
     def _run(self, crossing):
         feed = []
@@ -121,30 +161,53 @@ class _Chunk(torch.autograd.Function):
         return torch.cat(parts), None, None, None
 
 
+def _schedule(pipe_stages: list, microbatches: int, name: str):
+    """torch's schedule ``name`` for a rank's stages (``arguments.SCHEDULES``)."""
+    from torch.distributed import pipelining
+    kind = getattr(pipelining, "Schedule" + name)
+    if name in (INTERLEAVED, *SPLIT_BACKWARD):   # the schedules of several stages per rank
+        # zero bubble: the gradients are scaled where they land (Runner.step)
+        return kind(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss,
+                    scale_grads=name not in SPLIT_BACKWARD)
+    return kind(pipe_stages[0], n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+
+
 def _given_loss(output, target):
     """The last stage's program computes the loss itself: the schedule's loss is its output."""
     return output
 
 
 class Runner:
-    """A rank's stage and schedule, and what one call needs around them."""
+    """A rank's stages and schedule (torch's, by name), and what one call needs around them.
+    ``chunks``: per stage the rank runs, ``(StageProgram, stage index, what it takes, what it
+    gives)``; more than one (chunks ``r, r + k, ...``) run by an interleaved schedule."""
 
-    def __init__(self, stage_program: StageProgram, stage: int, stages: int, microbatches: int,
-                 pipe_group, last_rank: int, device, ties: list, takes: tuple, gives: tuple):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        self.module = stage_program
-        self.stage, self.stages, self.microbatches = stage, stages, microbatches
+    def __init__(self, chunks: list, k: int, microbatches: int, pipe_group, last_rank: int, device, ties: list,
+                 loss_dtype: torch.dtype, holder: nn.Module, schedule: str):
+        from torch.distributed.pipelining import PipelineStage
+        self.modules = [c[0] for c in chunks]
+        n = k * len(chunks)
+        self.microbatches = microbatches
+        self.first, self.last = chunks[0][1] == 0, chunks[-1][1] == n - 1
         self.group, self.last_rank, self.device = pipe_group, last_rank, device
+        self.holder = holder   # the parameters of every stage the rank runs, by their names in the model
+        self.loss_dtype = loss_dtype   # the last stage's (bf16 under a policy): every rank returns it so
         self.ties = ties   # [(parameter name, process group of its holders, same placements)]
-        # what it takes and gives, given: nothing runs to find them out
-        self.pipe_stage = PipelineStage(stage_program, stage, stages, device, input_args=takes, output_args=gives,
-                                        group=pipe_group)
-        kind = ScheduleGPipe if schedule_name(stages, microbatches) == GPIPE else Schedule1F1B
-        self.schedule = kind(self.pipe_stage, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+        # what each takes and gives, given: nothing runs to find them out
+        self.pipe_stages = [PipelineStage(module, s, n, device, input_args=takes, output_args=gives, group=pipe_group)
+                            for module, s, takes, gives in chunks]
+        self.schedule, self.schedule_name = _schedule(self.pipe_stages, microbatches, schedule), schedule
         self.held_back = False   # whether the last step ran under no_sync
 
+    def no_sync(self):
+        """Every stage's gradients kept unreduced inside (``RankMesh.no_sync``)."""
+        stack = contextlib.ExitStack()
+        for module in self.modules:
+            stack.enter_context(module.rank_mesh.no_sync())
+        return stack
+
     def named_params(self) -> list:
-        return list(self.module.held.named_parameters())
+        return list(self.holder.named_parameters())
 
     def step(self, inputs: list) -> torch.Tensor:
         """Forward and backward of the whole batch ``inputs`` (the first stage's, split into the
@@ -156,15 +219,23 @@ class Runner:
         for p in params:
             p.grad = None
         losses: list = []
-        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
-        args = inputs if self.stage == 0 else []
-        mesh = self.module.rank_mesh
-        synced = mesh.sync_grads   # False under no_sync: no microbatch reduces
-        self.module.calls, self.module.reduce_at = 0, self.microbatches - 1 if synced else None
+        target = torch.zeros(self.microbatches, device=self.device) if self.last else None
+        args = inputs if self.first else []
+        synced = self.modules[0].rank_mesh.sync_grads   # False under no_sync: no microbatch reduces
+        for module in self.modules:
+            module.calls, module.reduce_at = 0, self.microbatches - 1 if synced else None
         try:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
-            self.module.reduce_at, mesh.sync_grads = None, synced
+            for module in self.modules:
+                module.reduce_at, module.rank_mesh.sync_grads = None, synced
+        if any(module.split_backward for module in self.modules):
+            # the weight passes left their gradients on the shares: on the parameters, the
+            # microbatches' mean (torch scales only what it sees, and not these)
+            for p in params:
+                hand_back(p)
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
         made = {n: p.grad for n, p in named}
         for p, g in zip(params, before):
             p.grad = g
@@ -173,24 +244,28 @@ class Runner:
         if losses:
             loss = torch.stack([x.detach() for x in losses]).mean().reshape(())
         else:
-            loss = torch.zeros((), device=self.device)
+            loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         # a step under no_sync keeps its gradients' sums in the program, and the next synced step
         # hands them on with its own: neither can scale them by its loss's gradient
-        held = not self.module.rank_mesh.sync_grads or self.held_back
-        self.held_back = not self.module.rank_mesh.sync_grads
+        held = not synced or self.held_back
+        self.held_back = not synced
         return _Placed.apply(anchor, loss, params, made, held)
 
     def evaluate(self, inputs: list) -> torch.Tensor:
         """The whole batch's loss on every rank, forward only."""
+        if self.schedule_name == ZBV:
+            raise ValueError("a pipeline under ZBVZeroBubble does not evaluate: torch's ScheduleZBVZeroBubble.eval "
+                             "fails where the V turns on a rank (it hands on a backward it did not run). Evaluate a "
+                             "copy parallelized with schedule='InterleavedZeroBubble', or train under that schedule")
         losses: list = []
-        target = torch.zeros(self.microbatches, device=self.device) if self.stage == self.stages - 1 else None
-        args = inputs if self.stage == 0 else []
+        target = torch.zeros(self.microbatches, device=self.device) if self.last else None
+        args = inputs if self.first else []
         with torch.no_grad():
             self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         loss = torch.stack([x.detach() for x in losses]).mean().reshape(()) if losses else \
-            torch.zeros((), device=self.device)
+            torch.zeros((), dtype=self.loss_dtype, device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
@@ -199,7 +274,7 @@ class Runner:
         with its own stage's share of the gradient: summed over its holders, both step alike."""
         for name, group, same in self.ties:
             g = grads.get(name)
-            p = self.module.held.get_parameter(name)
+            p = self.holder.get_parameter(name)
             if g is None:   # this stage's part of it had no gradient: its holders still all take part
                 g = grads[name] = torch.zeros_like(p)
             if same:
