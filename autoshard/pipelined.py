@@ -138,13 +138,12 @@ class ParallelPipeline(nn.Module):
                 raise ValueError("a pipeline's stages run on one more axis at most yet")
             _shard(held, st.plan, sub, made)
             # what crosses between stages: a floating tensor carries a gradient back (torch's stage
-            # reads which from these examples); the first stage's inputs carry none
-            takes = tuple(_sent(x, p) for x in stage_inputs(stages, s, at, grads=True)) if s else \
-                stage_inputs(stages, s, at)
-            gives = tuple(_sent(x, p) for x in stage_inputs(stages, s + 1, at, grads=True)) if s + 1 < n else \
-                torch.zeros((), dtype=stages.loss_dtype, device=at)
+            # reads which from these examples); the user's inputs a stage reads it takes from the
+            # rank's own call (``StageProgram.reads``), never sent
+            takes = _crossing(stages, s, at, p)
+            gives = _crossing(stages, s + 1, at, p) if s + 1 < n else torch.zeros((), dtype=stages.loss_dtype, device=at)
             chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
-                                        last=s == n - 1, split_backward=split), s, takes, gives))
+                                        last=s == n - 1, split_backward=split, reads=stages.reads[s]), s, takes, gives))
             programs.append(program)
         holder = _holder([c[0].held for c in chunks])
         ties = _tie_groups(plan, [c[1] for c in chunks], sub.get_coordinate()[0] if sub.ndim == 1 else 0)
@@ -203,6 +202,11 @@ class ParallelPipeline(nn.Module):
         if self.training and torch.is_grad_enabled():
             return self._runner.step(leaves)
         return self._runner.evaluate(leaves)
+
+
+def _crossing(stages, s: int, at, ranks: int) -> tuple:
+    """Examples of what one rank of stage ``s`` receives from the stage before (``_sent``)."""
+    return tuple(_sent(x, ranks) for x in stage_inputs(stages, s, at, grads=True)[:len(stages.crossing(s))])
 
 
 def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:

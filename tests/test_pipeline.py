@@ -430,25 +430,49 @@ def test_plan_lists_stages_and_the_schedule():
 
 
 def test_sends_and_activations_in_flight_are_priced():
-    """A microbatch crosses each cut as the residual stream (and the targets, on their way to the
-    loss): one send forward, its gradient back, on the pipeline axis's link; 1F1B keeps ``k - s``
-    microbatches' activations on stage ``s``."""
+    """A microbatch crosses each cut as the residual stream (the targets are read by the last
+    stage from its own call, never sent): one send forward, its gradient back, on the pipeline
+    axis's link; 1F1B keeps ``k - s`` microbatches' activations on stage ``s``."""
     with torch.device("meta"):
         model = GPT(layers=8, d=1024, heads=16, vocab=32000, seq=1024)
     idx = torch.zeros(64, 1024, dtype=torch.long, device="meta")
     plan = autoshard.plan(model, (idx, idx), world=64, pipeline=4, verbose=False)
     assert plan.mesh_shape == (4, 16) and plan.microbatches == 8
     first, last = plan.stages[0], plan.stages[-1]
-    assert first.sends == ((8 * 1024 * 8, False, 8), (8 * 1024 * 1024 * 4, True, 8))   # targets, the residual
+    assert first.sends == ((8 * 1024 * 1024 * 4, True, 8),)   # the residual alone
     latency, bandwidth, _ = first.plan.cluster.group_link((4, 16), (0,))
     assert bandwidth == 200e9 / 8   # stages 16 ranks apart: a node's network shared by its 8 GPUs
     # 8 rows do not split over a stage's 16 ranks: every rank sends them whole
-    want = 2 * latency + (8 * 1024 * 8 + 2 * 8 * 1024 * 1024 * 4) / bandwidth
+    want = 2 * latency + 2 * 8 * 1024 * 1024 * 4 / bandwidth   # forward, and its gradient back
     assert plan.send_time(first) == pytest.approx(want) and plan.send_time(last) == 0
     assert [plan.in_flight(s) for s in plan.stages] == [4, 3, 2, 1]
     mem = first.plan.memory
     assert plan.memory(first) == pytest.approx(mem["total"] + 3 * mem["activations"])
     assert "sends" in str(plan) and "in flight" in str(plan)
+
+
+def test_a_stage_reads_the_inputs_it_needs_from_its_own_call():
+    """Every rank has the whole batch: the first stage reads the tokens and the last the
+    targets, each from its own call; only the residual stream crosses between stages (the
+    targets are not carried through the stages to the loss), and the search prices no cut with
+    them either."""
+    from autoshard.planner.pipeline import block_prices, cut
+    from autoshard.api import plan_graph
+    from autoshard.options import PlanOptions
+    from autoshard.passes.capture import capture
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    idx, tgt = _batch()
+    stages = cut(model, (idx, tgt), 4, 4, "whole")
+    residual = ((2, 16, 32), torch.float32)
+    assert stages.reads == ((0,), (), (), (1,))
+    assert [stages.crossing(s) for s in range(4)] == [(), (residual,), (residual,), (residual,)]
+    assert stages.inputs[0] == (((2, 16), torch.int64),) and stages.inputs[3] == (residual, ((2, 16), torch.int64))
+    for s, module in enumerate(stages.modules):   # the programs take just those
+        assert len([n for n in module.graph.nodes if n.op == "placeholder"]) == len(stages.inputs[s])
+    graph = capture(model, (idx[:2], tgt[:2]), None, "whole")
+    prices = block_prices(graph, plan_graph(graph, (1,), PlanOptions(mesh=(1,), verbose=False)))
+    assert [len(c) for c in prices.crossing] == [0, 1, 1, 1]   # each cut: the residual alone
 
 
 def test_pins_go_to_the_stage_that_holds_them():

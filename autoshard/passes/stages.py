@@ -5,10 +5,12 @@ The model's stack of blocks (``blocks.0``, ``blocks.1``, ..., found from each op
 first block (the embedding) go with the first stage, the ops after the last (the head and the
 loss) with the last, and an op between two blocks with the block before it. Each stage becomes
 an ``fx.GraphModule`` of aten ops that holds the model's own parameters (by their names in the
-model) and takes, in order, the values an earlier stage made and a later one reads: the first
-stage takes the user's inputs; every stage hands on what a stage after it needs (the targets
-travel to the loss that way), and the last returns the loss. Each stage is then captured and
-planned as a model of its own (``autoshard.pipelined``).
+model) and takes, in order, the values an earlier stage made and a later one reads, then the
+user's inputs it reads itself: every rank has the whole batch (``module(*batch)``), so a user's
+input is never sent between stages (the targets are read where the loss is, not carried there
+through every stage); every stage hands on what a stage after it needs of what the stages made,
+and the last returns the loss. Each stage is then captured and planned as a model of its own
+(``autoshard.pipelined``).
 """
 from __future__ import annotations
 
@@ -27,12 +29,19 @@ from autoshard.planner.repeat import _block_of
 @dataclass(frozen=True)
 class Stages:
     """The cut: ``blocks[s]``, the block names stage ``s`` holds (``"blocks.0"``, ...);
-    ``modules[s]``, its program; ``inputs[s]``, the metas (shape, dtype) of what it takes;
-    ``loss_dtype``, the dtype of the loss the last returns."""
+    ``modules[s]``, its program; ``inputs[s]``, the metas (shape, dtype) of what it takes: what
+    crosses to it from the stage before, then the user's inputs it reads, ``reads[s]`` (their
+    indices among the model's tensor inputs); ``loss_dtype``, the dtype of the loss the last
+    returns."""
     blocks: tuple
     modules: tuple
     inputs: tuple
+    reads: tuple = ()
     loss_dtype: torch.dtype = torch.float32
+
+    def crossing(self, s: int) -> tuple:
+        """The metas of what crosses to stage ``s`` from the stage before (the first: nothing)."""
+        return self.inputs[s][:len(self.inputs[s]) - len(self.reads[s])]
 
 
 def block_stack(graph: Graph) -> tuple:
@@ -114,7 +123,7 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
     specs = {s.arg.name: s for s in sig.input_specs}
     by_fx = {n.fx_node: n for n in graph.nodes if n.kind in ("op", "param", "buffer", "input")}
 
-    stage: dict = {}        # fx node -> the stage that computes it (user inputs: 0)
+    stage: dict = {}        # fx node -> the stage that computes it (user inputs: 0, and never sent)
     attrs: dict = {}        # fx placeholder of a parameter, buffer or constant -> its target name
     # a value made from parameters alone (a precision policy's bf16 copy of a weight, which the
     # policy writes at the top of the graph) is made again by each stage that reads it: sent, it
@@ -156,16 +165,20 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
                     last_read[a] = max(last_read[a], stage[fxn])
     last_read[outs[0]] = k - 1
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    # what crosses from stage s to s + 1: made at s or before, read after s
-    crossing = [sorted((n for n in stage if stage[n] <= s < last_read[n]), key=order.__getitem__)
+    user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n in stage]
+    # what crosses from stage s to s + 1: made at s or before, read after s; a user's input is
+    # read where it is needed, from the batch every rank has
+    mine = set(user_inputs)
+    crossing = [sorted((n for n in stage if n not in mine and stage[n] <= s < last_read[n]), key=order.__getitem__)
                 for s in range(k - 1)]
+    reads = [[i for i, x in enumerate(user_inputs) if any(stage.get(u) == s for u in x.users)] for s in range(k)]
     for s, values in enumerate(crossing):
         for n in values:
             if not isinstance(n.meta.get("val"), torch.Tensor):
                 raise ValueError(f"pipeline= cut between stages {s} and {s + 1} would send {n.name}, which is not a "
                                  "tensor; plan it without pipeline=")
-    user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n in stage]
-    takes = [user_inputs] + crossing
+    takes = [[] if s == 0 else crossing[s - 1] for s in range(k)]
+    takes = [values + [user_inputs[i] for i in reads[s]] for s, values in enumerate(takes)]
     constants = ep.constants
     modules, metas = [], []
     for s in range(k):
@@ -200,7 +213,8 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
     names = [[] for _ in range(k)]
     for i in indices:
         names[stage_of_block[i]].append(f"{container}.{i}")
-    return Stages(tuple(tuple(b) for b in names), tuple(modules), tuple(metas), outs[0].meta["val"].dtype)
+    return Stages(tuple(tuple(b) for b in names), tuple(modules), tuple(metas), tuple(tuple(r) for r in reads),
+                  outs[0].meta["val"].dtype)
 
 
 def _from_parameters(fxn: fx.Node, attrs: dict, derived: set) -> bool:

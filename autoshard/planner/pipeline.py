@@ -516,7 +516,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
         sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
-                      for shape, dtype in (stages.inputs[s + 1] if s + 1 < n else ()))
+                      for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
         one = dataclasses.replace(stage_options, pin=pins or None)
         splan = plan_stage(graph, inner, one)
         # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
@@ -596,7 +596,7 @@ def block_prices(graph, plan) -> Prices:
                 last_read[v] = max(last_read.get(v, 0), segment[node.name])
     crossing = [[] for _ in range(n)]   # a value made in block p and read in block r crosses the cuts p+1..r
     for v, r in last_read.items():
-        if graph.by_name[v[0]].kind not in ("op", "input"):
+        if graph.by_name[v[0]].kind != "op":   # a user's input is read where it is needed, never sent
             continue
         meta = graph.meta(v)
         for j in range(segment[v[0]] + 1, r + 1):

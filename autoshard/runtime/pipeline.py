@@ -68,8 +68,11 @@ class StageProgram(nn.Module):
     back the same way."""
 
     def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh, first: bool = False,
-                 last: bool = False, split_backward: bool = False):
+                 last: bool = False, split_backward: bool = False, reads: tuple = ()):
         super().__init__()
+        # the user's inputs the program takes after what crosses, by their index in the batch:
+        # the schedule hands every stage the rank's whole batch as keywords (``Runner.step``)
+        self.reads = tuple(reads)
         # a zero-bubble schedule runs the input gradients and the weights' apart, on the tensors
         # the program takes (its parameters' shares: ``parameters``)
         self.split_backward = split_backward
@@ -77,13 +80,13 @@ class StageProgram(nn.Module):
         self.program = program
         self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
         self.rank_mesh = rank_mesh
-        self.first, self.last = first, last   # the first takes the user's batch whole; the last gives the loss
+        self.first, self.last = first, last   # the first takes nothing from another stage; the last gives the loss
         # the mesh of the other axes as one group (a pipeline runs with one such axis yet)
         self.ranks = rank_mesh.shape[0] if len(rank_mesh.shape) == 1 else 1
         self.coord = rank_mesh.coords[0] if self.ranks > 1 else 0
         self.calls, self.reduce_at = 0, None   # microbatches run this step; the one whose backward reduces
 
-    def forward(self, *crossing):
+    def forward(self, *crossing, **batch):
         # the gradients of a step's microbatches are reduced over the stage's axes once: every
         # microbatch's backward but the last keeps its sum (the program's no_sync), and the
         # last's, run after all the others' (1F1B and GPipe alike), reduces them all
@@ -94,7 +97,7 @@ class StageProgram(nn.Module):
             crossing = [_Gather.apply(x, self.rank_mesh.groups[0], self.ranks)
                         if chunked((x.shape[0] * self.ranks,) + tuple(x.shape[1:]), self.ranks) else x
                         for x in crossing]
-        out = self._run(crossing)
+        out = self._run([*crossing, *(batch[_given(i)] for i in self.reads)])
         if self.ranks > 1 and not self.last:
             out = [_Chunk.apply(x, self.rank_mesh.groups[0], self.ranks, self.coord)
                    if chunked(tuple(x.shape), self.ranks) else x for x in out]
@@ -124,6 +127,11 @@ class StageProgram(nn.Module):
                 feed.append(self.held.get_buffer(slot[1]))
         with active(self.rank_mesh):
             return list(self.program(*feed, *crossing))
+
+
+def _given(i: int) -> str:
+    """The keyword under which the schedule hands a stage the batch's ``i``-th input."""
+    return f"input{i}"
 
 
 class _Gather(torch.autograd.Function):
@@ -220,12 +228,12 @@ class Runner:
             p.grad = None
         losses: list = []
         target = torch.zeros(self.microbatches, device=self.device) if self.last else None
-        args = inputs if self.first else []
+        batch = self._batch(inputs)
         synced = self.modules[0].rank_mesh.sync_grads   # False under no_sync: no microbatch reduces
         for module in self.modules:
             module.calls, module.reduce_at = 0, self.microbatches - 1 if synced else None
         try:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(target=target, losses=losses, return_outputs=False, **batch)
         finally:
             for module in self.modules:
                 module.reduce_at, module.rank_mesh.sync_grads = None, synced
@@ -261,13 +269,17 @@ class Runner:
                              "copy parallelized with schedule='InterleavedZeroBubble', or train under that schedule")
         losses: list = []
         target = torch.zeros(self.microbatches, device=self.device) if self.last else None
-        args = inputs if self.first else []
         with torch.no_grad():
-            self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.eval(target=target, losses=losses, return_outputs=False, **self._batch(inputs))
         loss = torch.stack([x.detach() for x in losses]).mean().reshape(()) if losses else \
             torch.zeros((), dtype=self.loss_dtype, device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
+
+    def _batch(self, inputs: list) -> dict:
+        """The inputs of the whole batch the rank's stages read, as the keywords the schedule
+        splits into microbatches and hands every stage (``StageProgram.reads``)."""
+        return {_given(i): inputs[i] for i in sorted({i for module in self.modules for i in module.reads})}
 
     def _sum_tied(self, grads: dict) -> None:
         """A parameter two stages use (an embedding tied to the head) is held by both, each
