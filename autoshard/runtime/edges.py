@@ -5,6 +5,7 @@ before that all-reduce completes (``Arriving``).
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -53,8 +54,14 @@ def _plan(shape, src, dst, mesh_shape, coords, whole) -> list:
     else:
         steps = transition(pl.local_shape(whole, src, mesh_shape), src, dst, mesh_shape, whole=whole)
         sizes = rank_sizes(whole, src, steps, mesh_shape, coords)
+    # a step along axes of one device is no step (a pipeline's stage of one rank: its mesh (k, 1)),
+    # and is not run: a collective of one rank is still a call into the process group
     return [(st.kind, st.axis, st.dim, st.dim2, st.groups, kw.get("sizes"), kw.get("sizes2"))
-            for st, kw in zip(steps, sizes)]
+            for st, kw in zip(steps, sizes) if _devices(mesh_shape, st.axis) > 1]
+
+
+def _devices(mesh_shape, axes) -> int:
+    return mesh_shape[axes] if isinstance(axes, int) else math.prod(mesh_shape[a] for a in axes)
 
 
 @torch.compiler.assume_constant_result
