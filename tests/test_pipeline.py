@@ -585,6 +585,28 @@ def test_a_few_blocks_price_the_whole_stack():
     assert [sorted(c) for c in full.crossing] == [sorted(c) for c in few.crossing]
 
 
+def test_the_search_prices_blocks_under_the_policy():
+    """``pipeline=None`` under a bf16 policy prices the blocks as the stages run them: captured
+    with the policy's casts, the residual crossing each cut in bf16, half the bytes of fp32; the
+    weights' casts, which the policy writes at the top of the graph and each stage makes for
+    itself, neither cross a cut nor move the blocks' boundaries."""
+    from test_precision import POLICY
+    from autoshard.api import plan_graph
+    from autoshard.options import PlanOptions
+    from autoshard.planner.pipeline import block_prices, pricing_graph
+    with torch.device("meta"):
+        model = GPT(layers=6, d=256, heads=4, vocab=1024, seq=64)
+    idx = torch.zeros(16, 64, dtype=torch.long, device="meta")
+    prices = {}
+    for name, policy in (("fp32", None), ("bf16", POLICY)):
+        graph = pricing_graph(model, (idx, idx), 2, "whole", "blocks", 6, policy)
+        options = PlanOptions(mesh=(4,), cluster="a100-80gb-nvlink-ib", verbose=False, mp_policy=policy)
+        prices[name] = block_prices(graph, plan_graph(graph, (4,), options))
+    assert prices["fp32"].crossing[1] == ((8 * 64 * 256 * 4, True, 8),)
+    assert prices["bf16"].crossing[1] == ((8 * 64 * 256 * 2, True, 8),)
+    assert prices["bf16"].seconds != prices["fp32"].seconds   # its casts priced in
+
+
 class _Counted(torch.nn.Module):
     """A stack its forward walks by a count of its own, which a shortened stack breaks."""
     def __init__(self):

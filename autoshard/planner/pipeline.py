@@ -571,14 +571,26 @@ def block_prices(graph, plan) -> Prices:
     container, indices = block_stack(graph)
     position = {b: i for i, b in enumerate(indices)}
     n = len(indices)
+    # made from parameters alone (a policy's cast of a weight): each stage makes its own, as
+    # ``passes.stages.split`` cuts them, never sent; the policy writes them at the top of the
+    # graph, where they move no block's boundary
+    fixed: set = set()
+    for node in graph.nodes:
+        if node.kind in ("param", "buffer") or \
+                node.kind == "op" and node.inputs and all(v[0] in fixed for v in node.inputs):
+            fixed.add(node.name)
     segment: dict = {}
     current = 0
     for node in graph.nodes:
-        if node.kind == "op":
+        if node.kind == "op" and node.name in fixed:
+            b = _block_of(node)
+            segment[node.name] = position[b[1]] if b is not None and b[0] == container else 0
+        elif node.kind == "op":
             b = _block_of(node)
             if b is not None and b[0] == container:
                 current = position[b[1]]
-            segment[node.name] = max([current] + [segment[v[0]] for v in node.inputs if v[0] in segment])
+            segment[node.name] = max([current] + [segment[v[0]] for v in node.inputs
+                                                  if v[0] in segment and v[0] not in fixed])
         elif node.kind == "input":
             segment[node.name] = 0
     seconds = [0.0] * n
@@ -596,7 +608,8 @@ def block_prices(graph, plan) -> Prices:
                 last_read[v] = max(last_read.get(v, 0), segment[node.name])
     crossing = [[] for _ in range(n)]   # a value made in block p and read in block r crosses the cuts p+1..r
     for v, r in last_read.items():
-        if graph.by_name[v[0]].kind != "op":   # a user's input is read where it is needed, never sent
+        # a user's input is read where it is needed, never sent
+        if graph.by_name[v[0]].kind != "op" or v[0] in fixed:
             continue
         meta = graph.meta(v)
         for j in range(segment[v[0]] + 1, r + 1):
@@ -640,22 +653,23 @@ def best_cuts(prices: Prices, k: int, sends) -> tuple:
 SHORT = 3   # blocks of the model that prices a degree: the first, one standing for the middle, the last
 
 
-def pricing_graph(model, example_inputs, m: int, outputs: str, container: str, n: int):
+def pricing_graph(model, example_inputs, m: int, outputs: str, container: str, n: int, mp_policy=None):
     """``model`` captured with one of ``m`` microbatches' shapes, to price its blocks by: where
     its stack holds more than ``SHORT`` blocks numbered ``0 .. n-1``, only the first ``SHORT``
     (``short_stack``; tied blocks price alike, and capturing and planning a few is the search's
-    time saved), else, or where the model will not run so shortened, the whole model."""
+    time saved), else, or where the model will not run so shortened, the whole model. Under
+    ``mp_policy`` with its casts written in, as ``cut`` captures the stages that run."""
     args, kwargs = microbatch_inputs(example_inputs, m)
     if n > SHORT:
         try:
             with short_stack(model, container, SHORT) as shortened:
                 if shortened:
-                    graph = capture(model, args, kwargs or None, outputs)
+                    graph = capture(model, args, kwargs or None, outputs, mp_policy=mp_policy)
                     if block_stack(graph) == (container, tuple(range(SHORT))):
                         return graph
         except Exception:  # noqa: BLE001 - a forward that counts its blocks its own way: the whole model
             pass
-    return capture(model, args, kwargs or None, outputs)
+    return capture(model, args, kwargs or None, outputs, mp_policy=mp_policy)
 
 
 def stretched(prices: Prices, n: int) -> Prices:
@@ -748,7 +762,7 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         inner, m = _inner(tuple(base.mesh_shape), k), micro[k]
         try:
             if m not in captured:
-                captured[m] = pricing_graph(model, example_inputs, m, options.outputs, container, n)
+                captured[m] = pricing_graph(model, example_inputs, m, options.outputs, container, n, options.mp_policy)
             priced = captured[m]
             pins = {name: v for name, v in keeping(inner).items() if name in priced.param_aliases}
             planned = plan_stage(priced, inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
