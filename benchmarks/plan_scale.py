@@ -330,8 +330,8 @@ def pipelines(args):
     """GPT-3 175B (96 blocks, d=12288, 96 heads, batch 1536 x 2048, vocab 50304) on 1,024 A100s:
     the mesh search without pipelines (``pipeline=1``) and with (``pipeline=None``), timed; and
     Megatron-LM's published configuration (pipeline 8, data 16, tensor 8 within a node, 96
-    microbatches of 16 sequences, its blocks Megatron-pinned) priced by the same model. Megatron ran
-    it interleaved; this prices it under 1F1B, the schedule autoshard runs."""
+    microbatches of 16 sequences, its blocks Megatron-pinned) priced by the same model, under 1F1B
+    and interleaved as Megatron ran it (``--virtual`` chunks of blocks per rank, ``virtual=``)."""
     from plan_gpt import MEGATRON_BLOCK
     layers = args.layers or 96
     model, inputs = gpt(layers, 12288, 96, 1536)
@@ -339,11 +339,18 @@ def pipelines(args):
     own = timed_search(model, inputs, 1024, CLUSTER)
     pins = {f"blocks.{i}.{k}": ("B",) + v for i in range(layers) for k, v in MEGATRON_BLOCK.items()}
     start = time.perf_counter()
-    megatron = autoshard.plan(model, inputs, world=1024, mesh=(8, 16, 8), pipeline=8, microbatches=96, pin=pins,
-                              cluster=CLUSTER, verbose=False)
+    one_f_one_b = autoshard.plan(model, inputs, world=1024, mesh=(8, 16, 8), pipeline=8, microbatches=96,
+                                 pin=pins, cluster=CLUSTER, verbose=False)
     print(f"Megatron-LM tensor 8 x pipeline 8 x data 16, 96 microbatches (1F1B), pinned: estimated step "
-          f"{megatron.cost:.3f} s ({time.perf_counter() - start:.1f} s to price)")
-    print(f"autoshard's own plan / Megatron-LM's: {own.cost / megatron.cost:.3f}")
+          f"{one_f_one_b.cost:.3f} s ({time.perf_counter() - start:.1f} s to price)")
+    start = time.perf_counter()
+    megatron = autoshard.plan(model, inputs, world=1024, mesh=(8, 16, 8), pipeline=8, microbatches=96, pin=pins,
+                              virtual=args.virtual, cluster=CLUSTER, verbose=False)
+    print(f"Megatron-LM tensor 8 x pipeline 8 x data 16, 96 microbatches ({megatron.schedule}, {args.virtual} "
+          f"chunks of blocks per rank), pinned: estimated step {megatron.cost:.3f} s "
+          f"({time.perf_counter() - start:.1f} s to price)")
+    print(f"autoshard's own plan / Megatron-LM's: {own.cost / megatron.cost:.3f} interleaved, "
+          f"{own.cost / one_f_one_b.cost:.3f} under 1F1B")
     print()
     print(megatron)
     print()
@@ -360,6 +367,8 @@ def main():
     ap.add_argument("--llama405b", action="store_true",
                     help="Llama 3 405B at 16,384 H100s: the search with pipelines and without")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
+    ap.add_argument("--virtual", type=int, default=2,
+                    help="with --pipeline: chunks of blocks per rank of Megatron-LM's interleaved schedule")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--alone", action="store_true", help="plan the GPT in one process too, first, for comparison")
     args = ap.parse_args()
