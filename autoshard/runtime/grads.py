@@ -6,6 +6,7 @@ and gradients kept unreduced under ``ParallelModule.no_sync``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from types import SimpleNamespace
@@ -106,7 +107,7 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 
     def hand_back(leaf):
         p = owner()
-        if p is not None:
+        if p is not None and not _HELD[0]:
             _hand_back(leaf, p)
 
     leaf.register_post_accumulate_grad_hook(hand_back)
@@ -116,6 +117,20 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 
 # parameter -> (its local tensor, its leaf); keyed by identity, as tensors compare elementwise
 _SHARES = WeakIdKeyDictionary()
+_HELD = [0]   # > 0: the shares keep their gradients, handed on by ``hand_back`` (``held_on_shares``)
+
+
+@contextlib.contextmanager
+def held_on_shares():
+    """Within: backward leaves each gradient on the parameter's share, where autograd adds up
+    several backward passes (a pipeline's microbatches) itself, and ``hand_back`` hands it to
+    ``param.grad`` once after them, rather than a DTensor built and added at every pass. A plain
+    counter, not a thread's: autograd may run the hooks on its own threads."""
+    _HELD[0] += 1
+    try:
+        yield
+    finally:
+        _HELD[0] -= 1
 
 
 def hand_back(p: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from autoshard._compat import is_view
 from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE
-from autoshard.runtime.grads import hand_back, param_share
+from autoshard.runtime.grads import hand_back, held_on_shares, param_share
 from autoshard.runtime.mesh import RankMesh, active
 
 
@@ -173,11 +173,10 @@ def _schedule(pipe_stages: list, microbatches: int, name: str):
     """torch's schedule ``name`` for a rank's stages (``arguments.SCHEDULES``)."""
     from torch.distributed import pipelining
     kind = getattr(pipelining, "Schedule" + name)
+    # the gradients are scaled where they land, on the parameters after the step (Runner.step)
     if name in (INTERLEAVED, *SPLIT_BACKWARD):   # the schedules of several stages per rank
-        # zero bubble: the gradients are scaled where they land (Runner.step)
-        return kind(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss,
-                    scale_grads=name not in SPLIT_BACKWARD)
-    return kind(pipe_stages[0], n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=True)
+        return kind(pipe_stages, n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=False)
+    return kind(pipe_stages[0], n_microbatches=microbatches, loss_fn=_given_loss, scale_grads=False)
 
 
 def _given_loss(output, target):
@@ -232,18 +231,18 @@ class Runner:
         synced = self.modules[0].rank_mesh.sync_grads   # False under no_sync: no microbatch reduces
         for module in self.modules:
             module.calls, module.reduce_at = 0, self.microbatches - 1 if synced else None
-        try:
-            self.schedule.step(target=target, losses=losses, return_outputs=False, **batch)
+        try:   # the microbatches' gradients added up on the shares, handed on once after them
+            with held_on_shares():
+                self.schedule.step(target=target, losses=losses, return_outputs=False, **batch)
         finally:
             for module in self.modules:
                 module.reduce_at, module.rank_mesh.sync_grads = None, synced
-        if any(module.split_backward for module in self.modules):
-            # the weight passes left their gradients on the shares: on the parameters, the
-            # microbatches' mean (torch scales only what it sees, and not these)
-            for p in params:
-                hand_back(p)
-                if p.grad is not None:
-                    p.grad.div_(self.microbatches)
+        # on the parameters, the microbatches' mean (torch scales only the gradients it sees on
+        # them, and these were on the shares)
+        for p in params:
+            hand_back(p)
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
         made = {n: p.grad for n, p in named}
         for p, g in zip(params, before):
             p.grad = g
