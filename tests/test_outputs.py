@@ -282,3 +282,13 @@ def test_command_line_plans_for_outputs_kept(tmp_path):
                     out=io.StringIO()) == 0
     plan = Plan.from_json(js.read_text())
     assert plan.schedule["outputs"] == "dtensor" and [c for c in plan.collectives if c.node == "output"] == []
+
+
+def test_no_step_along_an_axis_of_one_device():
+    """A conversion along a mesh axis of one device changes nothing and runs nothing (a
+    pipeline's stage of one rank, mesh (k, 1), took an all-reduce of one rank per microbatch)."""
+    from autoshard import placement as pl
+    from autoshard.runtime.edges import _plan
+    assert _plan((4, 8), (pl.P,), (pl.B,), (1,), (0,), None) == []
+    assert [step[0] for step in _plan((4, 8), (pl.P,), (pl.B,), (2,), (0,), None)] == ["all_reduce"]
+    assert {step[1] for step in _plan((4, 8), (pl.P, pl.P), (pl.B, pl.B), (1, 2), (0, 0), None)} == {1}
