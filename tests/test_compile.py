@@ -38,12 +38,13 @@ def _pins(scheme, model, inputs, mesh):
 
 
 def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy=None, recompute=None,
-          dropout=0.0, bucket_bytes=None):
+          dropout=0.0, bucket_bytes=None, method=False):
     """Loss and every gradient of one compiled step against eager autoshard and one device, the
     graph breaks of a user's compile, and a second step (no recompile for the same shapes).
     ``dropout``: every module draws from the same seed (autoshard's shared generator, one
     device's default one). ``compile_option``: the order of the compiled code's collectives
-    (``_overlap``). ``bucket_bytes``: the plan's gradient buckets that small."""
+    (``_overlap``). ``bucket_bytes``: the plan's gradient buckets that small. ``method``: the
+    user's compile is ``module.compile(backend=...)`` (inductor: the order of its code too)."""
     torch.manual_seed(0)
     model = GPT(dropout=dropout)
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
@@ -68,7 +69,11 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
         out["breaks"] = explained.graph_break_count
         out["graphs"] = explained.graph_count
         torch._dynamo.reset()
-        run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
+        if method:
+            pm.compile(backend=backend, fullgraph=True)
+            run = pm
+        else:
+            run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
 
     def seed(s):
@@ -83,7 +88,7 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
             loss.backward()
         return losses
 
-    if compile_option:
+    if compile_option or method:
         losses, code = generated_code(step)
         out["order"] = [_overlap(c) for c in code]
     else:
@@ -224,6 +229,7 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           **{("user", s): (_user_compile, s, (2,)) for s in SCHEMES},
           ("autotune", "megatron"): (_max_autotune, "megatron"),
+          ("method", "megatron"): (_case, "megatron", (2,)),
           ("option", "megatron", "blocks"): (_case, "megatron", (2,)),
           ("option", "fsdp", "blocks"): (_case, "fsdp", (2,)),
           ("shapes",): (_shapes,),
@@ -235,7 +241,8 @@ WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
           ("saved", "dp", "none"): (_saved, "dp", "none"),
           ("saved", "dp", "blocks"): (_saved, "dp", "blocks")}
-WORLD2_KW = {("option", "megatron", "blocks"): {"compile_option": True, "recompute": "blocks"},
+WORLD2_KW = {("method", "megatron"): {"backend": "inductor", "method": True},
+             ("option", "megatron", "blocks"): {"compile_option": True, "recompute": "blocks"},
              ("option", "fsdp", "blocks"): {"compile_option": True, "recompute": "blocks"},
              ("option", "dp", "buckets"): {"compile_option": True, "bucket_bytes": 20_000},
              ("option", "dp", "dropout"): {"compile_option": True, "dropout": 0.3},
@@ -349,6 +356,18 @@ def test_compiled_megatron_waits_after_the_weight_gradients(world2_results):
     """A Megatron backward's all-reduce of the input gradient starts, the weight gradient's matmul
     (which does not need it) runs, then it is waited on: inductor's comm passes (compile=True)."""
     for r in world2_results[("option", "megatron")]:
+        forward, backward = r["order"]
+        assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
+        assert _hidden(backward) >= 3, backward
+
+
+def test_module_compile_reorders_collectives(world2_results):
+    """``module.compile()`` (inductor) runs the comm passes that compile=True runs: the Megatron
+    backward's all-reduces wait after the weight gradients, as in
+    test_compiled_megatron_waits_after_the_weight_gradients; no graph break, exact."""
+    for r in world2_results[("method", "megatron")]:
+        _check(r)
+        assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
         forward, backward = r["order"]
         assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
         assert _hidden(backward) >= 3, backward
