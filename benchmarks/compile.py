@@ -25,6 +25,7 @@ to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians afte
     python benchmarks/compile.py                 # world 2, the small GPT, 20 rounds
     python benchmarks/compile.py --megatron --rounds 30 --d 128
     python benchmarks/compile.py --only as-eager as-mt-eager --megatron   # eager alone (before/after a change)
+    python benchmarks/compile.py --only as-compiled ddp-compiled --profile 15   # where a step's time goes
     python benchmarks/compile.py --megatron --inorder --only as-eager as-compiled as-compiled-inorder \
         as-mt-eager as-mt-compiled as-mt-compiled-inorder     # what the comm passes gain
 """
@@ -146,10 +147,20 @@ def run(a) -> dict:
             t = _timed(built[name])
             if r >= a.warmup:
                 times[name].append(t)
-    return {"times": times, "compile_s": compile_s, "errors": errors}
+    profiles = {}
+    if a.profile:   # rank 0's busiest ops over a few more steps of each contender, after the rounds
+        from torch.profiler import ProfilerActivity, profile
+        for name in sorted(built):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    built[name]()
+            profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile)
+    return {"times": times, "compile_s": compile_s, "errors": errors, "profiles": profiles}
 
 
 def report(a, res):
+    for name, table in res.get("profiles", {}).items():
+        print(f"{name}, rank 0, 5 steps:\n{table}")
     med = {n: statistics.median(t) * 1e3 for n, t in res["times"].items()}
     print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq}; gloo world "
           f"{a.world}, {a.rounds} rounds after {a.warmup} (medians, the slowest rank's)\n")
@@ -188,6 +199,8 @@ def main():
     p.add_argument("--inorder", action="store_true", help="also compiled without inductor's comm reordering passes")
     p.add_argument("--user", action="store_true", help="also the user's own torch.compile of the data-parallel module")
     p.add_argument("--only", nargs="+", help="run only these contenders")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print rank 0's N busiest ops of each contender over 5 more steps")
     a = p.parse_args()
     from autoshard.testing.launch import LocalWorld
     with LocalWorld(a.world, timeout_s=1800) as world:
