@@ -9,7 +9,7 @@ Contenders, every one from the same weights on the same global batch:
   as-mt-compiled the same, ``compile=True``                                     (``--megatron``)
   as-fsdp-eager  autoshard pinned FSDP (``schemes.fsdp``), eager                (``--fsdp``)
   as-fsdp-compiled the same, ``compile=True``                                   (``--fsdp``)
-  as-compiled-inorder, as-mt-compiled-inorder  compiled without inductor's comm reordering passes
+  as-compiled-inorder, as-mt-compiled-inorder, as-fsdp-compiled-inorder  compiled without inductor's comm reordering passes
                  (``_compat.comm_overlap_options``), in the order inductor keeps by default (``--inorder``)
   as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
                  compile around the parallel module, traced whole                (``--user``)
@@ -90,6 +90,8 @@ def _contenders(a) -> dict:
         fsdp_pin = autoshard.schemes.fsdp(base, batch, (dist.get_world_size(),))
         made["as-fsdp-eager"] = lambda: ours(fsdp_pin, False)
         made["as-fsdp-compiled"] = lambda: ours(fsdp_pin, True)
+        if a.inorder:
+            made["as-fsdp-compiled-inorder"] = lambda: inorder(fsdp_pin)
     if a.user:
         made["as-user-compiled"] = lambda: (torch.compile(ours(dp_pin, False)[0]), batch)
 
@@ -174,7 +176,8 @@ def report(a, res):
     print()
     pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-compiled-inorder", "as-eager"),
              ("as-mt-compiled-inorder", "as-mt-eager"), ("as-compiled", "as-compiled-inorder"),
-             ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"),
+             ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"), ("as-fsdp-compiled-inorder", "as-fsdp-eager"),
+             ("as-fsdp-compiled", "as-fsdp-compiled-inorder"),
              ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-user-compiled", "ddp-compiled"),
              ("as-fsdp-compiled", "fsdp2-compiled")]
     for x, y in pairs:
