@@ -458,3 +458,11 @@ def generated_code(fn) -> tuple:
     program issues its kernels and collectives in. Inductor's own test helper; no public one."""
     from torch._inductor.utils import run_and_get_code
     return run_and_get_code(fn)
+
+
+def graphs_compiled() -> int:
+    """How many graphs ``torch.compile`` has compiled in this process so far (dynamo's count, each
+    a graph handed to its backend), to show what a call compiles. Dynamo's counters; no public
+    one."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]

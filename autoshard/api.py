@@ -31,6 +31,7 @@ from autoshard.outputs import WHOLE
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture, normalize_inputs
+from autoshard.passes.compile import users_compile_kwargs
 from autoshard.passes.lower import lower
 from autoshard.planner.axonn_start import axonn_start
 from autoshard.planner.search import search
@@ -417,6 +418,13 @@ class ParallelModule(nn.Module):
     def plan(self) -> Optional[Plan]:
         return self._plan
 
+    def compile(self, **kwargs) -> None:
+        """``nn.Module.compile``: the module's call compiled in place by ``torch.compile(**kwargs)``,
+        by default with static shapes and, under inductor, the comm reordering passes that
+        ``compile=True`` runs (``passes.compile.users_compile_kwargs``). ``torch.compile(module)``
+        takes only the options it is given."""
+        super().compile(**users_compile_kwargs(kwargs))
+
     def manual_seed(self, seed: int) -> None:
         """Seed the generator every rank shares for random ops (dropout)."""
         self._rank_mesh.generator.manual_seed(seed)
@@ -473,6 +481,14 @@ class ParallelModule(nn.Module):
         key = (self._model.training, shapes, consts, autocast)
         if key in self._programs:
             return self._programs[key]
+        return self._new_program(args, kwargs, leaves, shapes, consts, key)
+
+    # a user's compile runs this eagerly, a graph break once per new shape (with fullgraph=True, an
+    # error: call the module once uncompiled with the new shape first); the next call traces whole
+    @torch.compiler.disable(reason="autoshard captures and lowers a program for each new input shape, "
+                                   "eagerly: call the parallel module once uncompiled with this shape first")
+    def _new_program(self, args, kwargs, leaves, shapes, consts, key) -> "_Program":
+        autocast = key[3]
         planned = next(iter(self._programs), None)   # every program's key holds the same constants
         if planned is not None and consts != planned[2]:
             raise ValueError(

@@ -9,7 +9,7 @@ Contenders, every one from the same weights on the same global batch:
   as-mt-compiled the same, ``compile=True``                                     (``--megatron``)
   as-fsdp-eager  autoshard pinned FSDP (``schemes.fsdp``), eager                (``--fsdp``)
   as-fsdp-compiled the same, ``compile=True``                                   (``--fsdp``)
-  as-compiled-inorder, as-mt-compiled-inorder  compiled without inductor's comm reordering passes
+  as-compiled-inorder, as-mt-compiled-inorder, as-fsdp-compiled-inorder  compiled without inductor's comm reordering passes
                  (``_compat.comm_overlap_options``), in the order inductor keeps by default (``--inorder``)
   as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
                  compile around the parallel module, traced whole                (``--user``)
@@ -25,6 +25,7 @@ to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians afte
     python benchmarks/compile.py                 # world 2, the small GPT, 20 rounds
     python benchmarks/compile.py --megatron --rounds 30 --d 128
     python benchmarks/compile.py --only as-eager as-mt-eager --megatron   # eager alone (before/after a change)
+    python benchmarks/compile.py --only as-compiled ddp-compiled --profile 15   # where a step's time goes
     python benchmarks/compile.py --megatron --inorder --only as-eager as-compiled as-compiled-inorder \
         as-mt-eager as-mt-compiled as-mt-compiled-inorder     # what the comm passes gain
 """
@@ -89,6 +90,8 @@ def _contenders(a) -> dict:
         fsdp_pin = autoshard.schemes.fsdp(base, batch, (dist.get_world_size(),))
         made["as-fsdp-eager"] = lambda: ours(fsdp_pin, False)
         made["as-fsdp-compiled"] = lambda: ours(fsdp_pin, True)
+        if a.inorder:
+            made["as-fsdp-compiled-inorder"] = lambda: inorder(fsdp_pin)
     if a.user:
         made["as-user-compiled"] = lambda: (torch.compile(ours(dp_pin, False)[0]), batch)
 
@@ -146,10 +149,20 @@ def run(a) -> dict:
             t = _timed(built[name])
             if r >= a.warmup:
                 times[name].append(t)
-    return {"times": times, "compile_s": compile_s, "errors": errors}
+    profiles = {}
+    if a.profile:   # rank 0's busiest ops over a few more steps of each contender, after the rounds
+        from torch.profiler import ProfilerActivity, profile
+        for name in sorted(built):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    built[name]()
+            profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile)
+    return {"times": times, "compile_s": compile_s, "errors": errors, "profiles": profiles}
 
 
 def report(a, res):
+    for name, table in res.get("profiles", {}).items():
+        print(f"{name}, rank 0, 5 steps:\n{table}")
     med = {n: statistics.median(t) * 1e3 for n, t in res["times"].items()}
     print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq}; gloo world "
           f"{a.world}, {a.rounds} rounds after {a.warmup} (medians, the slowest rank's)\n")
@@ -163,7 +176,8 @@ def report(a, res):
     print()
     pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-compiled-inorder", "as-eager"),
              ("as-mt-compiled-inorder", "as-mt-eager"), ("as-compiled", "as-compiled-inorder"),
-             ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"),
+             ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"), ("as-fsdp-compiled-inorder", "as-fsdp-eager"),
+             ("as-fsdp-compiled", "as-fsdp-compiled-inorder"),
              ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-user-compiled", "ddp-compiled"),
              ("as-fsdp-compiled", "fsdp2-compiled")]
     for x, y in pairs:
@@ -188,6 +202,8 @@ def main():
     p.add_argument("--inorder", action="store_true", help="also compiled without inductor's comm reordering passes")
     p.add_argument("--user", action="store_true", help="also the user's own torch.compile of the data-parallel module")
     p.add_argument("--only", nargs="+", help="run only these contenders")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print rank 0's N busiest ops of each contender over 5 more steps")
     a = p.parse_args()
     from autoshard.testing.launch import LocalWorld
     with LocalWorld(a.world, timeout_s=1800) as world:

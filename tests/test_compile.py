@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from autoshard._compat import generated_code
+from autoshard._compat import generated_code, graphs_compiled
 from cases import by_case, rel_err, run_each, step_on_the_same_gradients
 from models import GPT
 
@@ -38,12 +38,13 @@ def _pins(scheme, model, inputs, mesh):
 
 
 def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy=None, recompute=None,
-          dropout=0.0, bucket_bytes=None):
+          dropout=0.0, bucket_bytes=None, method=False):
     """Loss and every gradient of one compiled step against eager autoshard and one device, the
     graph breaks of a user's compile, and a second step (no recompile for the same shapes).
     ``dropout``: every module draws from the same seed (autoshard's shared generator, one
     device's default one). ``compile_option``: the order of the compiled code's collectives
-    (``_overlap``). ``bucket_bytes``: the plan's gradient buckets that small."""
+    (``_overlap``). ``bucket_bytes``: the plan's gradient buckets that small. ``method``: the
+    user's compile is ``module.compile(backend=...)`` (inductor: the order of its code too)."""
     torch.manual_seed(0)
     model = GPT(dropout=dropout)
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
@@ -68,7 +69,11 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
         out["breaks"] = explained.graph_break_count
         out["graphs"] = explained.graph_count
         torch._dynamo.reset()
-        run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
+        if method:
+            pm.compile(backend=backend, fullgraph=True)
+            run = pm
+        else:
+            run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
 
     def seed(s):
@@ -83,7 +88,7 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
             loss.backward()
         return losses
 
-    if compile_option:
+    if compile_option or method:
         losses, code = generated_code(step)
         out["order"] = [_overlap(c) for c in code]
     else:
@@ -167,6 +172,56 @@ def _saved(scheme, recompute):
     return {"bytes": sum(kept), "recomputed": pm.program.count("= self.recompute_")}
 
 
+def _shapes():
+    """How often each compile compiles over calls of repeated and new input shapes, each call's
+    loss against one device's: ``compile=True`` (dynamo's count of graphs compiled),
+    ``module.compile`` (the graphs handed to its backend), and a user's
+    ``fullgraph=True`` compile, which asks for one uncompiled call with a new shape."""
+    torch.manual_seed(0)
+    model = GPT()
+    shapes = [(4, 16), (4, 16), (2, 16), (2, 16), (4, 16)]
+    batches = [(torch.randint(0, 64, s), torch.randint(0, 64, s)) for s in shapes]
+    pin, ref = _pins("dp", model, batches[0], (2,)), copy.deepcopy(model)
+    made = [autoshard.parallelize(copy.deepcopy(model), batches[0], pin=pin, verbose=False, compile=c)
+            for c in (True, False, False)]
+    graphs = []
+
+    def counting(gm, example_inputs):   # a backend that counts the graphs it is given
+        graphs.append(gm)
+        return gm.forward
+
+    def step(m, batch):
+        loss = m(*batch)
+        loss.backward()
+        return rel_err(loss, ref(*batch))
+
+    out = {"option": [], "user": [], "errs": []}
+    torch.compiler.reset()
+    for b in batches:
+        before = graphs_compiled()
+        out["errs"].append(step(made[0], b))
+        out["option"].append(graphs_compiled() - before)
+    torch.compiler.reset()   # dynamo keeps what it compiled by the code: ParallelModule.forward's
+    made[1].compile(backend=counting)
+    for b in batches:
+        out["errs"].append(step(made[1], b))
+        out["user"].append(len(graphs))
+    torch.compiler.reset()
+    strict = torch.compile(made[2], backend=counting, fullgraph=True, dynamic=False)
+    out["errs"].append(step(strict, batches[0]))
+    try:
+        step(strict, batches[2])
+        out["strict"] = "ran"
+    except Exception as e:  # noqa: BLE001 - the error's text is the result
+        out["strict"] = str(e)
+    made[2](*batches[2])   # once uncompiled: the program for the new shape
+    before = len(graphs)
+    out["errs"].append(step(strict, batches[2]))
+    out["strict_graphs"] = len(graphs) - before
+    out["programs"] = [len(m._programs) for m in made]
+    return out
+
+
 SCHEMES = ["dp", "megatron", "fsdp"]
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # world 2, by key: compile=True and a user's compile on each scheme; recomputed blocks (whole, and
@@ -174,7 +229,10 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           **{("user", s): (_user_compile, s, (2,)) for s in SCHEMES},
           ("autotune", "megatron"): (_max_autotune, "megatron"),
+          ("method", "megatron"): (_case, "megatron", (2,)),
           ("option", "megatron", "blocks"): (_case, "megatron", (2,)),
+          ("option", "fsdp", "blocks"): (_case, "fsdp", (2,)),
+          ("shapes",): (_shapes,),
           ("user", "dp", "blocks"): (_user_compile, "dp", (2,), None, "blocks"),
           ("user", "megatron", "selective"): (_user_compile, "megatron", (2,), None, "selective"),
           ("user", "fsdp", "blocks"): (_user_compile, "fsdp", (2,), None, "blocks"),
@@ -183,14 +241,16 @@ WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
           ("saved", "dp", "none"): (_saved, "dp", "none"),
           ("saved", "dp", "blocks"): (_saved, "dp", "blocks")}
-WORLD2_KW = {("option", "megatron", "blocks"): {"compile_option": True, "recompute": "blocks"},
+WORLD2_KW = {("method", "megatron"): {"backend": "inductor", "method": True},
+             ("option", "megatron", "blocks"): {"compile_option": True, "recompute": "blocks"},
+             ("option", "fsdp", "blocks"): {"compile_option": True, "recompute": "blocks"},
              ("option", "dp", "buckets"): {"compile_option": True, "bucket_bytes": 20_000},
              ("option", "dp", "dropout"): {"compile_option": True, "dropout": 0.3},
              ("user", "megatron", "dropout", "blocks"): {"dropout": 0.3}}
-# world 4: a 2-D plan, FSDP under the bf16 policy, Megatron, Megatron under the bf16 policy with
-# every block recomputed
-WORLD4 = [("2d", (2, 2), None, None), ("fsdp", (4,), BF16, None), ("megatron", (4,), None, None),
-          ("megatron", (4,), BF16, "blocks")]
+# world 4, a user's compile: a 2-D plan, FSDP under the bf16 policy, Megatron, Megatron under the
+# bf16 policy with every block recomputed; compile=True: a 2-D plan with every block recomputed
+WORLD4 = [("user", "2d", (2, 2), None, None), ("user", "fsdp", (4,), BF16, None), ("user", "megatron", (4,), None, None),
+          ("user", "megatron", (4,), BF16, "blocks"), ("option", "2d", (2, 2), None, "blocks")]
 
 
 def _call(fn, *args, **kw):
@@ -214,9 +274,15 @@ def world2_results():
     return by_case(list(WORLD2), _world_run(2, _keyed, [(k,) for k in WORLD2]))
 
 
+def _world4_case(kind, scheme, mesh, policy, recompute):
+    if kind == "option":
+        return _case(scheme, mesh, compile_option=True, policy=policy, recompute=recompute)
+    return _user_compile(scheme, mesh, policy, recompute)
+
+
 @pytest.fixture(scope="module")
 def world4_results():
-    return _world_run(4, _user_compile, WORLD4)
+    return _world_run(4, _world4_case, WORLD4)
 
 
 def _check(r, tol=TOL):
@@ -248,7 +314,7 @@ def test_users_max_autotune(world2_results):
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
 
-@pytest.mark.parametrize("key", [("option", "megatron", "blocks"), ("user", "dp", "blocks"),
+@pytest.mark.parametrize("key", [("option", "megatron", "blocks"), ("option", "fsdp", "blocks"), ("user", "dp", "blocks"),
                                  ("user", "megatron", "selective"), ("user", "fsdp", "blocks")], ids="-".join)
 def test_recomputed_blocks_compile_and_match(world2_results, key):
     """``recompute`` under compile=True and a user's compile: every block checkpointed, traced
@@ -295,6 +361,18 @@ def test_compiled_megatron_waits_after_the_weight_gradients(world2_results):
         assert _hidden(backward) >= 3, backward
 
 
+def test_module_compile_reorders_collectives(world2_results):
+    """``module.compile()`` (inductor) runs the comm passes that compile=True runs: the Megatron
+    backward's all-reduces wait after the weight gradients, as in
+    test_compiled_megatron_waits_after_the_weight_gradients; no graph break, exact."""
+    for r in world2_results[("method", "megatron")]:
+        _check(r)
+        assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+        forward, backward = r["order"]
+        assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
+        assert _hidden(backward) >= 3, backward
+
+
 def test_compiled_gradient_buckets_overlap_backward(world2_results):
     """Data parallel with several gradient buckets: each bucket's all-reduce but the last runs
     beside the backward matmuls of the layers before it, as the schedule starts them."""
@@ -306,14 +384,36 @@ def test_compiled_gradient_buckets_overlap_backward(world2_results):
         assert _hidden(backward) >= len(buckets) - 2, backward
 
 
-@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[f"{c[0]}-{c[1]}-{c[3] or 'kept'}" for c in WORLD4])
-def test_users_compile_world4(world4_results, index):
+@pytest.mark.parametrize("index", range(len(WORLD4)),
+                         ids=[f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}-{'bf16' if c[3] else 'fp32'}-{c[4] or 'kept'}"
+                              for c in WORLD4])
+def test_compile_world4(world4_results, index):
+    kind, _, _, policy, recompute = WORLD4[index]
     for rank in world4_results:
         r = rank[index]
-        _check(r, BF16_TOL if WORLD4[index][2] is not None else TOL)
-        assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
-        if WORLD4[index][3] is not None:
+        _check(r, BF16_TOL if policy is not None else TOL)
+        if kind == "user":
+            assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+        else:
+            assert r["passes"].endswith("compile"), r["passes"]
+        if recompute is not None:
             assert r["recomputed"] == 2, r["recomputed"]
+
+
+def test_same_shape_compiles_nothing_new_shape_once(world2_results):
+    """Calls of shapes (4, 16), (4, 16), (2, 16), (2, 16), (4, 16): compile=True compiles one graph
+    (forward and backward) on the first call of each new shape, nothing else; ``module.compile`` hands its
+    backend one graph per new shape (a user's compile guards on the shapes, and each shape's
+    program is made once, outside the trace); under ``fullgraph=True`` a new shape asks for one
+    uncompiled call, after which it runs compiled. Every loss is one device's."""
+    for r in world2_results[("shapes",)]:
+        assert "error" not in r, r.get("error")
+        assert r["option"] == [1, 0, 1, 0, 0], r["option"]
+        assert r["user"] == [1, 1, 2, 2, 2], r["user"]
+        assert "call the parallel module once uncompiled" in r["strict"], r["strict"]
+        assert r["strict_graphs"] == 1, r["strict_graphs"]
+        assert r["programs"] == [2, 2, 2], r["programs"]
+        assert max(r["errs"]) <= TOL, r["errs"]
 
 
 def test_compile_is_checked():

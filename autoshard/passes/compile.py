@@ -32,3 +32,13 @@ def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=
     out.meta["passes"] = [*program.meta.get("passes", ()), "compile"]
     options = comm_overlap_options() if backend == "inductor" and mode is None else None
     return torch.compile(out, backend=backend, mode=mode, options=options, dynamic=False, fullgraph=True)
+
+
+def users_compile_kwargs(kwargs: dict) -> dict:
+    """``torch.compile``'s arguments for ``ParallelModule.compile``: those given, with static
+    shapes (each input shape is its own program) and, for inductor with neither ``mode`` nor
+    ``options`` given, the comm reordering passes ``compile=True`` runs."""
+    out = {"dynamic": False, **kwargs}
+    if out.get("backend", "inductor") == "inductor" and out.get("mode") is None and out.get("options") is None:
+        out["options"] = comm_overlap_options()
+    return out

@@ -5,6 +5,8 @@ forward and in backward.
 """
 from __future__ import annotations
 
+import torch
+
 from autoshard.runtime.mesh import _mesh
 
 
@@ -28,8 +30,10 @@ class Pending:
 
 
 def pending(key: str = None) -> Pending:
-    """A fresh Pending; ``key`` names what it keeps from call to call (in this rank's mesh)."""
+    """A fresh Pending; ``key`` names what it keeps from call to call (in this rank's mesh).
+    Traced (torch.compile), nothing is kept (the traced buckets keep no buffer), and the mesh's
+    store is not read: a compiled caller would guard on its contents, changed by the first call."""
     h = Pending()
-    if key is not None:
+    if key is not None and not torch.compiler.is_compiling():
         h.kept = _mesh().kept.setdefault(key, {})
     return h

@@ -18,7 +18,15 @@ import torch.distributed as dist
 from autoshard import placement as pl
 from autoshard._compat import blocked_shard, checkpoint_blocked_splits
 
-_state = threading.local()   # .mesh: the RankMesh ``active`` set on this thread
+class _State(threading.local):
+    """What ``active`` set on this thread: ``mesh``, the RankMesh. Set on each thread's first use,
+    so a compiled caller's guard on it reads the same before the first call as after."""
+
+    def __init__(self):
+        self.mesh = None
+
+
+_state = _State()
 # key -> RankMesh, for what a compiled program calls by a constant (its generator: ``by_key``);
 # keys count up as meshes are made, so every rank gives a module's mesh the same key
 _by_key: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
@@ -110,7 +118,7 @@ class RankMesh:
 
 @contextlib.contextmanager
 def active(mesh: RankMesh):
-    prev = getattr(_state, "mesh", None)
+    prev = _state.mesh
     _state.mesh = mesh
     try:
         yield
@@ -119,7 +127,7 @@ def active(mesh: RankMesh):
 
 
 def _mesh() -> RankMesh:
-    m = getattr(_state, "mesh", None)
+    m = _state.mesh
     if m is None:
         raise RuntimeError("an autoshard program ran outside its parallel module")
     return m

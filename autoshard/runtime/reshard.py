@@ -16,7 +16,12 @@ from autoshard.runtime.mesh import RankMesh, _mesh
 from autoshard.runtime.handles import Pending
 from autoshard.runtime.steps import _run
 
-_state = threading.local()   # .regather: the marks of the forward ``regathering`` runs on this thread
+class _State(threading.local):
+    def __init__(self):   # run on each thread's first use
+        self.regather = None   # the marks of the forward ``regathering`` runs on this thread, None outside one
+
+
+_state = _State()
 
 
 # ---- parameters converted again for backward (reshard_after_forward) ------------------------------
@@ -42,7 +47,7 @@ def regather_member(x, h: Pending, i: int):
 def _mark(x, recipe):
     if torch.compiler.is_compiling():   # traced: what backward keeps is the compiler's choice
         return x
-    marks = getattr(_state, "regather", None)
+    marks = _state.regather
     if marks is not None and torch.is_grad_enabled():
         root = x if x._base is None else x._base
         marks[id(root)] = (weakref.ref(root), recipe)
@@ -126,7 +131,7 @@ def regathering():
     if torch.compiler.is_compiling():
         yield
         return
-    prev = getattr(_state, "regather", None)
+    prev = _state.regather
     _state.regather = {}
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
