@@ -3,7 +3,6 @@ rotary embeddings whose attention takes a mask made in forward (a sliding window
 padding mask (B, 1, L, S) from the tokens, a learned bias (1, H, L, S) that needs its
 gradient), or draws dropout, against one device, loss and every gradient, in real gloo groups."""
 import copy
-import math
 
 import pytest
 import torch
@@ -18,16 +17,7 @@ from test_context_parallel import GATHERED, GqaAttention, GqaLlama, _attention_n
 PAD = 0
 
 
-class MaskedAttention(GqaAttention):
-    def forward(self, x, mask=None, causal=True, dropout=0.0):
-        b, t, d = x.shape
-        h = self.norm(x)
-        q = self.wq(h).view(b, t, self.heads, self.head_dim)
-        k, v = (w(h).view(b, t, self.kv_heads, self.head_dim) for w in (self.wk, self.wv))
-        q, k = self.rope(q), self.rope(k)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=True)
-        return x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
+MaskedAttention = GqaAttention   # its forward takes a mask, causal and dropout
 
 
 class MaskedLlama(GqaLlama):

@@ -37,14 +37,14 @@ class GqaAttention(nn.Module):
         zc = torch.view_as_complex(z.float().reshape(*z.shape[:-1], -1, 2))
         return torch.view_as_real(zc * self.freqs_cis.view(1, z.shape[1], 1, -1)).flatten(3).type_as(z)
 
-    def forward(self, x):
+    def forward(self, x, mask=None, causal=True, dropout=0.0):
         b, t, d = x.shape
         h = self.norm(x)
         q = self.wq(h).view(b, t, self.heads, self.head_dim)
         k, v = (w(h).view(b, t, self.kv_heads, self.head_dim) for w in (self.wk, self.wv))
         q, k = self.rope(q), self.rope(k)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)
+                                           attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=True)
         return x + self.wo(y.transpose(1, 2).reshape(b, t, -1))   # -1: tensor parallel holds a part of d
 
 class GqaLlama(RopeLlama):
