@@ -381,6 +381,15 @@ def default_cases(seed: int = 0) -> list:
 
     # -- FlexAttention (flex.py): a causal, a document, a per-head window and an ALiBi-like mask
     C.extend(flex_cases(r))
+
+    # -- along a split dim, by collectives (runtime.scans; checked in a simulated group): the
+    # routing's order of the (token, expert) pairs (ties, an expert with no rows, a key range
+    # too wide to count: gathered), and the experts' offsets
+    keys = ints(6, 24)
+    add(aten.argsort.stable, keys.masked_fill(keys == 2, 5), stable=True)
+    add(aten.argsort.stable, ints(4, 16).int(), stable=True, descending=True)
+    add(aten.argsort.stable, ints(1000, 16), stable=True)
+    add(aten.cumsum.default, ints(5, 8).int(), 0, dtype=torch.int32)
     return C
 
 

@@ -51,7 +51,9 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import placement as pl
 from autoshard.passes import rewrite
@@ -60,6 +62,8 @@ from autoshard.rules.registry import RULES, OpCtx, Sig, rule_for
 from autoshard.rules.conv import batch_norm_axes
 from autoshard.rules.nn import count_axes
 from autoshard.check.cases import default_cases
+from autoshard.runtime.mesh import RankMesh, active
+from autoshard.testing.simulate import SimWorld
 
 aten = torch.ops.aten
 
@@ -217,6 +221,17 @@ class _EagerGraph:
         return target(*args, **(kwargs or {}))
 
 
+# lowerings whose local form runs collectives that the ranks of one simulated group can run
+# (autoshard.testing.simulate): checked there, each rank on a thread with a one-axis mesh active
+IN_A_GROUP = {rewrite.lower_cumsum, rewrite.lower_argsort}
+
+
+def _in_group(run_rank, p: int):
+    mesh = RankMesh(init_device_mesh("cpu", (p,)), torch.Generator())
+    with active(mesh):
+        return run_rank(dist.get_rank())
+
+
 # the lowerings whose local form needs a process group
 def _runtime_lowered(target, fx_args, fx_kwargs, sig: Sig) -> Optional[str]:
     if target in (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default):
@@ -328,20 +343,29 @@ def _check_signature(target, args, kwargs, sig: Sig, p: int, seed, fx_args, fx_k
     in_shapes = [tuple(t.shape) for t in ins]
     out_shapes = [tuple(t.shape) for t in outs]
     lower = rewrite.lowering_for(target)
-    locals_: list = []  # per rank, list of output tensors
-    for r in range(p):
+
+    def run_rank(r):
         local_ins = [_local_input(t, q, p, pc, r) for t, q, pc in zip(ins, sig.inputs, pieces)]
         largs, lkwargs = _substitute(args, kwargs, local_ins)
         low = rewrite.Lowering(_EagerGraph(), node, largs, lkwargs, in_pl, out_pl, in_shapes, out_shapes, (p,),
                                coords=(r,))
         try:
-            out = lower(low)
+            return _outputs(lower(low))
         except Exception as e:  # noqa: BLE001 - a local op that cannot run is a wrong signature
-            return "fail", f"rank {r}: the local op raised {type(e).__name__}: {e}"
-        lo = _outputs(out)
+            return f"rank {r}: the local op raised {type(e).__name__}: {e}"
+
+    if lower in IN_A_GROUP and any(isinstance(q, Split) for q in sig.inputs):
+        try:
+            locals_ = SimWorld(p, timeout_s=60.0).run(_in_group, run_rank, p)
+        except (RuntimeError, TimeoutError) as e:
+            return "fail", f"the ranks' collectives failed: {e}"
+    else:
+        locals_ = [run_rank(r) for r in range(p)]   # per rank, its list of output tensors (or why not)
+    for r, lo in enumerate(locals_):
+        if isinstance(lo, str):
+            return "fail", lo
         if len(lo) != len(outs):
             return "fail", f"rank {r}: the local op gave {len(lo)} tensor outputs, the whole op {len(outs)}"
-        locals_.append(lo)
 
     for j, (ref, q) in enumerate(zip(outs, sig.outputs)):
         want = pl.local_shape(tuple(ref.shape), (q,), (p,))

@@ -147,7 +147,8 @@ def op_collectives(node, strat, graph, mesh_shape, arrived=()) -> list:
     """Collectives an op's own lowering issues (beyond layout conversions). ``arrived``: the user
     inputs that arrive as each rank's rows (``autoshard.inputs``), which no rank holds whole."""
     from autoshard.rules.conv import norm_collectives
-    from autoshard.rules.moe import expert_collectives
+    from autoshard.rules.indexing import scan_collectives
+    from autoshard.rules.moe import expert_collectives, sort_collectives
     from autoshard.rules.nn import count_axes, whole_targets
     fx_node = node.fx_node
     axes = count_axes(node.target, fx_node.args, fx_node.kwargs, strat.inputs) if node.kind == "op" else []
@@ -156,4 +157,6 @@ def op_collectives(node, strat, graph, mesh_shape, arrived=()) -> list:
         axes = []
     return ([OpCollective("all_reduce", a, 8) for a in axes if mesh_shape[a] > 1]
             + [OpCollective(*c) for c in norm_collectives(node, strat, graph, mesh_shape)]
-            + [OpCollective(*c) for c in expert_collectives(node, strat, graph, mesh_shape)])
+            + [OpCollective(*c) for c in expert_collectives(node, strat, graph, mesh_shape)]
+            + [OpCollective(*c) for c in scan_collectives(node, strat, mesh_shape)]
+            + [OpCollective(*c) for c in sort_collectives(node, strat, mesh_shape)])

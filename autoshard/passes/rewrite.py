@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import placement as pl
-from autoshard.runtime import experts
+from autoshard.runtime import experts, scans
 from autoshard import runtime
 from autoshard.convert import rank_sizes
 from autoshard.cost import attention, comm
@@ -29,7 +29,8 @@ from autoshard.plan import Plan
 from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
 from autoshard.rules import flex
-from autoshard.rules.moe import TRANSFORMERS_GROUPED_MM
+from autoshard.rules.indexing import scan_axes
+from autoshard.rules.moe import TRANSFORMERS_GROUPED_MM, is_split_argsort
 from autoshard.rules.pointwise import NEW_SIZED
 from autoshard.rules.registry import norm_dim, qualified_name
 
@@ -252,6 +253,29 @@ def lower_index(low: Lowering):
     return low.g.call_function(experts.gather_rows, (low.args[0], low.args[1][0]), {"axis": axes})
 
 
+def lower_cumsum(low: Lowering):
+    """A cumsum along a split dim (rules.indexing.cumsum): ``scans.cumsum`` adds the earlier
+    ranks' totals."""
+    nd = len(low.in_shapes[0])
+    dim = norm_dim(low.arg(1, "dim"), nd) if nd else 0
+    axes = scan_axes(low.in_pl[0], dim, low.mesh_shape) if nd else ()
+    if not axes:
+        return low.call()
+    return low.g.call_function(scans.cumsum, (low.args[0], dim, low.arg(2, "dtype")), {"axes": axes})
+
+
+def lower_argsort(low: Lowering):
+    """A 1-d stable argsort of integer keys split on its dim (rules.moe.sort_stable): the
+    counting sort of ``scans.argsort``."""
+    if not is_split_argsort(low.node.target, low.node.fx_node.args, low.in_shapes):
+        return low.call()
+    axes = scan_axes(low.in_pl[0], 0, low.mesh_shape)
+    if not axes:
+        return low.call()
+    return low.g.call_function(scans.argsort, (low.args[0], bool(low.kwargs.get("descending", False))),
+                               {"axes": axes})
+
+
 def lower_histc(low: Lowering):
     return low.call(experts.histc)
 
@@ -380,6 +404,8 @@ LOWERINGS = {
     **{op: lower_conv for op in CONV_ARGS},
     aten._grouped_mm.default: lower_grouped_mm,
     aten.histc.default: lower_histc,
+    aten.cumsum.default: lower_cumsum,
+    aten.argsort.stable: lower_argsort,
     aten.index.Tensor: lower_index,
     flex.FLEX: lower_flex,
     aten.scaled_dot_product_attention.default: lower_sdpa,

@@ -9,9 +9,11 @@ split any other. Each is linear in its tensors, except a pad with a non-zero con
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from autoshard.placement import B, P, Split
+from autoshard.placement import B, P, Split, local_shape
 from autoshard.rules.registry import OpCtx, Sig, norm_dim, rule
 
 aten = torch.ops.aten
@@ -31,9 +33,40 @@ def _along(ctx: OpCtx, kept: set) -> list:
 
 @rule(aten.cumsum.default)
 def cumsum(ctx: OpCtx):
+    """Any dim, the scanned one too: split there, each rank's running sum plus the earlier
+    ranks' totals (``runtime.scans.cumsum``, priced by ``scan_collectives``)."""
     nd = len(ctx.in_shapes[0])
-    kept = {norm_dim(ctx.arg(1, "dim"), nd)} if nd else set()
-    return _along(ctx, kept) + [Sig((P,), (P,))]
+    if not nd:
+        return [Sig((P,), (P,))]
+    dim = norm_dim(ctx.arg(1, "dim"), nd)
+    sigs = _along(ctx, {dim}) + [Sig((P,), (P,))]
+    if ctx.in_shapes[0][dim] > 1:
+        sigs.append(Sig((Split(dim),), (Split(dim),)))
+    return sigs
+
+
+def scan_axes(in_placement, dim: int, mesh_shape) -> tuple:
+    """The mesh axes that split a cumsum's scanned dim."""
+    return tuple(a for a, q in enumerate(in_placement)
+                 if isinstance(q, Split) and q.dim == dim and mesh_shape[a] > 1)
+
+
+def scan_collectives(node, strat, mesh_shape) -> list:
+    """(kind, axis, bytes, phase) of a cumsum split along its dim: every rank's total (the
+    tensor with that dim cut to 1) all-gathered, and the gradient's again in backward."""
+    if node.kind != "op" or node.target != aten.cumsum.default:
+        return []
+    out = node.outputs[0]
+    nd = len(out.shape)
+    dim = norm_dim(node.fx_node.args[1] if len(node.fx_node.args) > 1 else node.fx_node.kwargs["dim"], nd) if nd else 0
+    axes = scan_axes(strat.inputs[0], dim, mesh_shape) if nd else ()
+    if not axes:
+        return []
+    local = list(local_shape(out.shape, strat.outputs[0], mesh_shape))
+    local[dim] = 1
+    nbytes = math.prod(local) * out.itemsize
+    phases = ("forward", "backward") if node.requires_grad else ("forward",)
+    return [("all_gather", a, nbytes, ph) for a in axes for ph in phases]
 
 
 @rule(aten.diff.default)

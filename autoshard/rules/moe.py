@@ -28,6 +28,7 @@ import contextvars
 import difflib
 import itertools
 import math
+import operator
 
 import torch
 
@@ -69,7 +70,26 @@ def sort(ctx: OpCtx):
 
 @rule(aten.sort.stable, aten.argsort.stable)
 def sort_stable(ctx: OpCtx):
-    return _along(ctx, norm_dim(ctx.kwargs.get("dim", -1), len(ctx.in_shapes[0])))
+    """Besides the other dims: the 1-d stable argsort of integer keys (the routing's order of the
+    (token, expert) pairs) split on its only dim, ``(S(0)) -> S(0)``, each rank its chunk of the
+    whole order's global indices, by a counting sort across the ranks (``runtime.scans.argsort``;
+    priced by ``sort_collectives``)."""
+    sigs = _along(ctx, norm_dim(ctx.kwargs.get("dim", -1), len(ctx.in_shapes[0])))
+    if is_split_argsort(ctx.target, ctx.args, ctx.in_shapes) and ctx.in_shapes[0][0] > 1:
+        sigs.append(Sig((Split(0),), (Split(0),)))
+    return sigs
+
+
+def _dtype(t):
+    val = t.meta.get("val") if isinstance(t, torch.fx.Node) else t
+    return getattr(val, "dtype", None)
+
+
+def is_split_argsort(target, args, in_shapes) -> bool:
+    """Whether an op is a 1-d stable argsort of integer keys: split on its dim, a counting sort."""
+    dtype = _dtype(args[0]) if args else None
+    return (target == aten.argsort.stable and len(in_shapes) == 1 and len(in_shapes[0]) == 1
+            and dtype is not None and not dtype.is_floating_point and not dtype.is_complex)
 
 
 @rule(aten.histc.default)
@@ -262,6 +282,44 @@ def expert_loads(model, loads: dict):
         yield
     finally:
         _MEASURED.reset(token)
+
+
+# what an argsort's keys may come through from top-k's indices and keep their values
+_KEEPS_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                 aten.clone.default, aten.contiguous.default}
+
+
+def key_range(keys) -> "int | None":
+    """How many values the keys (an fx node) can take where the graph shows it: top-k's indices
+    (through views) lie in [0, the size of top-k's input on its dim). None elsewhere."""
+    while isinstance(keys, torch.fx.Node) and keys.target in _KEEPS_VALUES:
+        keys = keys.args[0]
+    if not (isinstance(keys, torch.fx.Node) and keys.target is operator.getitem and keys.args[1] == 1):
+        return None
+    topk = keys.args[0]
+    if not isinstance(topk, torch.fx.Node) or topk.target != aten.topk.default:
+        return None
+    x = topk.args[0].meta.get("val")
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    return None if x is None else int(x.shape[norm_dim(dim, x.dim())])
+
+
+def sort_collectives(node, strat, mesh_shape) -> list:
+    """(kind, axis, bytes, phase) of a split argsort's counting sort (``runtime.scans.argsort``):
+    each rank's (min, max, count), its histogram over the keys' range (the range top-k shows, else
+    as many bins as keys: beyond that the keys are gathered instead, as many bytes) and its
+    (position, index) pairs sent to their ranks; forward only. A group over several axes is
+    priced as one collective per axis."""
+    if node.kind != "op" or not is_split_argsort(node.target, node.fx_node.args, [node.outputs[0].shape]):
+        return []
+    axes = [a for a, q in enumerate(strat.inputs[0]) if isinstance(q, Split) and mesh_shape[a] > 1]
+    if not axes:
+        return []
+    n = node.outputs[0].shape[0]
+    bins = min(key_range(node.fx_node.args[0]) or n, n)
+    held = local_shape((n,), strat.inputs[0], mesh_shape)[0]
+    return [c for a in axes for c in (("all_gather", a, 24, "forward"), ("all_gather", a, 8 * bins, "forward"),
+                                      ("all_to_all", a, 16 * held, "forward"))]
 
 
 def is_grouped_mm(target) -> bool:
