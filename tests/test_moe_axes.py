@@ -143,7 +143,8 @@ def every_layout(fn, inputs, mesh, target) -> list:
     ref = fn(*ref_in)
     ref = ref[0] if isinstance(ref, (tuple, list)) else ref
     g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
-    (ref * g).sum().backward()
+    if any(grads):
+        (ref * g).sum().backward()
     out = []
     for strat in annotate(graph, tuple(mesh))[node.name]:
         local = [_share(t, q, mesh, m.coords).requires_grad_(d) for t, q, d in zip(whole, strat.inputs, grads)]
@@ -159,10 +160,10 @@ def every_layout(fn, inputs, mesh, target) -> list:
             forward = rel_err(_whole(y.detach(), strat.outputs[0], m.device_mesh), ref)
             # a rank whose output no input reaches would skip the collectives of backward that
             # the others wait in (a hang in the program): found on every rank, and failed
-            connected = torch.tensor([float(y.requires_grad)])
+            connected = torch.tensor([float(y.requires_grad or not any(grads))])
             dist.all_reduce(connected, op=dist.ReduceOp.MIN)
-            backward = math.inf
-            if connected.item():
+            backward = math.inf if any(grads) else 0.0   # an argsort has no gradient
+            if connected.item() and any(grads):
                 (y * _seed(g, strat.outputs[0], mesh, m.coords)).sum().backward()
                 backward = max(rel_err(_whole(t.grad if t.grad is not None else torch.zeros_like(t), q,
                                               m.device_mesh, dual=True), r.grad)
@@ -187,6 +188,48 @@ def _op_cases():
 
 
 OP_MESHES = ((2, 2), (2, 1, 2))
+
+
+def _scan_cases():
+    """The routing's stable argsort of the (token, expert) pairs' experts (ties, an expert with
+    no rows, each rank's counts its own) and cumsums along either dim."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randint(0, 6, (16,), generator=g)
+    keys[keys == 2] = 5
+    return {
+        "argsort": (lambda k: torch.argsort(k, stable=True), (keys,), aten.argsort.stable),
+        "argsort descending": (lambda k: torch.argsort(k, stable=True, descending=True), (keys.int(),),
+                               aten.argsort.stable),
+        "cumsum": (lambda x: torch.cumsum(x, 0), (torch.randn(8, 6, generator=g),), aten.cumsum.default),
+        "cumsum float64": (lambda x: torch.cumsum(x, 1, dtype=torch.float64), (torch.randn(4, 8, generator=g),),
+                           aten.cumsum.default),
+    }
+
+
+def _uneven_scans() -> dict:
+    """runtime.scans on chunks of uneven length as DTensor lays them (ceil(n / p) each, the last
+    ranks short or empty) over (4,): the argsort's chunk and the cumsum's, forward and backward."""
+    from autoshard.runtime import scans
+    m = _rank_mesh((4,))
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for n in (10, 3, 1):
+        size = -(-n // 4)
+        lo, hi = min(n, m.coords[0] * size), min(n, (m.coords[0] + 1) * size)
+        keys = torch.randint(0, 4, (n,), generator=g)
+        x = torch.randn(n, 3, generator=g, requires_grad=True)
+        seed = torch.randn(n, 3, generator=g)
+        with runtime.active(m):
+            order = scans.argsort(keys[lo:hi], axes=(0,))
+            local = x.detach()[lo:hi].clone().requires_grad_(True)
+            y = scans.cumsum(local, 0, axes=(0,))
+            (y * seed[lo:hi]).sum().backward()
+        (x.cumsum(0) * seed).sum().backward()
+        def err(got, want):   # an empty chunk: right where it is empty too
+            return rel_err(got, want) if want.numel() else float(got.numel())
+        out[n] = (torch.equal(order, torch.argsort(keys, stable=True)[lo:hi]),
+                  err(y.detach(), x.detach().cumsum(0)[lo:hi]), err(local.grad, x.grad[lo:hi]))
+    return out
 
 
 def op_layouts(mesh) -> dict:
@@ -452,6 +495,9 @@ PROPERTY_CASES_8 = random_cases(seed=33, n=3, meshes=((2, 2, 2), (2, 4), (2, 2, 
 
 def _everything() -> dict:
     out = {("layouts", mesh): op_layouts(mesh) for mesh in OP_MESHES}
+    out["scans"] = {(name, mesh): every_layout(fn, inputs, mesh, target)
+                    for mesh in ((4,), (2, 2)) for name, (fn, inputs, target) in _scan_cases().items()}
+    out["uneven scans"] = _uneven_scans()
     every = list(itertools.product(("B", "S(0)"), repeat=2))
     out["pinned"] = {pins: perm_pinned(pins) for pins in itertools.product(every, every, [("S(0)", "S(0)")])}
     out["hf"] = dict(zip(HF_CASES, run_each(hf_case, HF_CASES)))
@@ -474,6 +520,21 @@ def test_every_offered_layout_is_exact(results, mesh):
             assert len(rows) > 20, (op, len(rows))
             bad = [(s, f, b) for s, f, b in rows if not (f < TOL and b < TOL)]
             assert not bad, f"rank {rank}, {op}: {bad}"
+
+
+def test_scans_split_along_their_dim_are_exact(results):
+    """The routing's stable argsort and cumsums, in every layout the planner offers on (4,) and
+    (2, 2), split along their dim too (``runtime.scans``: a counting sort across the ranks, a
+    running sum plus the earlier ranks' totals), over 4 ranks or 2 on either axis."""
+    for rank, res in enumerate(results):
+        for (op, mesh), rows in res["scans"].items():
+            d = "S(1)" if op == "cumsum float64" else "S(0)"   # the dim it runs along
+            along = [f"({d}) -> ({d})"] if mesh == (4,) else [f"({q}) -> ({q})" for q in (f"{d}, B", f"B, {d}", f"{d}, {d}")]
+            assert set(along) <= {s for s, _, _ in rows}, (op, mesh, rows)
+            bad = [(s, f, b) for s, f, b in rows if not (f < TOL and b < TOL)]
+            assert not bad, f"rank {rank}, {op} on {mesh}: {bad}"
+        for n, (order, forward, backward) in res["uneven scans"].items():
+            assert order and forward < TOL and backward < TOL, (rank, n, order, forward, backward)
 
 
 def test_every_pin_of_a_gather_is_exact(results):

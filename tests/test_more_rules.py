@@ -138,7 +138,11 @@ LITERAL = [   # (op, args, kwargs, offered, not offered)
     (aten.argsort.default, (rn(8, 12), 0, True), {}, ["(S(1)) -> S(1)"], ["(S(0)) -> S(0)"]),
     (aten.argsort.stable, (rn(8, 12),), {"stable": True, "dim": 0}, ["(S(1)) -> S(1)"], ["(S(0)) -> S(0)"]),
     (aten.sort.default, (rn(8, 12),), {}, ["(S(0)) -> S(0), S(0)"], ["(S(1)) -> S(1), S(1)"]),
-    (aten.cumsum.default, (rn(4, 8), 1), {}, ["(S(0)) -> S(0)", "(P) -> P"], ["(S(1)) -> S(1)"]),
+    (aten.cumsum.default, (rn(4, 8), 1), {}, ["(S(0)) -> S(0)", "(P) -> P", "(S(1)) -> S(1)"], []),
+    # a 1-d stable argsort split on its dim: integer keys only (a counting sort)
+    (aten.argsort.stable, (ri(4, 16),), {"stable": True}, ["(S(0)) -> S(0)"], []),
+    (aten.argsort.stable, (rn(16),), {"stable": True}, [], ["(S(0)) -> S(0)"]),
+    (aten.argsort.default, (ri(4, 16),), {}, [], ["(S(0)) -> S(0)"]),
     (aten.scatter_add.default, (rn(8, 12), 0, ri(8, 4, 12), rn(4, 12)), {},
      ["(S(1), S(1), S(1)) -> S(1)", "(P, B, P) -> P", "(P, S(0), S(0)) -> P"], ["(S(0), S(0), S(0)) -> S(0)"]),
     (aten.scatter_add.default, (rn(8, 12), 0, ri(8, 2, 12), rn(4, 12)), {},

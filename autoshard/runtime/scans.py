@@ -35,9 +35,9 @@ from autoshard.runtime.mesh import _mesh
 
 def _gathered(t: torch.Tensor, group, p: int) -> torch.Tensor:
     """Every rank's ``t`` stacked on a new dim 0, in the group's order."""
-    out = t.new_empty((p,) + tuple(t.shape))
-    steps._all_gather(out, t.contiguous(), group=group)
-    return out
+    out = t.new_empty((p * t.numel(),))
+    steps._all_gather(out, t.reshape(-1).contiguous(), group=group)
+    return out.view((p,) + tuple(t.shape))
 
 
 class _SplitCumsum(torch.autograd.Function):
