@@ -12,13 +12,15 @@ same size over the same axes (``aligned``): a view that merges the uneven dim wi
 tokens into 17 x 4 rows), or attention whose query heads outnumber its key heads, would pair
 chunks of different bounds, and those signatures are refused. So are ops whose local form
 uses a chunk's offset (an index into a split dim, a grouped matmul's rows, a convolution's
-groups): only the op families below, whose local form is the op on the chunk, take uneven splits.
+groups): only the op families below, whose local form is the op on the chunk (or, for a cumsum
+or a stable argsort along the split dim, works from the sizes the ranks hold: ``runtime.scans``),
+take uneven splits.
 A mean over an uneven split is scaled by each rank's own share (``passes.rewrite._mean_scale``).
 """
 from __future__ import annotations
 
 from autoshard import placement as pl
-from autoshard.rules import factor, nn, pointwise, views
+from autoshard.rules import factor, indexing, moe, nn, pointwise, views
 from autoshard.rules.registry import rule_for
 
 UNEVEN_RULES = {
@@ -28,6 +30,8 @@ UNEVEN_RULES = {
     nn.layer_norm, nn.softmax, nn.sdpa, nn.reduction, nn.cross_entropy, nn.pointwise_loss, nn.dropout,
     views.reshape, views.expand, views.permute, views.transpose, views.split_like, views.cat, views.stack,
     views.slice_, views.select, views.view_as_complex, views.view_as_real, views.assert_metadata,
+    # split along their dim too: each rank's sizes from what it holds (runtime.scans)
+    indexing.cumsum, moe.sort_stable,
 }
 
 
