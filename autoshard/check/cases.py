@@ -389,6 +389,9 @@ def default_cases(seed: int = 0) -> list:
     add(aten.argsort.stable, keys.masked_fill(keys == 2, 5), stable=True)
     add(aten.argsort.stable, ints(4, 16).int(), stable=True, descending=True)
     add(aten.argsort.stable, ints(1000, 16), stable=True)
+    add(aten.sort.default, ints(4, 32))                          # transformers' (values, order)
+    add(aten.sort.stable, ints(4, 16).int(), stable=True, descending=True)
+    add(aten.argsort.default, ints(3, 32), 0, True)
     add(aten.cumsum.default, ints(5, 8).int(), 0, dtype=torch.int32)
     return C
 

@@ -30,7 +30,7 @@ from autoshard.rules.nn import MEAN, count_axes, whole_targets
 from autoshard.rules.conv import CONV_ARGS, batch_norm_axes, conv_groups
 from autoshard.rules import flex
 from autoshard.rules.indexing import scan_axes
-from autoshard.rules.moe import TRANSFORMERS_GROUPED_MM, is_split_argsort
+from autoshard.rules.moe import SORTS, TRANSFORMERS_GROUPED_MM, is_split_sort, sort_args
 from autoshard.rules.pointwise import NEW_SIZED
 from autoshard.rules.registry import norm_dim, qualified_name
 
@@ -264,16 +264,15 @@ def lower_cumsum(low: Lowering):
     return low.g.call_function(scans.cumsum, (low.args[0], dim, low.arg(2, "dtype")), {"axes": axes})
 
 
-def lower_argsort(low: Lowering):
-    """A 1-d stable argsort of integer keys split on its dim (rules.moe.sort_stable): the
-    counting sort of ``scans.argsort``."""
-    if not is_split_argsort(low.node.target, low.node.fx_node.args, low.in_shapes):
-        return low.call()
+def lower_sort(low: Lowering):
+    """A 1-d sort or argsort of integer keys split on its dim (rules.moe.sort): the counting sort
+    of ``scans.sort``."""
     axes = scan_axes(low.in_pl[0], 0, low.mesh_shape)
-    if not axes:
+    if not axes or not is_split_sort(low.node.target, low.node.fx_node.args, low.in_shapes):
         return low.call()
-    return low.g.call_function(scans.argsort, (low.args[0], bool(low.kwargs.get("descending", False))),
-                               {"axes": axes})
+    _, descending = sort_args(low.node.target, low.args, low.kwargs)
+    values = low.node.target in (aten.sort.default, aten.sort.stable)
+    return low.g.call_function(scans.sort, (low.args[0], descending), {"axes": axes, "values": values})
 
 
 def lower_histc(low: Lowering):
@@ -405,7 +404,7 @@ LOWERINGS = {
     aten._grouped_mm.default: lower_grouped_mm,
     aten.histc.default: lower_histc,
     aten.cumsum.default: lower_cumsum,
-    aten.argsort.stable: lower_argsort,
+    **{op: lower_sort for op in SORTS},
     aten.index.Tensor: lower_index,
     flex.FLEX: lower_flex,
     aten.scaled_dot_product_attention.default: lower_sdpa,

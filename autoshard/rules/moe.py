@@ -63,21 +63,28 @@ def topk(ctx: OpCtx):
     return _along(ctx, norm_dim(ctx.arg(2, "dim", -1), len(ctx.in_shapes[0])))
 
 
-@rule(aten.sort.default, aten.argsort.default)
+SORTS = (aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable)
+
+
+@rule(*SORTS)
 def sort(ctx: OpCtx):
-    return _along(ctx, norm_dim(ctx.arg(1, "dim", -1), len(ctx.in_shapes[0])))
-
-
-@rule(aten.sort.stable, aten.argsort.stable)
-def sort_stable(ctx: OpCtx):
-    """Besides the other dims: the 1-d stable argsort of integer keys (the routing's order of the
+    """Any dim but the sorted one; and the 1-d sort of integer keys (the routing's order of the
     (token, expert) pairs) split on its only dim, ``(S(0)) -> S(0)``, each rank its chunk of the
-    whole order's global indices, by a counting sort across the ranks (``runtime.scans.argsort``;
-    priced by ``sort_collectives``)."""
-    sigs = _along(ctx, norm_dim(ctx.kwargs.get("dim", -1), len(ctx.in_shapes[0])))
-    if is_split_argsort(ctx.target, ctx.args, ctx.in_shapes) and ctx.in_shapes[0][0] > 1:
-        sigs.append(Sig((Split(0),), (Split(0),)))
+    whole order (global indices, and the sorted keys), by a counting sort across the ranks
+    (``runtime.scans.sort``: stable, which a sort asked for no stability allows; priced by
+    ``sort_collectives``)."""
+    sigs = _along(ctx, norm_dim(sort_args(ctx.target, ctx.args, ctx.kwargs)[0], len(ctx.in_shapes[0])))
+    if is_split_sort(ctx.target, ctx.args, ctx.in_shapes) and ctx.in_shapes[0][0] > 1:
+        sigs.append(Sig((Split(0),), (Split(0),) * ctx.n_out))
     return sigs
+
+
+def sort_args(target, args, kwargs) -> tuple:
+    """(dim, descending) of a sort or argsort: positional in ``.default``, keywords in ``.stable``."""
+    if target in (aten.sort.stable, aten.argsort.stable):
+        return kwargs.get("dim", -1), bool(kwargs.get("descending", False))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+    return dim, bool(args[2] if len(args) > 2 else kwargs.get("descending", False))
 
 
 def _dtype(t):
@@ -85,10 +92,10 @@ def _dtype(t):
     return getattr(val, "dtype", None)
 
 
-def is_split_argsort(target, args, in_shapes) -> bool:
-    """Whether an op is a 1-d stable argsort of integer keys: split on its dim, a counting sort."""
+def is_split_sort(target, args, in_shapes) -> bool:
+    """Whether an op is a 1-d sort or argsort of integer keys: split on its dim, a counting sort."""
     dtype = _dtype(args[0]) if args else None
-    return (target == aten.argsort.stable and len(in_shapes) == 1 and len(in_shapes[0]) == 1
+    return (target in SORTS and len(in_shapes) == 1 and len(in_shapes[0]) == 1
             and dtype is not None and not dtype.is_floating_point and not dtype.is_complex)
 
 
@@ -305,12 +312,13 @@ def key_range(keys) -> "int | None":
 
 
 def sort_collectives(node, strat, mesh_shape) -> list:
-    """(kind, axis, bytes, phase) of a split argsort's counting sort (``runtime.scans.argsort``):
+    """(kind, axis, bytes, phase) of a split sort's counting sort (``runtime.scans.sort``):
     each rank's (min, max, count), its histogram over the keys' range (the range top-k shows, else
     as many bins as keys: beyond that the keys are gathered instead, as many bytes) and its
     (position, index) pairs sent to their ranks; forward only. A group over several axes is
     priced as one collective per axis."""
-    if node.kind != "op" or not is_split_argsort(node.target, node.fx_node.args, [node.outputs[0].shape]):
+    if node.kind != "op" or node.target not in SORTS or \
+            not is_split_sort(node.target, node.fx_node.args, [node.outputs[0].shape]):
         return []
     axes = [a for a, q in enumerate(strat.inputs[0]) if isinstance(q, Split) and mesh_shape[a] > 1]
     if not axes:

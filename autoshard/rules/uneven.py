@@ -31,7 +31,7 @@ UNEVEN_RULES = {
     views.reshape, views.expand, views.permute, views.transpose, views.split_like, views.cat, views.stack,
     views.slice_, views.select, views.view_as_complex, views.view_as_real, views.assert_metadata,
     # split along their dim too: each rank's sizes from what it holds (runtime.scans)
-    indexing.cumsum, moe.sort_stable,
+    indexing.cumsum, moe.sort,
 }
 
 
