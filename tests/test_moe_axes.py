@@ -223,9 +223,9 @@ def _uneven_scans() -> dict:
         x = torch.randn(n, 3, generator=g, requires_grad=True)
         seed = torch.randn(n, 3, generator=g)
         with runtime.active(m):
-            values, order = scans.sort(keys[lo:hi], axes=(0,), values=True)
+            values, order = scans.sort(keys[lo:hi], axis=(0,), values=True)
             local = x.detach()[lo:hi].clone().requires_grad_(True)
-            y = scans.cumsum(local, 0, axes=(0,))
+            y = scans.cumsum(local, 0, axis=(0,))
             (y * seed[lo:hi]).sum().backward()
         (x.cumsum(0) * seed).sum().backward()
         def err(got, want):   # an empty chunk: right where it is empty too

@@ -8,16 +8,21 @@ report), and what runs whole is cheap; and in a gloo group of 4 it computes what
 computes, the loss, every token's loss and every parameter's gradient, under the solver's plan
 on (4,) and on (2, 2) for compute slow enough that it splits the work, and for the mixtures also
 with the experts and their sorted rows pinned split on axis 0 or on axis 1 of (2, 2) (expert
-parallelism: rows exchanged by all-to-all). On a CPU FlexAttention runs forward only: those
+parallelism: rows exchanged by all-to-all), and with the routing's sort and counts pinned split
+over both axes (``runtime.scans``: a counting sort, running sums plus the earlier ranks' totals). On a CPU FlexAttention runs forward only: those
 models are compared in inference (loss and every token's loss), on (2, 2).
 
 torchtitan multiplies its experts in bf16, so the mixtures are compared at bf16's tolerance
 (``BF16_TOL``), the dense models at fp32's.
 
-What runs whole on every rank: the routing's ``argsort`` of the (token, expert) pairs and the
-``cumsum`` of the per-expert counts (1-D: 256 and 8 long), and, with FlexAttention, the block
-mask's making from the positions (``arange``, ``full``, ``index_put``, ``unsqueeze`` of index
-tensors of at most batch x sequence, 4 x 32).
+What runs whole on every rank for want of a split: with FlexAttention, the block mask's making
+from the positions (``arange``, ``full``, ``index_put``, ``unsqueeze`` of index tensors of at most
+batch x sequence, 4 x 32). The routing's ``argsort`` of the (token, expert) pairs and the
+``cumsum`` of the per-expert counts (1-D: 256 and 8 long) have split forms, but the solver keeps
+them whole here, as it should: split, the sort costs three collectives (the ranges, the
+histograms, the all-to-all: 60 us of latency on the slow cluster's links) against well under a
+microsecond of sorting 256 integers, its consumers take the order whole (``experts.gather_rows``),
+and the grouped matmul takes the offsets whole.
 
 torchtitan is installed by the README's test command and .ci/run (``--no-deps``: it pins a
 nightly torch); where it is missing this module is skipped, which only an environment other than
@@ -56,19 +61,22 @@ TOL = 1e-5   # relative to the magnitude: cases.rel_err
 # program (rows taken from the wrong chunk, a partial sum left out) is off by a fraction of the
 # magnitude itself, as the 2-axis routing bug was (a token's loss off by 0.23 of about 6: 4e-2)
 BF16_TOL = 1e-2
-# ops that may run whole on every rank: 1-D routing bookkeeping (the argsort of tokens x top-k
-# expert ids, the cumsum of the experts' counts) and, with FlexAttention, the block mask made
-# from the positions (index tensors of at most batch x sequence)
-CHEAP = {"argsort.stable", "cumsum.default", "arange.default", "arange.start", "full.default",
-         "index_put.default", "unsqueeze.default"}
+# ops that may run whole on every rank for want of a split: with FlexAttention, the block mask
+# made from the positions (index tensors of at most batch x sequence)
+CHEAP = {"arange.default", "arange.start", "full.default", "index_put.default", "unsqueeze.default"}
 # compute this slow next to the links makes the solver split the work of models this small
 SLOW = autoshard.Cluster(name="slow-compute", peak_flops=2e9, peak_flops_fp32=1e9, memory_bandwidth=4e9)
+# the routing's sort and counts pinned split over both axes (the solver keeps them whole at these
+# sizes: the module's docstring says why)
+ROUTING = "routing"
+ROUTING_OPS = ("argsort.stable", "cumsum.default")
 TIME_LIMIT = 600.0   # only keeps a loaded machine from stopping the solver planless
-LAYOUTS = {"4": ((4,), None), "2x2": ((2, 2), None), "2x2-ep0": ((2, 2), 0), "2x2-ep1": ((2, 2), 1)}
+LAYOUTS = {"4": ((4,), None), "2x2": ((2, 2), None), "2x2-ep0": ((2, 2), 0), "2x2-ep1": ((2, 2), 1),
+           "2x2-routing": ((2, 2), ROUTING)}
 # expert parallelism for the mixtures only; FlexAttention on (2, 2) only (the mixture is the same
 # whichever the attention)
 CASES = ([(name, "sdpa", layout) for name in titan.CONFIGS for layout in LAYOUTS
-          if name in titan.MOE or "ep" not in layout]
+          if name in titan.MOE or LAYOUTS[layout][1] is None]
          + [(name, "flex", "2x2") for name in titan.CONFIGS])
 MODELS = list(dict.fromkeys(case[:2] for case in CASES))
 # the ranks prepare the models side by side, the slowest first: FlexAttention's, then the mixtures
@@ -80,9 +88,12 @@ def _token_losses(logits, labels):
 
 
 def _pins(graph, model, mesh, axis):
-    """The experts (3-D weights) and the grouped matmuls' rows split on mesh axis ``axis``."""
+    """The experts (3-D weights) and the grouped matmuls' rows split on mesh axis ``axis``; or
+    (``ROUTING``) the routing's sorts and counts split over every axis."""
     if axis is None:
         return None
+    if axis == ROUTING:
+        return {n.name: ("S(0)",) * len(mesh) for n in graph.nodes if n.kind == "op" and n.op_name in ROUTING_OPS}
     split = tuple("S(0)" if a == axis else "B" for a in range(len(mesh)))
     pins = {n: split for n, p in model.named_parameters() if p.dim() == 3}
     pins.update({n.name: split for n in graph.nodes if n.kind == "op" and "grouped_mm" in n.op_name})
@@ -166,6 +177,7 @@ def run_case(name, variant, layout, planned, reference) -> dict:
     res = {"loss": rel_err(loss, reference["loss"]), "tokens": rel_err(_token_losses(logits, inputs[2]),
                                                                         reference["tokens"])}
     res["experts_calls"] = [ln for ln in pm.program.splitlines() if "autoshard_runtime_experts_grouped_mm(" in ln]
+    res["scans_calls"] = [ln for ln in pm.program.splitlines() if "autoshard_runtime_scans_" in ln]
     res["grads"] = {}
     if training:
         loss.backward()
@@ -212,10 +224,15 @@ def test_matches_single_device(results, name, variant, layout):
             assert not bad, f"rank {r}: gradients differ: {bad}"
     plan = prep["plans"][layout]
     axis = LAYOUTS[layout][1]
-    if axis is not None:   # the experts held as pinned, their rows exchanged by all-to-all on that axis
+    layers = sum(n.endswith("w1_EFD") for n in prep["reference"]["grads"])
+    calls = results["runs"][name, variant, layout][0]["scans_calls"]
+    if axis == ROUTING:   # a counting sort and a running sum over both axes in every expert layer
+        assert sum("scans_sort(" in ln for ln in calls) == sum("scans_cumsum(" in ln for ln in calls) == layers, calls
+        assert all("axis = (0, 1)" in ln for ln in calls), calls
+    elif axis is not None:   # the experts held as pinned, their rows exchanged by all-to-all on that axis
         assert plan["experts"] == [tuple("S(0)" if a == axis else "B" for a in range(2))], plan["experts"]
         calls = results["runs"][name, variant, layout][0]["experts_calls"]
-        assert len(calls) == 3 * sum(n.endswith("w1_EFD") for n in prep["reference"]["grads"]), calls
+        assert len(calls) == 3 * layers, calls
         assert all(f", ({axis},), ({axis},), " in ln for ln in calls), calls
 
 

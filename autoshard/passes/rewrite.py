@@ -261,7 +261,7 @@ def lower_cumsum(low: Lowering):
     axes = scan_axes(low.in_pl[0], dim, low.mesh_shape) if nd else ()
     if not axes:
         return low.call()
-    return low.g.call_function(scans.cumsum, (low.args[0], dim, low.arg(2, "dtype")), {"axes": axes})
+    return low.g.call_function(scans.cumsum, (low.args[0], dim, low.arg(2, "dtype")), {"axis": axes})
 
 
 def lower_sort(low: Lowering):
@@ -272,7 +272,7 @@ def lower_sort(low: Lowering):
         return low.call()
     _, descending = sort_args(low.node.target, low.args, low.kwargs)
     values = low.node.target in (aten.sort.default, aten.sort.stable)
-    return low.g.call_function(scans.sort, (low.args[0], descending), {"axes": axes, "values": values})
+    return low.g.call_function(scans.sort, (low.args[0], descending), {"axis": axes, "values": values})
 
 
 def lower_histc(low: Lowering):

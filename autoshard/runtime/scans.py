@@ -65,18 +65,18 @@ class _SplitCumsum(torch.autograd.Function):
         return (local + totals[ctx.me + 1:].sum(0)).to(ctx.x_dtype), None, None, None
 
 
-def cumsum(x: torch.Tensor, dim: int, dtype=None, *, axes: tuple) -> torch.Tensor:
+def cumsum(x: torch.Tensor, dim: int, dtype=None, *, axis: tuple) -> torch.Tensor:
     """``torch.cumsum(x, dim, dtype=dtype)`` of the whole tensor, this rank's chunk, for ``x``
-    split on ``dim`` over mesh ``axes``."""
-    return _SplitCumsum.apply(x, dim, dtype, tuple(axes))
+    split on ``dim`` over the mesh axes ``axis``."""
+    return _SplitCumsum.apply(x, dim, dtype, tuple(axis))
 
 
-def sort(keys: torch.Tensor, descending: bool = False, *, axes: tuple, values: bool = False):
+def sort(keys: torch.Tensor, descending: bool = False, *, axis: tuple, values: bool = False):
     """``torch.sort(keys, stable=True, descending=descending)`` of the whole 1-d integer ``keys``,
-    this rank's chunk of it, for ``keys`` split over mesh ``axes``: the indices, or (the sorted
+    this rank's chunk of it, for ``keys`` split over the mesh axes ``axis``: the indices, or (the sorted
     keys, the indices) with ``values``."""
     m = _mesh()
-    group, p, me = m.group(axes), m.size(axes), m.coord(axes)
+    group, p, me = m.group(axis), m.size(axis), m.coord(axis)
     k = keys.long()
     if descending:   # ties keep their order: a stable ascending sort of the negated keys
         k = -k
