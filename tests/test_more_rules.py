@@ -139,10 +139,12 @@ LITERAL = [   # (op, args, kwargs, offered, not offered)
     (aten.argsort.stable, (rn(8, 12),), {"stable": True, "dim": 0}, ["(S(1)) -> S(1)"], ["(S(0)) -> S(0)"]),
     (aten.sort.default, (rn(8, 12),), {}, ["(S(0)) -> S(0), S(0)"], ["(S(1)) -> S(1), S(1)"]),
     (aten.cumsum.default, (rn(4, 8), 1), {}, ["(S(0)) -> S(0)", "(P) -> P", "(S(1)) -> S(1)"], []),
-    # a 1-d stable argsort split on its dim: integer keys only (a counting sort)
+    # a 1-d sort split on its dim: integer keys only (a counting sort)
     (aten.argsort.stable, (ri(4, 16),), {"stable": True}, ["(S(0)) -> S(0)"], []),
     (aten.argsort.stable, (rn(16),), {"stable": True}, [], ["(S(0)) -> S(0)"]),
-    (aten.argsort.default, (ri(4, 16),), {}, [], ["(S(0)) -> S(0)"]),
+    (aten.argsort.default, (ri(4, 16),), {}, ["(S(0)) -> S(0)"], []),
+    (aten.sort.default, (ri(4, 16), 0, True), {}, ["(S(0)) -> S(0), S(0)"], []),
+    (aten.sort.default, (rn(16),), {}, [], ["(S(0)) -> S(0), S(0)"]),
     (aten.scatter_add.default, (rn(8, 12), 0, ri(8, 4, 12), rn(4, 12)), {},
      ["(S(1), S(1), S(1)) -> S(1)", "(P, B, P) -> P", "(P, S(0), S(0)) -> P"], ["(S(0), S(0), S(0)) -> S(0)"]),
     (aten.scatter_add.default, (rn(8, 12), 0, ri(8, 2, 12), rn(4, 12)), {},
@@ -192,7 +194,8 @@ def test_a_wrong_signature_fails_the_validator():
              (aten.repeat_interleave.self_int, (x3, 3, -1), {"output_size": 18}, Sig((Split(2),), (Split(2),))),
              (aten.index_add.default, (rn(8, 12), 0, ri(8, 16), rn(16, 12)), {}, Sig((B, Split(0), Split(0)), (P,))),
              (SCATTER.default, _scatter_case(), {}, Sig((P, Split(1), Split(1)), (P,))),
-             (SCATTER.default, _scatter_case(), {}, Sig((Split(0), B, B), (Split(0),)))]   # rows are data
+             (SCATTER.default, _scatter_case(), {}, Sig((Split(0), B, B), (Split(0),))),   # rows are data
+             (aten.argsort.stable, (rn(16),), {"stable": True}, Sig((Split(0),), (Split(0),)))]   # float keys: no counting
     for op, args, kwargs, sig in wrong:
         assert check_signature(op, args, kwargs, sig, 2)[0] == "fail", (op, sig)
 
