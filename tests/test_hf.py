@@ -302,7 +302,8 @@ def test_indexing_signatures():
 
 def test_scan_and_pad_signatures():
     x = torch.randn(4, 8)
-    assert _sigs(aten.cumsum.default, x, 1) == ["(S(0)) -> S(0)", "(P) -> P"]
+    # along its dim too: each rank's running sum plus the earlier ranks' totals (runtime.scans)
+    assert _sigs(aten.cumsum.default, x, 1) == ["(S(0)) -> S(0)", "(P) -> P", "(S(1)) -> S(1)"]
     assert _sigs(aten.diff.default, x, 1, -1, torch.randn(4, 1)) == ["(S(0), S(0)) -> S(0)", "(P, P) -> P"]
     # labels padded with the ignore index: a non-zero pad is no partial sum
     assert _sigs(aten.pad.default, x, [0, 1], "constant", -100.0) == ["(S(0)) -> S(0)"]

@@ -407,7 +407,7 @@ UNSTABLE_SORTS = {aten.sort.default: 1, aten.argsort.default: 0}
 
 def _as_ordered(got, ref, keys, dim: int):
     """``ref`` where ``got`` orders ``keys`` along ``dim`` as ``ref`` does, else ``got``."""
-    if got.shape != ref.shape or not torch.equal(got.sort(dim).values, ref.sort(dim).values):
+    if not keys.dim() or got.shape != ref.shape or not torch.equal(got.sort(dim).values, ref.sort(dim).values):
         return got    # not a permutation: compared as it is, and fails
     return ref if torch.equal(keys.take_along_dim(got, dim), keys.take_along_dim(ref, dim)) else got
 
