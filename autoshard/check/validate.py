@@ -36,7 +36,12 @@ channels while it keeps running statistics (it gathers their update); in eval mo
 signature is checked. The grouped expert matmul on a rank's rows or experts
 (``experts.grouped_mm``: it reads the rank's coordinate, and exchanges rows by all-to-all) and
 the rows of a split tensor taken at a whole index (``experts.gather_rows``, by all-to-all) are
-checked by tests/test_moe.py in a real group.
+checked by tests/test_moe.py in a real group. A cumsum along a split dim and the split 1-d sort
+of integer keys (``runtime.scans``: collectives over the axis) are checked here, in a simulated
+group of ``p`` ranks (``autoshard.testing.simulate``), each rank running its lowering on a thread
+with a one-axis mesh active (``IN_A_GROUP``). A sort asked for no stability may order equal keys
+any way: its indices are checked to be a permutation that orders the keys as the whole op's does
+(``UNSTABLE_SORTS``).
 
 Command line: ``python -m autoshard.check.validate [-p 2 4] [-v]`` checks the built-in cases
 (``default_cases()``), prints the report per ``p`` and exits 1 on any failure.

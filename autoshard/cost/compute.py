@@ -21,6 +21,7 @@ import torch
 
 from autoshard.machine.cluster import Cluster
 from autoshard.rules.flex import FLEX
+from autoshard.rules.moe import SORTS
 from autoshard.rules.registry import qualified_name
 
 aten = torch.ops.aten
@@ -107,17 +108,14 @@ def is_view(target) -> bool:
 FLOPS_BY_NAME = {"transformers::grouped_mm_fallback": _grouped_mm_flops}
 
 
-# a sort moves its elements once per pass, about log2 of the sorted length passes (a merge sort's
-# levels; a radix sort's digit passes over 64-bit keys are as many at the lengths routing sorts)
-SORTS = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable}
-
-
 def work(target, in_shapes, out_shapes, itemsize: int, share: float = 1.0) -> tuple:
     """(FLOPs, or None for an op without a FLOP count; bytes its tensors hold) on one rank, a
     sort's once per pass; ``share`` of the FLOPs where a block-sparse kernel skips the rest
     (``rules.flex.density``)."""
     moved = (sum(math.prod(s) for s in in_shapes) + sum(math.prod(s) for s in out_shapes)) * itemsize
     if target in SORTS and in_shapes and in_shapes[0]:
+        # once per pass, about log2 of the sorted length passes (a merge sort's levels; a radix
+        # sort's digit passes over 64-bit keys are as many at the lengths routing sorts)
         moved *= max(1, math.ceil(math.log2(max(max(in_shapes[0]), 1))))
     fn = FLOPS.get(target) or FLOPS_BY_NAME.get(qualified_name(target))
     return (share * fn(in_shapes, out_shapes[0] if out_shapes else ()) if fn else None), moved

@@ -256,9 +256,10 @@ def lower_index(low: Lowering):
 def lower_cumsum(low: Lowering):
     """A cumsum along a split dim (rules.indexing.cumsum): ``scans.cumsum`` adds the earlier
     ranks' totals."""
-    nd = len(low.in_shapes[0])
-    dim = norm_dim(low.arg(1, "dim"), nd) if nd else 0
-    axes = scan_axes(low.in_pl[0], dim, low.mesh_shape) if nd else ()
+    if not low.in_shapes[0]:
+        return low.call()
+    dim = norm_dim(low.arg(1, "dim"), len(low.in_shapes[0]))
+    axes = scan_axes(low.in_pl[0], dim, low.mesh_shape)
     if not axes:
         return low.call()
     return low.g.call_function(scans.cumsum, (low.args[0], dim, low.arg(2, "dtype")), {"axis": axes})

@@ -56,10 +56,11 @@ def scan_collectives(node, strat, mesh_shape) -> list:
     tensor with that dim cut to 1) all-gathered, and the gradient's again in backward."""
     if node.kind != "op" or node.target != aten.cumsum.default:
         return []
-    out = node.outputs[0]
-    nd = len(out.shape)
-    dim = norm_dim(node.fx_node.args[1] if len(node.fx_node.args) > 1 else node.fx_node.kwargs["dim"], nd) if nd else 0
-    axes = scan_axes(strat.inputs[0], dim, mesh_shape) if nd else ()
+    out, args = node.outputs[0], node.fx_node.args
+    if not out.shape:
+        return []
+    dim = norm_dim(args[1] if len(args) > 1 else node.fx_node.kwargs["dim"], len(out.shape))
+    axes = scan_axes(strat.inputs[0], dim, mesh_shape)
     if not axes:
         return []
     local = list(local_shape(out.shape, strat.outputs[0], mesh_shape))

@@ -18,8 +18,9 @@ the modules below, each importing from the others directly, never through this p
     ops        dropout, cross_entropy_mean, batch_norm_train, causal_attention, attention_dropout
     attention  ring_attention: keys and values passed round the ranks, merged by log-sum-exp;
                balanced_attention: causal work even, each rank a head and a tail of the queries
-    experts, optim, outputs, agree: expert layers, the optimizer's step, outputs kept as
-               DTensors, and the ranks' agreement check (imported by name, not re-exported here)
+    experts, scans, optim, outputs, agree: expert layers, a cumsum and a sort along a split
+               dim, the optimizer's step, outputs kept as DTensors, and the ranks' agreement
+               check (imported by name, not re-exported here)
 """
 from __future__ import annotations
 
