@@ -8,9 +8,10 @@ one microbatch's shapes, and planned on the remaining axes (``plan_stage``, ``ap
 
 Priced (DESIGN.md section 11): a microbatch's forward and backward through stage ``s`` takes
 ``t_s``, its plan's step, and its sends to the next stage ``c_s``: the tensors that cross forward
-and the gradients of the floating ones back, each one point-to-point transfer of ``alpha +
-bytes / beta`` on the links the pipeline axis spans (``machine.cluster``: across nodes where a
-stage's ranks fill a node). 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
+and the gradients of the floating ones back, each rank's share in its crossing layout
+(``inputs.crossing_layout``) one point-to-point transfer of ``alpha + bytes / beta`` on the links
+the pipeline axis spans (``cost.sends``; ``machine.cluster``: across nodes where a stage's ranks
+fill a node), converted to and from the stages' own layouts in their plans. 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
 ``(m + k - 1) * max(t_s + c_s)``, of which ``(k - 1) / (m + k - 1)`` is the bubble. Memory:
 stage ``s`` keeps the activations of the microbatches in flight on it, ``min(k - s, m)`` under
 1F1B, all ``m`` under GPipe, beside its parameters, gradients and optimizer state.
@@ -32,14 +33,16 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.cost.sends import send_seconds
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, short_stack, split
 from autoshard.arguments import (GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE,
                                  stage_coordinate)
+from autoshard.outputs import SENT
 from autoshard.plan import Plan
 from autoshard.precision import policy_from_record, policy_record
 from autoshard.planner.solution import NoPlanInTime
-from autoshard.runtime.pipeline import check_schedule, chunked, schedule_name
+from autoshard.runtime.pipeline import check_schedule, schedule_name
 
 
 @dataclass
@@ -51,7 +54,7 @@ class StagePlan:
     blocks: tuple
     ranks: tuple
     plan: Plan
-    sends: tuple = ()        # (bytes, floating, rows) of each tensor it hands the next stage, per microbatch
+    sends: tuple = ()        # (bytes, floating, shape) of each tensor it hands the next stage, per microbatch
 
     @property
     def params(self) -> tuple:
@@ -202,7 +205,7 @@ class PipelinePlan:
     def from_json(text: str) -> "PipelinePlan":
         d = json.loads(text)
         stages = [StagePlan(s["index"], tuple(s["blocks"]), tuple(s["ranks"]), Plan.from_json(json.dumps(s["plan"])),
-                            tuple(tuple(x) for x in s.get("sends", ())))
+                            tuple(_send(*x) for x in s.get("sends", ())))
                   for s in d["stages"]]
         return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
                             [tuple(s) for s in d.get("input_shapes", [])], tuple(d.get("starts", ())),
@@ -217,27 +220,10 @@ def reduction(plan: Plan) -> float:
     return min(grads, plan.breakdown.get("exposed", grads))
 
 
-def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
-    """Seconds of one microbatch's sends across a cut, forward and its gradients back: ``sends``,
-    (bytes, floating, rows) of each tensor. Each goes as one point-to-point transfer per rank
-    on the pipeline axis's link, in chunks of rows where they split over the ``p`` ranks of a
-    stage (``runtime.pipeline.chunked``), which the receiving stage all-gathers on its own axes'
-    links (and the sending one its gradient's chunks, in backward)."""
-    p = math.prod(mesh_shape[1:])
-    latency, bandwidth, _ = cluster.group_link(mesh_shape, (0,))
-    inner = cluster.group_link(mesh_shape, tuple(range(1, len(mesh_shape)))) if p > 1 else None
-    total = 0.0
-    for back in (False, True):
-        moved = [(b, rows) for b, floating, rows in sends if floating or not back]
-        if not moved:
-            continue
-        total += latency
-        for b, rows in moved:
-            if chunked((rows,), p):
-                total += b / p / bandwidth + inner[0] * (p - 1) + (p - 1) / p * b / inner[1]
-            else:
-                total += b / bandwidth
-    return total
+def _send(nbytes, floating, shape) -> tuple:
+    """A send as saved (``PipelinePlan.to_json``); a plan saved before sends carried their shape
+    kept only the rows: its shape then is those rows alone."""
+    return nbytes, floating, tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
 
 
 def orders(schedule: str, k: int, m: int, virtual: int = 1) -> list:
@@ -477,8 +463,13 @@ def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None, mp_pol
 def capture_stage(stages, s: int, device, outputs: str, mp_policy=None):
     """Stage ``s``'s program captured as a model of its own (one microbatch's shapes). Its
     policy's casts are already in it (``cut``); the graph records the policy, by which its plan
-    reduces the gradients in ``reduce_dtype`` (``precision.reduce_dtype``)."""
-    graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, outputs)
+    reduces the gradients in ``reduce_dtype`` (``precision.reduce_dtype``). What crosses from the
+    stage before arrives, and what it hands the next leaves, in its crossing layout
+    (``inputs.crossing_layout``, ``outputs.SENT``): its plan prices converting them on its own
+    axes' links, and each rank sends or takes its own share alone."""
+    last = s == len(stages.modules) - 1
+    graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, outputs if last else SENT)
+    graph.received = len(stages.crossing(s))
     if mp_policy is not None:
         graph.precision = {"policy": policy_record(mp_policy), "autocast": None}
     return graph
@@ -515,7 +506,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
-        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
+        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, tuple(shape))
                       for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
         one = dataclasses.replace(stage_options, pin=pins or None)
         splan = plan_stage(graph, inner, one)
@@ -557,7 +548,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
 @dataclass(frozen=True)
 class Prices:
     """Per block of the stack, in order: its seconds (a microbatch's forward and backward, the
-    ops before the stack in the first, after it in the last) and the (bytes, floating, rows) of
+    ops before the stack in the first, after it in the last) and the (bytes, floating, shape) of
     each tensor that crosses a cut just before it (the first: none)."""
     seconds: tuple
     crossing: tuple
@@ -613,7 +604,7 @@ def block_prices(graph, plan) -> Prices:
             continue
         meta = graph.meta(v)
         for j in range(segment[v[0]] + 1, r + 1):
-            crossing[j].append((meta.nbytes, meta.floating, meta.shape[0] if meta.shape else 0))
+            crossing[j].append((meta.nbytes, meta.floating, tuple(meta.shape)))
     return Prices(tuple(s * scale for s in seconds), tuple(tuple(c) for c in crossing))
 
 
