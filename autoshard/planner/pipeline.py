@@ -745,8 +745,8 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     # as in ``base`` (the same axes, the first smaller): a small solve for the activations alone
     kept = {c.fqn: tuple(base.params[c.fqn]) for c in base.nodes.values() if c.kind == "param" and c.fqn in base.params}
 
-    # base's parameter layouts on a stage's mesh (less its first axis where gone); ``whole``: each whole on the
-    # stage's axes across nodes, as Megatron-LM: split there, gathered every microbatch; whole, reduced once a step
+    # base's layouts on a stage's mesh (less its first axis where gone); ``whole``: the stack's alone (the rest as the
+    # stage plans it), whole on axes across nodes as Megatron-LM's: split there, gathered every microbatch
     def keeping(inner, whole=True):
         drop = len(inner) < len(base.mesh_shape)
         across = {a for a in range(len(inner)) if whole and math.prod(inner[a:]) > cluster.gpus_per_node}
