@@ -81,7 +81,8 @@ def key(graph: Graph, mesh_shape, options: PlanOptions) -> str:
             h.update(module.code.encode())
     h.update(repr([(n.name, n.kind, n.fqn, n.region, n.recomputed, [(tuple(m.shape), str(m.dtype)) for m in n.outputs])
                    for n in graph.nodes]).encode())
-    h.update(repr((graph.outputs, graph.precision, sorted(graph.param_aliases.items()), tuple(mesh_shape))).encode())
+    h.update(repr((graph.outputs, graph.received, graph.precision, sorted(graph.param_aliases.items()),
+                   tuple(mesh_shape))).encode())
     h.update(json.dumps(options, sort_keys=True, default=_plain).encode())
     return h.hexdigest()[:40]
 

@@ -86,6 +86,9 @@ class Graph:
     # how the caller takes the user outputs: "whole" on every rank, or "dtensor" in their planned
     # layouts (autoshard.outputs), which the cost of converting them to the output depends on
     outputs: str = "whole"
+    # a pipeline stage's (``planner.pipeline.capture_stage``): how many of its first user inputs
+    # cross from the stage before, each rank's share in its crossing layout (``autoshard.inputs``)
+    received: int = 0
     _op_keys: dict = field(default_factory=dict, init=False, repr=False)   # node name -> ``op_key``
 
     def __post_init__(self):

@@ -7,13 +7,37 @@ large vocabulary gathered onto every rank can take more of the step than the mod
 user who computes the loss outside the model keeps them split instead (``loss_parallel`` takes
 logits split over the vocabulary), and the plan prices no conversion for them.
 
+A pipeline's stage hands its outputs to the next stage (``SENT``, set by the pipeline, never by a
+user): each converted to its crossing layout (``inputs.crossing_layout``), each rank's share sent
+as it is, and their gradients come back in that layout, the conversion's dual run in backward.
+
 The option and the values it keeps split stand here, under the cost model that prices them and
 the rewriter that lowers them (as ``precision.py`` does for a precision policy).
 """
 from __future__ import annotations
 
+from autoshard.inputs import crossing_layout
+from autoshard.placement import B
+
 WHOLE, DTENSOR = "whole", "dtensor"
 MODES = (WHOLE, DTENSOR)
+SENT = "sent"   # a pipeline stage's outputs, handed on in their crossing layouts
+
+
+def output_layouts(graph, mesh_shape) -> list:
+    """The layout the output node takes each of its values in: whole (``B`` on every axis), or
+    under ``SENT`` each one's crossing layout."""
+    if graph.outputs == SENT:
+        return [crossing_layout(graph.meta(v).shape, mesh_shape) for v in graph.output.inputs]
+    return [(B,) * len(mesh_shape) for _ in graph.output.inputs]
+
+
+def dual_at(graph, consumer) -> bool:
+    """Whether converting a value for ``consumer`` runs its dual in backward (a floating value
+    that carries a gradient): for an op, and for the output of a stage whose outputs are
+    ``SENT``, whose gradients come back from the next stage; not for an output returned to the
+    caller, whose gradient is seeded whole on every rank."""
+    return consumer.kind != "output" or graph.outputs == SENT
 
 
 def check_outputs(outputs) -> str:

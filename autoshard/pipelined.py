@@ -17,14 +17,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard._compat import set_collective_timeout, tree_flatten, tree_map_only
+from autoshard.inputs import crossing_layout
 from autoshard.passes.lower import lower
-from autoshard.planner.pipeline import (PipelinePlan, capture_stage, cut, input_device, plan_pipeline, stage_inputs,
-                                       stage_policy)
+from autoshard.planner.pipeline import PipelinePlan, capture_stage, cut, input_device, plan_pipeline, stage_policy
 from autoshard.precision import reduce_dtype
 from autoshard.runtime import agree, optim
+from autoshard.placement import local_shape
 from autoshard.runtime.mesh import RankMesh, dtensor_placements
 from autoshard.arguments import SPLIT_BACKWARD
-from autoshard.runtime.pipeline import Runner, StageProgram, chunked
+from autoshard.runtime.pipeline import Runner, StageProgram
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
 
@@ -120,7 +121,6 @@ class ParallelPipeline(nn.Module):
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed[0]) % (2 ** 63))
         at = input_device(example_inputs)
-        p = math.prod(inner)
         joint: dict = {}
         made: dict = {}   # the model's parameters as sharded, by id: two chunks of a rank may hold one
         chunks, programs = [], []
@@ -140,8 +140,8 @@ class ParallelPipeline(nn.Module):
             # what crosses between stages: a floating tensor carries a gradient back (torch's stage
             # reads which from these examples); the user's inputs a stage reads it takes from the
             # rank's own call (``StageProgram.reads``), never sent
-            takes = _crossing(stages, s, at, p)
-            gives = _crossing(stages, s + 1, at, p) if s + 1 < n else torch.zeros((), dtype=stages.loss_dtype, device=at)
+            takes = _crossing(stages, s, at, inner)
+            gives = _crossing(stages, s + 1, at, inner) if s + 1 < n else torch.zeros((), dtype=stages.loss_dtype, device=at)
             chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
                                         last=s == n - 1, split_backward=split, reads=stages.reads[s]), s, takes, gives))
             programs.append(program)
@@ -204,17 +204,12 @@ class ParallelPipeline(nn.Module):
         return self._runner.evaluate(leaves)
 
 
-def _crossing(stages, s: int, at, ranks: int) -> tuple:
-    """Examples of what one rank of stage ``s`` receives from the stage before (``_sent``)."""
-    return tuple(_sent(x, ranks) for x in stage_inputs(stages, s, at, grads=True)[:len(stages.crossing(s))])
-
-
-def _sent(x: torch.Tensor, ranks: int) -> torch.Tensor:
-    """What one rank sends of a tensor that crosses between stages: its chunk of rows where
-    they split evenly (``runtime.pipeline.chunked``), else the whole."""
-    if not chunked(tuple(x.shape), ranks):
-        return x
-    return x[: x.shape[0] // ranks].detach().clone().requires_grad_(x.requires_grad)
+def _crossing(stages, s: int, at, inner: tuple) -> tuple:
+    """Examples of what one rank of stage ``s`` receives from the stage before: its share of
+    each tensor in its crossing layout on the stage's axes ``inner`` (``inputs.crossing_layout``,
+    which splits evenly: every rank's share is of one shape)."""
+    return tuple(torch.zeros(local_shape(shape, crossing_layout(shape, inner), inner), dtype=dtype, device=at)
+                 .requires_grad_(dtype.is_floating_point) for shape, dtype in stages.crossing(s))
 
 
 def _slots(graph, held: nn.Module, device) -> list:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.inputs import crossing_layout
+from autoshard.placement import B, S
 from autoshard.planner.pipeline import PipelinePlan, timeline
 from cases import rel_err
 from models import GPT, TwoLayer, megatron_pins
@@ -65,21 +67,67 @@ def test_four_stages_at_world_4(world4):
     _check(world4.run(_against_one_device, 4), 4)
 
 
-def test_two_stages_by_two_data_parallel_at_world_4(world4):
-    results = world4.run(_against_one_device, 2, 2)
-    _check(results, 2)
+def _shares_sent(*args, **options):
+    """``_against_one_device``, with the bytes of what each microbatch handed torch's stage to
+    send ("gave"), what it received ("took") and the gradients it sent back ("back"): the
+    tensors torch's PipelineStage sends and receives, as the stage program gives and takes them."""
+    from autoshard.runtime.pipeline import StageProgram
+    seen = {"gave": [], "took": [], "back": []}
+    forward = StageProgram.forward
+
+    def recorded(self, *crossing, **batch):
+        for x in crossing:
+            seen["took"].append(x.numel() * x.element_size())
+            x.register_hook(lambda g: seen["back"].append(g.numel() * g.element_size()))
+        out = forward(self, *crossing, **batch)
+        if not self.last:
+            seen["gave"] += [x.numel() * x.element_size() for x in (out if isinstance(out, tuple) else (out,))]
+        return out
+
+    StageProgram.forward = recorded
+    try:
+        return {**_against_one_device(*args, **options), **seen}
+    finally:
+        StageProgram.forward = forward
+
+
+def _each_ranks_share(results):
+    """What crosses the cut (the residual stream, a microbatch of 4 rows x 16 x 32 in fp32)
+    travels as each of a stage's 2 ranks' share of it, half the whole, forward and back."""
+    whole = 4 * 16 * 32 * 4
+    for r in results:
+        share = [whole // 2] * 2   # each of 2 microbatches
+        want = {"gave": share, "took": [], "back": []} if r["stage"] == 0 else {"gave": [], "took": share, "back": share}
+        assert {k: r[k] for k in want} == want, r["stage"]
     plan = PipelinePlan.from_json(results[0]["plan"])
+    assert plan.stages[0].sends == ((whole, True, (4, 16, 32)),)
+    assert list(plan.stages[1].plan.arrival.values()) == [("S(0)",)]   # its rows split over the stage's axis
+    return plan
+
+
+def test_two_stages_by_two_data_parallel_at_world_4(world4):
+    """Each rank of stage 0 sends its own rows to the rank at its place in stage 1, which takes
+    them as they are: its data-parallel layout is the rows split."""
+    results = world4.run(_shares_sent, 2, 2)
+    _check(results, 2)
+    plan = _each_ranks_share(results)
     assert plan.mesh_shape == (2, 2) and plan.microbatches == 2 and plan.schedule == "1F1B"
     assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
     # each stage data parallel on its axis: the weights' gradients all-reduced over it
     assert all(any(c.kind == "all_reduce" for c in s.plan.collectives) for s in plan.stages)
+    # nothing converted where the stages hand the rows on and take them
+    first, second = plan.stages
+    assert not any(c.node == "output" for c in first.plan.collectives)
+    assert not any(c.node in second.plan.arrival for c in second.plan.collectives)
 
 
 def test_two_stages_by_two_way_megatron_recomputed_at_world_4(world4):
+    """Megatron-LM's scatter and gather: each tensor-parallel rank sends half the residual, and
+    the next stage gathers it on its own axis where its linears need it whole."""
     pins = megatron_pins([f"blocks.{i}." for i in range(4)])
-    results = world4.run(_against_one_device, 2, 2, pin=pins, recompute="blocks")
+    results = world4.run(_shares_sent, 2, 2, pin=pins, recompute="blocks")
     _check(results, 2)
-    plan = PipelinePlan.from_json(results[0]["plan"])
+    plan = _each_ranks_share(results)
     for s in plan.stages:   # tensor parallel on the stage's axis, every block run again in backward
         assert s.plan.params[f"{s.blocks[0]}.fc2.weight"] == ("S(1)",)
         assert sorted(s.plan.recompute.get("blocks", [])) == list(s.blocks), s.plan.recompute
@@ -439,11 +487,14 @@ def test_sends_and_activations_in_flight_are_priced():
     plan = autoshard.plan(model, (idx, idx), world=64, pipeline=4, verbose=False)
     assert plan.mesh_shape == (4, 16) and plan.microbatches == 8
     first, last = plan.stages[0], plan.stages[-1]
-    assert first.sends == ((8 * 1024 * 1024 * 4, True, 8),)   # the residual alone
+    assert first.sends == ((8 * 1024 * 1024 * 4, True, (8, 1024, 1024)),)   # the residual alone
     latency, bandwidth, _ = first.plan.cluster.group_link((4, 16), (0,))
     assert bandwidth == 200e9 / 8   # stages 16 ranks apart: a node's network shared by its 8 GPUs
-    # 8 rows do not split over a stage's 16 ranks: every rank sends them whole
-    want = 2 * latency + 2 * 8 * 1024 * 1024 * 4 / bandwidth   # forward, and its gradient back
+    # 8 rows do not split over a stage's 16 ranks, its sequence does: each rank sends a sixteenth
+    assert crossing_layout((8, 1024, 1024), (16,)) == (S(1),)
+    # Megatron-LM's microbatch (a sequence per data-parallel rank): rows over data, sequence over tensor
+    assert crossing_layout((16, 2048, 12288), (16, 8)) == (S(0), S(1)) and crossing_layout((), (2,)) == (B,)
+    want = 2 * latency + 2 * 8 * 1024 * 1024 * 4 / 16 / bandwidth   # forward, and its gradient back
     assert plan.send_time(first) == pytest.approx(want) and plan.send_time(last) == 0
     assert [plan.in_flight(s) for s in plan.stages] == [4, 3, 2, 1]
     mem = first.plan.memory
@@ -602,8 +653,8 @@ def test_the_search_prices_blocks_under_the_policy():
         graph = pricing_graph(model, (idx, idx), 2, "whole", "blocks", 6, policy)
         options = PlanOptions(mesh=(4,), cluster="a100-80gb-nvlink-ib", verbose=False, mp_policy=policy)
         prices[name] = block_prices(graph, plan_graph(graph, (4,), options))
-    assert prices["fp32"].crossing[1] == ((8 * 64 * 256 * 4, True, 8),)
-    assert prices["bf16"].crossing[1] == ((8 * 64 * 256 * 2, True, 8),)
+    assert prices["fp32"].crossing[1] == ((8 * 64 * 256 * 4, True, (8, 64, 256)),)
+    assert prices["bf16"].crossing[1] == ((8 * 64 * 256 * 2, True, (8, 64, 256)),)
     assert prices["bf16"].seconds != prices["fp32"].seconds   # its casts priced in
 
 

@@ -19,7 +19,7 @@ from autoshard.cost.overlap import conversion_price, edge_kind, unhidden
 from autoshard.cost.buckets import backward_left, bucket_bytes_for, covered, first_uses, grad_buckets
 from autoshard.cost.step import PARTS, Cost
 from autoshard.inputs import WHOLE, arrival
-from autoshard.outputs import kept_split
+from autoshard.outputs import dual_at, kept_split
 from autoshard.rules import flex
 from autoshard.rules.moe import computed_shapes, is_grouped_mm
 from autoshard.precision import CAST, grad_itemsize
@@ -276,13 +276,16 @@ class Costs:
 
     def arrival_times(self, node: Node, strat) -> tuple:
         """(steps, their duals, the seconds of each, as ``step_times``) of converting a user input
-        from the layout its rows arrive in (``inputs="local"``: ``autoshard.inputs``) to the one
-        ``strat`` gives it; no steps where it arrives whole (sliced locally) or as it is wanted.
+        from the layout its rows arrive in (``inputs="local"``, or a pipeline stage's crossing
+        layout: ``autoshard.inputs``) to the one ``strat`` gives it; no steps where it arrives
+        whole (sliced locally) or as it is wanted.
         Run before any compute, at the program's start: nothing hides them."""
         src = self.arrival.get(node.name)
         if src is None:
             return [], [], [], []
-        backward = self.training and node.outputs[0].floating and node.requires_grad
+        # what a pipeline stage takes from the stage before hands its gradient back there
+        received = node.name in self.graph.user_inputs[:self.graph.received]
+        backward = self.training and node.outputs[0].floating and (node.requires_grad or received)
         steps, duals, fwd, bwd, _ = self.step_times((node.name, 0), src, strat.outputs[0], backward)
         return steps, duals, fwd, bwd
 
@@ -316,7 +319,7 @@ class Costs:
             region = memory.in_region(graph, value, consumer)
             hit = self._edges[key] = (
                 consumer.kind == "output" and value in self.split_outputs,
-                self.training and graph.meta(value).floating and consumer.kind != "output"
+                self.training and graph.meta(value).floating and dual_at(graph, consumer)
                 and graph.by_name[value[0]].requires_grad,
                 self.training and region, self._tensor(value), self.regathered(value) or region)
         return hit

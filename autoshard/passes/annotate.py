@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from autoshard import placement as pl
 from autoshard.placement import B, Split
 from autoshard.ir import Graph, Node, per_graph
+from autoshard.outputs import output_layouts
 from autoshard.passes.functionalize import SHARED_STORAGE
 from autoshard.planner.progress import phase
 from autoshard.rules import OpCtx, Sig, rule_for
@@ -292,7 +293,7 @@ def _unpinned(graph: Graph, mesh_shape) -> tuple:
     for node, key, make in _expansions(graph):
         if key is None:   # nothing to expand: no output, or the output node
             strategies[node.name] = [Strategy((), ())] if node.kind != "output" else \
-                [Strategy(tuple((B,) * len(mesh_shape) for _ in node.inputs), ())]
+                [Strategy(tuple(output_layouts(graph, mesh_shape)), ())]
             continue
         if key not in expanded:
             expanded[key] = make(mesh_shape)

@@ -4,7 +4,8 @@ Every tensor is held in its planned placement; between producer and consumer the
 steps of ``convert.transition`` (as ``cost.comm.transition`` prices them) appear as explicit calls
 (``all_gather``, ``reduce_scatter``, ...) whose backward is the dual step. Graph inputs arrive whole and are cut to the rank's share,
 or arrive as the rank's own rows (``inputs="local"``, ``Plan.arrival``) and are converted from there;
-outputs leave whole, or as DTensors in their planned layouts (``autoshard.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
+outputs leave whole, or as DTensors in their planned layouts, or (a pipeline stage's) as each rank's
+share in their crossing layouts (``autoshard.outputs``). Each op runs on local tensors; the few whose local form differs (sizes in
 their arguments, means over a split dim, random draws, a mean loss over a split batch) are
 lowered by a small function from ``LOWERINGS``.
 """
@@ -21,7 +22,7 @@ from autoshard.runtime import experts, scans
 from autoshard import runtime
 from autoshard.convert import rank_sizes
 from autoshard.cost import attention, comm
-from autoshard.outputs import WHOLE, kept_split
+from autoshard.outputs import SENT, WHOLE, kept_split
 from autoshard.runtime.outputs import to_dtensor
 from autoshard.passes.functionalize import SHARED_STORAGE, copied
 from autoshard.ir import Graph, TensorMeta
@@ -476,6 +477,7 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
     links = plan.cluster.axis_links(mesh)   # conversions take the steps the cost model priced
     regather = plan.training and plan.schedule.get("reshard_after_forward", False)
     kept = kept_split(graph, plan.schedule.get("outputs", WHOLE))
+    sent = plan.schedule.get("outputs", WHOLE) == SENT
     balanced = frozenset(plan.schedule.get("balanced_attention", ()))
     g = fx.Graph()
     local: dict = {}        # Value -> fx node holding it in its producer's placement
@@ -536,6 +538,8 @@ def rewrite(graph: Graph, plan: Plan, device=None, coords=None) -> fx.GraphModul
                 return None
             i = slot[0]
             slot[0] += 1
+            if node.kind == "output" and sent:   # a pipeline stage's: handed on in the crossing layout
+                return fetch(v, ins[i])
             if node.kind == "output" and v in kept:   # outputs="dtensor": handed back as planned
                 return g.call_function(to_dtensor, (local[v], pl.to_strings(out_pl[v]), graph.meta(v).shape))
             if node.kind == "output" and not pl.is_even(graph.meta(v).shape, out_pl[v], mesh):

@@ -26,6 +26,7 @@ from autoshard.cost import attention, comm, interleave
 from autoshard.cost.memory import rank_memory
 from autoshard.cost.overlap import added, conversion_price, edge_overlap
 from autoshard.cost.step import Cost
+from autoshard.outputs import dual_at
 from autoshard.plan import Collective, NodeChoice, Plan
 from autoshard.planner import recompute, repeat
 from autoshard.planner.repeat import tie_repeated
@@ -36,7 +37,7 @@ def conversion_collectives(graph, costs, value, src, dst, consumer) -> list:
     its dual in backward, and again in backward where the parameter is regathered."""
     producer = graph.by_name[value[0]]
     meta = graph.meta(value)
-    backward = costs.training and meta.floating and consumer.kind != "output" and producer.requires_grad
+    backward = costs.training and meta.floating and dual_at(costs.graph, consumer) and producer.requires_grad
     # a prefetched gather, its dual and its regather travel in a bucket, priced as Costs.convert
     steps, duals, fwd, bwd, hidden = costs.step_times(value, src, costs.handed_over(value, src, dst, consumer),
                                                       backward)

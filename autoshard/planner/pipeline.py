@@ -8,12 +8,13 @@ one microbatch's shapes, and planned on the remaining axes (``plan_stage``, ``ap
 
 Priced (DESIGN.md section 11): a microbatch's forward and backward through stage ``s`` takes
 ``t_s``, its plan's step, and its sends to the next stage ``c_s``: the tensors that cross forward
-and the gradients of the floating ones back, each one point-to-point transfer of ``alpha +
-bytes / beta`` on the links the pipeline axis spans (``machine.cluster``: across nodes where a
-stage's ranks fill a node). 1F1B and GPipe with ``k`` stages and ``m`` microbatches take
-``(m + k - 1) * max(t_s + c_s)``, of which ``(k - 1) / (m + k - 1)`` is the bubble. Memory:
-stage ``s`` keeps the activations of the microbatches in flight on it, ``min(k - s, m)`` under
-1F1B, all ``m`` under GPipe, beside its parameters, gradients and optimizer state.
+and the gradients of the floating ones back, each rank's share in its crossing layout
+(``inputs.crossing_layout``) one point-to-point transfer of ``alpha + bytes / beta`` on the links
+the pipeline axis spans (``cost.sends``; ``machine.cluster``: across nodes where a stage's ranks
+fill a node), converted in the stages' own plans. 1F1B and GPipe with ``k`` stages and ``m``
+microbatches take ``(m + k - 1) * max(t_s + c_s)``, of which ``(k - 1) / (m + k - 1)`` is the
+bubble. Memory: stage ``s`` keeps the activations of its microbatches in flight, ``min(k - s,
+m)`` under 1F1B, all ``m`` under GPipe, beside its parameters, gradients and optimizer state.
 
 Interleaved (``virtual=v``): the blocks are cut into ``k v`` chunks, rank coordinate ``r`` holding
 chunks ``r, r + k, ...``; a microbatch's forward and backward through a rank's chunks takes
@@ -32,14 +33,16 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.cost.sends import send_seconds
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, even_cuts, short_stack, split
 from autoshard.arguments import (GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE,
                                  stage_coordinate)
+from autoshard.outputs import SENT
 from autoshard.plan import Plan
 from autoshard.precision import policy_from_record, policy_record
 from autoshard.planner.solution import NoPlanInTime
-from autoshard.runtime.pipeline import check_schedule, chunked, schedule_name
+from autoshard.runtime.pipeline import check_schedule, schedule_name
 
 
 @dataclass
@@ -51,7 +54,7 @@ class StagePlan:
     blocks: tuple
     ranks: tuple
     plan: Plan
-    sends: tuple = ()        # (bytes, floating, rows) of each tensor it hands the next stage, per microbatch
+    sends: tuple = ()        # (bytes, floating, shape) of each tensor it hands the next stage, per microbatch
 
     @property
     def params(self) -> tuple:
@@ -202,7 +205,8 @@ class PipelinePlan:
     def from_json(text: str) -> "PipelinePlan":
         d = json.loads(text)
         stages = [StagePlan(s["index"], tuple(s["blocks"]), tuple(s["ranks"]), Plan.from_json(json.dumps(s["plan"])),
-                            tuple(tuple(x) for x in s.get("sends", ())))
+                            # (a plan saved before a send carried its shape kept its rows alone)
+                            tuple((b, f, tuple(x) if isinstance(x, list) else (x,)) for b, f, x in s.get("sends", ())))
                   for s in d["stages"]]
         return PipelinePlan(tuple(d["mesh_shape"]), d["microbatches"], d["schedule"], stages, d["training"],
                             [tuple(s) for s in d.get("input_shapes", [])], tuple(d.get("starts", ())),
@@ -215,29 +219,6 @@ def reduction(plan: Plan) -> float:
     params = {n for n, c in plan.nodes.items() if c.kind == "param"}
     grads = sum(c.seconds for c in plan.collectives if c.phase == "backward" and c.node in params)
     return min(grads, plan.breakdown.get("exposed", grads))
-
-
-def send_seconds(sends, mesh_shape: tuple, cluster) -> float:
-    """Seconds of one microbatch's sends across a cut, forward and its gradients back: ``sends``,
-    (bytes, floating, rows) of each tensor. Each goes as one point-to-point transfer per rank
-    on the pipeline axis's link, in chunks of rows where they split over the ``p`` ranks of a
-    stage (``runtime.pipeline.chunked``), which the receiving stage all-gathers on its own axes'
-    links (and the sending one its gradient's chunks, in backward)."""
-    p = math.prod(mesh_shape[1:])
-    latency, bandwidth, _ = cluster.group_link(mesh_shape, (0,))
-    inner = cluster.group_link(mesh_shape, tuple(range(1, len(mesh_shape)))) if p > 1 else None
-    total = 0.0
-    for back in (False, True):
-        moved = [(b, rows) for b, floating, rows in sends if floating or not back]
-        if not moved:
-            continue
-        total += latency
-        for b, rows in moved:
-            if chunked((rows,), p):
-                total += b / p / bandwidth + inner[0] * (p - 1) + (p - 1) / p * b / inner[1]
-            else:
-                total += b / bandwidth
-    return total
 
 
 def orders(schedule: str, k: int, m: int, virtual: int = 1) -> list:
@@ -477,8 +458,13 @@ def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None, mp_pol
 def capture_stage(stages, s: int, device, outputs: str, mp_policy=None):
     """Stage ``s``'s program captured as a model of its own (one microbatch's shapes). Its
     policy's casts are already in it (``cut``); the graph records the policy, by which its plan
-    reduces the gradients in ``reduce_dtype`` (``precision.reduce_dtype``)."""
-    graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, outputs)
+    reduces the gradients in ``reduce_dtype`` (``precision.reduce_dtype``). What crosses from the
+    stage before arrives, and what it hands the next leaves, in its crossing layout
+    (``inputs.crossing_layout``, ``outputs.SENT``): its plan prices converting them on its own
+    axes' links, and each rank sends or takes its own share alone."""
+    last = s == len(stages.modules) - 1
+    graph = capture(stages.modules[s], stage_inputs(stages, s, device), None, outputs if last else SENT)
+    graph.received = len(stages.crossing(s))
     if mp_policy is not None:
         graph.precision = {"policy": policy_record(mp_policy), "autocast": None}
     return graph
@@ -515,7 +501,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
-        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
+        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, tuple(shape))
                       for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
         one = dataclasses.replace(stage_options, pin=pins or None)
         splan = plan_stage(graph, inner, one)
@@ -557,7 +543,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
 @dataclass(frozen=True)
 class Prices:
     """Per block of the stack, in order: its seconds (a microbatch's forward and backward, the
-    ops before the stack in the first, after it in the last) and the (bytes, floating, rows) of
+    ops before the stack in the first, after it in the last) and the (bytes, floating, shape) of
     each tensor that crosses a cut just before it (the first: none)."""
     seconds: tuple
     crossing: tuple
@@ -613,7 +599,7 @@ def block_prices(graph, plan) -> Prices:
             continue
         meta = graph.meta(v)
         for j in range(segment[v[0]] + 1, r + 1):
-            crossing[j].append((meta.nbytes, meta.floating, meta.shape[0] if meta.shape else 0))
+            crossing[j].append((meta.nbytes, meta.floating, tuple(meta.shape)))
     return Prices(tuple(s * scale for s in seconds), tuple(tuple(c) for c in crossing))
 
 
@@ -682,6 +668,14 @@ def stretched(prices: Prices, n: int) -> Prices:
     return Prices((s[0],) + (s[1],) * (n - 2) + (s[-1],), (c[0], c[1]) + (c[2],) * (n - 2))
 
 
+def stage_bytes(planned, priced, graph, k: int) -> float:
+    """Bytes per rank of a stage of ``graph`` cut ``k`` ways, by ``planned``, the plan of ``priced``
+    (its first blocks): its parameters' share with their state, and a microbatch's activations."""
+    mem, blocks = planned.memory, len(block_stack(graph)[1]) / len(block_stack(priced)[1])
+    state = sum(mem.get(part, 0) for part in ("parameters", "gradients", "optimizer"))
+    return (state * param_bytes(graph) / max(param_bytes(priced), 1) + mem.get("activations", 0) * blocks) / k
+
+
 def param_bytes(graph) -> int:
     return sum(graph.meta((n.name, 0)).nbytes for n in graph.nodes if n.kind == "param")
 
@@ -694,10 +688,9 @@ def _rows(example_inputs):
 
 
 def _microbatches(rows: int, k: int, inner: tuple) -> int:
-    """The most microbatches, up to ``8 k`` (a bubble of at most a ninth), whose rows split evenly
-    over the stages' first axis (their data-parallel one, where they have it): Megatron-LM's
-    GPT-3 175B took 96 of 16 sequences for 8 stages of data 16; else up to ``2 k``."""
-    fits = [m for m in range(1, 8 * k + 1) if rows % m == 0 and (rows // m) % inner[0] == 0]
+    """The most microbatches, up to ``16 k``, whose rows split evenly over the stages' first axis
+    (Megatron-LM's GPT-3 175B: 96 of 16 sequences on 8 stages of data 16); else up to ``2 k``."""
+    fits = [m for m in range(1, 16 * k + 1) if rows % m == 0 and (rows // m) % inner[0] == 0]
     return max(fits) if fits else max(d for d in range(1, 2 * k + 1) if rows % d == 0)
 
 
@@ -752,42 +745,55 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
     # as in ``base`` (the same axes, the first smaller): a small solve for the activations alone
     kept = {c.fqn: tuple(base.params[c.fqn]) for c in base.nodes.values() if c.kind == "param" and c.fqn in base.params}
 
-    def keeping(inner):   # base's parameter layouts on a stage's mesh: without the first axis where it is gone
+    # base's layouts on a stage's mesh (less its first axis where gone); ``whole``: the stack's alone (the rest as the
+    # stage plans it), whole on axes across nodes as Megatron-LM's: split there, gathered every microbatch
+    def keeping(inner, whole=True):
         drop = len(inner) < len(base.mesh_shape)
-        return {**{n: v[1:] if drop else v for n, v in kept.items()}, **(options.pin or {})}
+        across = {a for a in range(len(inner)) if whole and math.prod(inner[a:]) > cluster.gpus_per_node}
+        laid = {n: tuple("B" if a in across else p for a, p in enumerate(v[1:] if drop else v))
+                for n, v in kept.items() if not whole or n.startswith(container + ".")}
+        return {**laid, **(options.pin or {})}
 
     # the degrees' plans only price the blocks: together they take half of one solve's limit
     limit = options.time_limit / (2 * max(len(degrees), 1))
+    budget = options.memory_budget or cluster.memory
     for k in degrees:
         inner, m = _inner(tuple(base.mesh_shape), k), micro[k]
-        try:
-            if m not in captured:
-                captured[m] = pricing_graph(model, example_inputs, m, options.outputs, container, n, options.mp_policy)
-            priced = captured[m]
-            pins = {name: v for name, v in keeping(inner).items() if name in priced.param_aliases}
-            planned = plan_stage(priced, inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
-                                                                    pin=pins or None))
-        except (ValueError, NoPlanInTime):   # none within the budget, or in its time: not this degree
-            continue
+        planned = None
+        for whole in (True, False):   # whole where a stage holds it within the budget, else as base lays it out
+            try:
+                if m not in captured:
+                    captured[m] = pricing_graph(model, example_inputs, m, options.outputs, container, n,
+                                                options.mp_policy)
+                priced = captured[m]
+                pins = {name: v for name, v in keeping(inner, whole).items() if name in priced.param_aliases}
+                planned = plan_stage(priced, inner, dataclasses.replace(stage_options, mesh=inner, time_limit=limit,
+                                                                        pin=pins or None))
+            except (ValueError, NoPlanInTime):   # none within the budget, or in its time
+                continue
+            if not whole or stage_bytes(planned, priced, graph, k) <= budget:
+                break
+            planned = None
+        if planned is None:
+            continue   # not this degree
         slot, starts = best_cuts(stretched(block_prices(priced, planned), len(indices)), k,
                                  lambda sends: send_seconds(sends, (k,) + inner, cluster))
         # the gradients' reduction, of the whole model's parameters where the shorter one priced it
         grads = reduction(planned) * param_bytes(graph) / max(param_bytes(priced), 1)
-        ranked.append(((m + k - 1) * slot + grads / k, k, inner, m, starts))
-    for estimate, k, inner, m, starts in sorted(ranked):
+        ranked.append(((m + k - 1) * slot + grads / k, k, inner, m, starts, whole))
+    for estimate, k, inner, m, starts, whole in sorted(ranked):
         if estimate >= base.cost:
             break
         # and the chosen degree's stages share another
         try:
             plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(
-                stage_options, pipeline=k, microbatches=m, time_limit=options.time_limit / k, pin=keeping(inner)),
-                plan_stage, starts=starts)
+                stage_options, pipeline=k, microbatches=m, time_limit=options.time_limit / k,
+                pin=keeping(inner, whole)), plan_stage, starts=starts)
         except (ValueError, NoPlanInTime):
             break
-        budget = options.memory_budget or cluster.memory
         if plan.cost < base.cost and all(plan.memory(s) <= budget for s in plan.stages):
             plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, estimate=e)
-                               for e, k, inner, m, _ in sorted(ranked)] + [dict(pipeline=1, mesh=list(base.mesh_shape),
+                               for e, k, inner, m, *_ in sorted(ranked)] + [dict(pipeline=1, mesh=list(base.mesh_shape),
                                                                                estimate=base.cost)]
             return plan
         break

@@ -36,6 +36,7 @@ from autoshard.cost import attention, comm, compute
 from autoshard.cost.compute import BACKWARD_FACTOR
 from autoshard.cost.overlap import edge_price
 from autoshard.cost.step import DRAG
+from autoshard.outputs import dual_at
 
 PARTS = ("step", "compute", "communication", "exposed")
 SMALL = 64          # sizes up to this stay numbers unless they equal a product of named sizes
@@ -305,7 +306,7 @@ class _Pricer:
     def convert(self, value, src, dst, consumer) -> dict:
         costs, graph = self.costs, self.graph
         meta = graph.meta(value)
-        backward = (costs.training and meta.floating and consumer.kind != "output"
+        backward = (costs.training and meta.floating and dual_at(costs.graph, consumer)
                     and graph.by_name[value[0]].requires_grad)
         steps, prefetched = costs.conversion(value, src, dst, consumer)
         if not steps:

@@ -51,21 +51,13 @@ def check_schedule(name: str, mesh_shape: tuple, microbatches: int) -> None:
                              f"size, and they do not split so: pass microbatches= one of {fits}, ...")
 
 
-def chunked(shape: tuple, ranks: int) -> bool:
-    """Whether a tensor of ``shape`` crosses between stages in ``ranks`` chunks of its rows, each
-    rank of a stage sending its own to the rank at its place in the next stage (``StageProgram``),
-    rather than whole from every rank: where its rows split evenly. Sender and receiver decide
-    alike from the shape."""
-    return ranks > 1 and len(shape) >= 1 and shape[0] % ranks == 0
-
-
 class StageProgram(nn.Module):
     """One stage's per-rank program as a module: it holds the stage's parameters (DTensor shares
     on the mesh of the other axes, under their names in the model) and takes and returns the
-    tensors that cross between stages. The program takes and gives them whole on every rank of
-    that mesh; between stages each rank sends only its chunk of rows (``chunked``), which the
-    next stage's ranks gather back within their own mesh (its fast links), and gradients go
-    back the same way."""
+    tensors that cross between stages as this rank's shares of them in their crossing layouts
+    (``inputs.crossing_layout``): each rank of a stage sends its own share to the rank at its
+    place in the next stage, and the program converts it to and from its planned layout on the
+    stage's own links (``outputs.SENT``); gradients come back the same way."""
 
     def __init__(self, program, held: nn.Module, slots: list, rank_mesh: RankMesh, first: bool = False,
                  last: bool = False, split_backward: bool = False, reads: tuple = ()):
@@ -81,9 +73,6 @@ class StageProgram(nn.Module):
         self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
         self.rank_mesh = rank_mesh
         self.first, self.last = first, last   # the first takes nothing from another stage; the last gives the loss
-        # the mesh of the other axes as one group (a pipeline runs with one such axis yet)
-        self.ranks = rank_mesh.shape[0] if len(rank_mesh.shape) == 1 else 1
-        self.coord = rank_mesh.coords[0] if self.ranks > 1 else 0
         self.calls, self.reduce_at = 0, None   # microbatches run this step; the one whose backward reduces
 
     def forward(self, *crossing, **batch):
@@ -93,14 +82,7 @@ class StageProgram(nn.Module):
         if self.reduce_at is not None:
             self.rank_mesh.sync_grads = self.calls == self.reduce_at
         self.calls += 1
-        if self.ranks > 1 and not self.first:
-            crossing = [_Gather.apply(x, self.rank_mesh.groups[0], self.ranks)
-                        if chunked((x.shape[0] * self.ranks,) + tuple(x.shape[1:]), self.ranks) else x
-                        for x in crossing]
         out = self._run([*crossing, *(batch[_given(i)] for i in self.reads)])
-        if self.ranks > 1 and not self.last:
-            out = [_Chunk.apply(x, self.rank_mesh.groups[0], self.ranks, self.coord)
-                   if chunked(tuple(x.shape), self.ranks) else x for x in out]
         if self.split_backward:   # torch's weight pass detaches a stage's outputs in place, which a view cannot be
             out = [x.clone() if is_view(x) else x for x in out]
         return out[0] if len(out) == 1 else tuple(out)
@@ -132,41 +114,6 @@ class StageProgram(nn.Module):
 def _given(i: int) -> str:
     """The keyword under which the schedule hands a stage the batch's ``i``-th input."""
     return f"input{i}"
-
-
-class _Gather(torch.autograd.Function):
-    """The stage's ranks' chunks of rows, gathered whole. Backward: the program gives every rank
-    the whole input's gradient alike; each sends back its own chunk of it."""
-
-    @staticmethod
-    def forward(ctx, x, group, ranks):
-        parts = [torch.empty_like(x) for _ in range(ranks)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.meta = (dist.get_group_rank(group, dist.get_rank()), x.shape[0])
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, g):
-        me, rows = ctx.meta
-        return g[me * rows:(me + 1) * rows].contiguous(), None, None
-
-
-class _Chunk(torch.autograd.Function):
-    """This rank's chunk of rows of a whole output, to send. Backward: the chunks' gradients,
-    gathered whole, are the whole output's gradient, which the program takes on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, group, ranks, coord):
-        rows = x.shape[0] // ranks
-        ctx.meta = (group, ranks)
-        return x[coord * rows:(coord + 1) * rows].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        group, ranks = ctx.meta
-        parts = [torch.empty_like(g) for _ in range(ranks)]
-        dist.all_gather(parts, g.contiguous(), group=group)
-        return torch.cat(parts), None, None, None
 
 
 def _schedule(pipe_stages: list, microbatches: int, name: str):
