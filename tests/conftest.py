@@ -18,7 +18,10 @@ launch.PRELOAD += ["transformers", "models", "cases"]
 
 def _local_world(n):
     from autoshard.testing.launch import LocalWorld
-    world = LocalWorld(n)
+    # a collective waits up to 5 minutes: on a machine loaded several times over its cores a
+    # rank can fall minutes behind its peers (the default 2 minutes ran out there, in a test that
+    # takes 40 s on a quiet machine); a rank that fails still stops the others at once
+    world = LocalWorld(n, timeout_s=300.0)
     yield world
     world.close()
 
