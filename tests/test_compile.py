@@ -247,10 +247,11 @@ WORLD2_KW = {("method", "megatron"): {"backend": "inductor", "method": True},
              ("option", "dp", "buckets"): {"compile_option": True, "bucket_bytes": 20_000},
              ("option", "dp", "dropout"): {"compile_option": True, "dropout": 0.3},
              ("user", "megatron", "dropout", "blocks"): {"dropout": 0.3}}
-# world 4, a user's compile: a 2-D plan, FSDP under the bf16 policy, Megatron, Megatron under the
-# bf16 policy with every block recomputed; compile=True: a 2-D plan with every block recomputed
-WORLD4 = [("user", "2d", (2, 2), None, None), ("user", "fsdp", (4,), BF16, None), ("user", "megatron", (4,), None, None),
-          ("user", "megatron", (4,), BF16, "blocks"), ("option", "2d", (2, 2), None, "blocks")]
+# world 4, a user's compile: a 2-D plan, FSDP under the bf16 policy, data parallel, Megatron under
+# the bf16 policy with every block recomputed; compile=True: a 2-D plan under the bf16 policy with
+# every block recomputed
+WORLD4 = [("user", "2d", (2, 2), None, None), ("user", "fsdp", (4,), BF16, None), ("user", "dp", (4,), None, None),
+          ("user", "megatron", (4,), BF16, "blocks"), ("option", "2d", (2, 2), BF16, "blocks")]
 
 
 def _call(fn, *args, **kw):
