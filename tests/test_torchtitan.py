@@ -61,6 +61,13 @@ TOL = 1e-5   # relative to the magnitude: cases.rel_err
 # program (rows taken from the wrong chunk, a partial sum left out) is off by a fraction of the
 # magnitude itself, as the 2-axis routing bug was (a token's loss off by 0.23 of about 6: 4e-2)
 BF16_TOL = 1e-2
+# Where the plan splits an expert matmul's contracted dim on one axis and its columns on the other
+# (the solver's (2, 2) plan for Qwen3-MoE, and the routing pinned split over both axes, whose
+# plan the solver completes the same way), every rank rounds its bf16 partial product before the
+# sum: measured 2026-11-29, a token's loss 4.0e-3 and the embedding's gradient 8.4e-3 of their
+# magnitudes (the same layout exact in fp32: tests/test_moe_axes.py), where the experts held
+# whole per rank give 3.8e-5 and 5e-4. Bounded at 2e-2, half the 2-axis routing bug's 4e-2
+BF16_SPLIT_TOL = 2e-2
 # ops that may run whole on every rank for want of a split: with FlexAttention, the block mask
 # made from the positions (index tensors of at most batch x sequence)
 CHEAP = {"arange.default", "arange.start", "full.default", "index_put.default", "unsqueeze.default"}
@@ -214,7 +221,7 @@ def _ids(cases):
 def test_matches_single_device(results, name, variant, layout):
     prep = results["prepared"][name, variant]
     assert "error" not in prep, prep["error"]
-    tol = BF16_TOL if name in titan.MOE else TOL
+    tol = (BF16_SPLIT_TOL if layout in ("2x2", "2x2-routing") else BF16_TOL) if name in titan.MOE else TOL
     for r, res in enumerate(results["runs"][name, variant, layout]):
         assert "error" not in res, f"rank {r}: {res['error']}"
         assert res["loss"] < tol and res["tokens"] < tol, (r, res["loss"], res["tokens"])
