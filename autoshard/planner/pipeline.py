@@ -38,6 +38,7 @@ from autoshard.arguments import (GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD
                                  stage_coordinate)
 from autoshard.plan import Plan
 from autoshard.precision import policy_from_record, policy_record
+from autoshard.planner.alike import Alike
 from autoshard.planner.solution import NoPlanInTime
 from autoshard.runtime.pipeline import check_schedule, chunked, schedule_name
 
@@ -510,6 +511,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
     size = math.prod(inner)
     flights = in_flight(schedule, k, m, v)
     planned, pinned = [], set()
+    alike = Alike(plan_stage)   # stages alike (the middle ones of a stack, mostly) planned once
     for s in range(n):
         graph = capture_stage(stages, s, device, options.outputs, options.mp_policy)
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
@@ -518,7 +520,7 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
         sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
                       for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
         one = dataclasses.replace(stage_options, pin=pins or None)
-        splan = plan_stage(graph, inner, one)
+        splan = alike.plan(graph, inner, one, stages.blocks[s])
         # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
         # see: where they overflow the budget (a chunk's share of its rank's), planned again within
         # what they leave of it
@@ -530,7 +532,8 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
             allowed = (budget - fixed) / flight   # each microbatch's activations, all in flight within the budget
             if allowed > 0:
                 try:
-                    splan = plan_stage(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed))
+                    splan = alike.plan(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed),
+                                       stages.blocks[s])
                 except (ValueError, NoPlanInTime):
                     pass   # none fits: the plan says how far over it is (``PipelinePlan.memory``)
         r = stage_coordinate(schedule, s, k)
