@@ -29,7 +29,7 @@ def _pins(layers: int) -> dict:
     return {name: ("B",) + v for name, v in megatron_pins([f"blocks.{i}." for i in range(layers)]).items()}
 
 
-def _accumulated(path, pin=None, recompute=None, layers=4, pipeline=2, mesh=(2, 2, 2), no_sync=True):
+def _accumulated(path, pin=None, recompute=None, layers=4, pipeline=2, mesh=(2, 2, 2), no_sync=True, microbatches=None):
     """Two calls' gradients (the first under ``no_sync``) against the model's own, then an SGD
     step and the loss after it; with ``path``, the state saved with torch.distributed.checkpoint
     and loaded onto 4 stages of a model started from other weights. Per rank: (the worst relative
@@ -40,8 +40,9 @@ def _accumulated(path, pin=None, recompute=None, layers=4, pipeline=2, mesh=(2, 
     ref = copy.deepcopy(model)
     idx, tgt = _batch()
     idx2, tgt2 = _batch()[1], _batch()[0]
-    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, mesh=mesh, pin=pin, recompute=recompute,
-                               verbose=False, cluster=CLUSTER)
+    options = dict(pin=pin, recompute=recompute) if pin else {}
+    pm = autoshard.parallelize(model, (idx, tgt), pipeline=pipeline, mesh=mesh, microbatches=microbatches,
+                               verbose=False, cluster=CLUSTER, **options)
     with pm.no_sync() if no_sync else contextlib.nullcontext():
         first = pm(idx, tgt)
         first.backward()
@@ -60,7 +61,8 @@ def _accumulated(path, pin=None, recompute=None, layers=4, pipeline=2, mesh=(2, 
         import torch.distributed.checkpoint as dcp
         dcp.save(pm.state_dict(), checkpoint_id=path)
         torch.manual_seed(1)
-        other = autoshard.parallelize(GPT(layers=layers), (idx, tgt), pipeline=4, verbose=False, cluster=CLUSTER)
+        other = autoshard.parallelize(GPT(layers=layers), (idx, tgt), pipeline=4, microbatches=4, verbose=False,
+                                      cluster=CLUSTER)
         out[4] = rel_err(other(idx, tgt).detach(), after)
         state = other.state_dict()
         dcp.load(state, checkpoint_id=path)
@@ -94,7 +96,7 @@ def test_solver_planned_stages_on_mesh_2_2_2_and_a_checkpoint_onto_4_stages(worl
 def test_stages_alike_are_solved_once_and_run(world8):
     """GPT of 4 blocks in 4 stages by 2: stages 1 and 2 (a block each, no embedding, no head) are
     one program on one mesh; the second takes the first's plan, its names moved to its block."""
-    results = world8.run(_accumulated, None, layers=4, pipeline=4, mesh=(4, 2), no_sync=False)
+    results = world8.run(_accumulated, None, layers=4, pipeline=4, mesh=(4, 2), no_sync=False, microbatches=4)
     plan = _check(results, (4, 2))
     a, b = plan.stages[1].plan, plan.stages[2].plan
     assert sorted(b.params) == sorted(n.replace("blocks.1.", "blocks.2.") for n in a.params)

@@ -31,12 +31,13 @@ class Alike:
 
     def __init__(self, plan_stage):
         self.plan_stage = plan_stage
-        self.made: dict = {}   # key -> (the plan, its stage's blocks)
+        self.made: dict = {}   # key -> (the plan, its stage's blocks and inputs)
         self.solved = self.reused = 0
+        self.key = None   # the last stage's: stages alike have one
 
     def plan(self, graph, mesh_shape: tuple, options, blocks: tuple):
         names = (tuple(blocks), tuple(graph.user_inputs))
-        key = stage_key(graph, mesh_shape, options, names)
+        key = self.key = stage_key(graph, mesh_shape, options, names)
         if key in self.made:
             plan, source = self.made[key]
             self.reused += 1

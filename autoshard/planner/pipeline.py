@@ -510,32 +510,33 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
     stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None, virtual=1, schedule=None)
     size = math.prod(inner)
     flights = in_flight(schedule, k, m, v)
-    planned, pinned = [], set()
+    planned, pinned, firsts, most = [], set(), [], {}
     alike = Alike(plan_stage)   # stages alike (the middle ones of a stack, mostly) planned once
     for s in range(n):
         graph = capture_stage(stages, s, device, options.outputs, options.mp_policy)
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
-        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
-                      for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
         one = dataclasses.replace(stage_options, pin=pins or None)
-        splan = alike.plan(graph, inner, one, stages.blocks[s])
-        # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
-        # see: where they overflow the budget (a chunk's share of its rank's), planned again within
-        # what they leave of it
-        flight = flights[s]
-        budget = (splan.memory.get("budget") or 0) / v
-        extra = (flight - 1) * splan.memory.get("activations", 0)
-        if budget and splan.memory.get("total", 0) + extra > budget:
-            fixed = splan.memory.get("total", 0) - splan.memory.get("activations", 0)
-            allowed = (budget - fixed) / flight   # each microbatch's activations, all in flight within the budget
+        firsts.append((graph, one, alike.plan(graph, inner, one, stages.blocks[s]), alike.key))
+        most[alike.key] = max(most.get(alike.key, 0), flights[s])
+    # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
+    # see: where they overflow the budget (a chunk's share of its rank's), planned again within
+    # what they leave of it; stages alike, within what the most in flight of them leave (the
+    # slowest of them, whose plan serves them all, solved once)
+    for s, (graph, one, splan, key) in enumerate(firsts):
+        budget, mem = (splan.memory.get("budget") or 0) / v, splan.memory
+        if budget and mem.get("total", 0) + (flights[s] - 1) * mem.get("activations", 0) > budget:
+            fixed = mem.get("total", 0) - mem.get("activations", 0)
+            allowed = (budget - fixed) / most[key]   # each microbatch's activations, all in flight within the budget
             if allowed > 0:
                 try:
                     splan = alike.plan(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed),
                                        stages.blocks[s])
                 except (ValueError, NoPlanInTime):
                     pass   # none fits: the plan says how far over it is (``PipelinePlan.memory``)
+        sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, shape[0] if shape else 0)
+                      for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
         r = stage_coordinate(schedule, s, k)
         planned.append(StagePlan(s, stages.blocks[s], tuple(range(r * size, (r + 1) * size)), splan, sends))
     unknown = sorted(set(options.pin or {}) - pinned)
