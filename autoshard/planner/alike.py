@@ -19,6 +19,7 @@ import json
 import re
 
 from autoshard.cache import _plain
+from autoshard.planner.solution import NoPlanInTime
 
 _MARK = "#"   # no name of a module or a graph node holds it
 
@@ -41,10 +42,16 @@ class Alike:
         if key in self.made:
             plan, source = self.made[key]
             self.reused += 1
+            if isinstance(plan, Exception):   # none for the first alike stage (in its time): none for this one
+                raise plan
             return renamed(plan, source, names)
-        plan = self.plan_stage(graph, mesh_shape, options)
-        self.made[key] = (plan, names)
         self.solved += 1
+        try:
+            plan = self.plan_stage(graph, mesh_shape, options)
+        except (ValueError, NoPlanInTime) as failed:
+            self.made[key] = (failed, names)
+            raise
+        self.made[key] = (plan, names)
         return plan
 
 
