@@ -53,8 +53,6 @@ def parallelize_pipeline(model: nn.Module, example_inputs, mesh_shape: tuple, pl
     if example_inputs is None:
         raise ValueError("parallelize with a pipeline needs example_inputs (the whole batch a step takes): the "
                          "stages are cut and captured from them")
-    if len(mesh_shape) > 2:
-        raise ValueError(f"a pipeline runs with one more axis at most yet (mesh (k, n)), not {mesh_shape}")
     if local:
         example_inputs = whole_batch(example_inputs)
     if plan is None:   # rank 0 plans, every rank takes its plan
@@ -134,8 +132,6 @@ class ParallelPipeline(nn.Module):
             rank_mesh.reduce_dtype = reduce_dtype(policy)   # the stage's gradients reduced in the policy's dtype
             rank_mesh.held_as_zeros = split
             program = lower(graph, st.plan, device=device, coords=rank_mesh.coords, overlap=overlap and not split)
-            if program.meta["joint_axes"]:
-                raise ValueError("a pipeline's stages run on one more axis at most yet")
             _shard(held, st.plan, sub, made)
             # what crosses between stages: a floating tensor carries a gradient back (torch's stage
             # reads which from these examples); the user's inputs a stage reads it takes from the
@@ -145,6 +141,7 @@ class ParallelPipeline(nn.Module):
             chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
                                         last=s == n - 1, split_backward=split, reads=stages.reads[s]), s, takes, gives))
             programs.append(program)
+        _joint_groups(mesh, {tuple(a) for prog in programs for a in prog.meta["joint_axes"]}, joint)
         holder = _holder([c[0].held for c in chunks])
         ties = _tie_groups(plan, [c[1] for c in chunks], sub.get_coordinate()[0] if sub.ndim == 1 else 0)
         last = plan.stages[n - 1].ranks[plan.stages[r].ranks.index(dist.get_rank())]
@@ -202,6 +199,25 @@ class ParallelPipeline(nn.Module):
         if self.training and torch.is_grad_enabled():
             return self._runner.step(leaves)
         return self._runner.evaluate(leaves)
+
+
+def _joint_groups(mesh, wanted: set, joint: dict) -> None:
+    """The groups spanning several of the stages' axes at once that any rank's programs run a
+    collective on (``wanted``: this rank's, as axes of the stage's mesh), into ``joint`` (the
+    ``RankMesh``es' own). Collective: every rank makes every group, each stage's its own, since
+    the stages' programs differ."""
+    if not dist.is_initialized():
+        return
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(wanted))
+    for axes in sorted({tuple(a) for got in every for a in got}):
+        if len(axes) < 2 or axes in joint:
+            continue
+        full = [a + 1 for a in axes]   # the pipeline's axis comes first
+        ranks = mesh.mesh
+        rest = [a for a in range(ranks.ndim) if a not in full]
+        lists = ranks.permute(*rest, *full).reshape(-1, math.prod(ranks.shape[a] for a in full)).tolist()
+        joint[axes], _ = dist.new_subgroups_by_enumeration(lists)
 
 
 def _crossing(stages, s: int, at, inner: tuple) -> tuple:

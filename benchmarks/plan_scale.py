@@ -6,7 +6,8 @@
     python benchmarks/plan_scale.py --llama      # Llama-3-style, dim 2048, 16 layers, fixed mesh (8, 8)
     python benchmarks/plan_scale.py --pipeline   # GPT-3 175B at 1024: search with pipelines and without;
                                                  # Megatron-LM's tensor 8 x pipeline 8 x data 16 priced
-    python benchmarks/plan_scale.py --llama405b  # Llama 3 405B at 16,384 H100s: search with pipelines and without
+    python benchmarks/plan_scale.py --llama405b  # Llama 3 405B at 16,384 H100s: tensor 8 x pipeline 16 x data 128
+                                                 # priced; search with pipelines and without (not --published)
 
 Everything runs on the meta device, with no process group. The phases are those of
 ``autoshard.planner.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
@@ -309,12 +310,21 @@ def timed_search(model, inputs, world, cluster):
     return plans["with pipelines"]
 
 
+# Megatron-LM's tensor parallel of a Llama layer on a stage's (data, tensor) axes: the projections
+# in split by their output rows, those out by their input columns; the norms whole
+LLAMA_MEGATRON = {**{f"{w}.weight": ("B", "S(0)") for w in ("wq", "wk", "wv", "w1", "w3")},
+                  **{f"{w}.weight": ("B", "S(1)") for w in ("wo", "w2")}}
+
+
 def llama_405b(args):
     """Llama 3 405B's published shape (126 layers, dim 16,384, 128 heads, 8 key/value heads, FFN
     53,248, vocabulary 128,256), 8,192-token sequences, 2,048 of them a step (16M tokens), on
-    16,384 H100s: the mesh search with pipelines and without, timed. (Its published configuration,
-    tensor 8 x pipeline 16 x data 128, is not priced here: planning its 16 stages one by one took
-    over 25 minutes on 2 loaded cores, 2026-11-29.)"""
+    16,384 H100s: its published configuration (tensor 8 x pipeline 16 x data 128, 16 microbatches
+    of one sequence per data rank, 1F1B; the layers Megatron-pinned) priced, with the stage plans
+    solved and reused counted (stages alike are planned once: ``planner.alike``); then, unless
+    ``--published``, the mesh search with pipelines and without, timed, the planner's own plan
+    beside the published one."""
+    import autoshard.api as api
     layers = args.layers or 126
     with torch.device("meta"):
         model = Llama(dim=16384, layers=layers, heads=128, kv_heads=8, vocab=128256, seq=8192, multiple_of=4096,
@@ -322,8 +332,29 @@ def llama_405b(args):
     tokens = torch.empty(2048, 8192, dtype=torch.long, device="meta")
     cluster = "h100-80gb-nvlink-ib"
     print(f"== Llama 3 405B shape ({layers} layers, d=16384, FFN {model.layers[0].w1.out_features}), "
-          f"batch 2048 x 8192, world 16384, {cluster} ==")
-    timed_search(model, (tokens, tokens), 16384, cluster)
+          f"batch 2048 x 8192, world 16384, {cluster} ==", flush=True)
+    pins = {f"layers.{i}.{k}": v for i in range(layers) for k, v in LLAMA_MEGATRON.items()}
+    solves, plan_graph = [], api.plan_graph
+
+    def counted(graph, mesh_shape, options):   # the stage plans solved (the alike ones are not)
+        solves.append(graph)
+        return plan_graph(graph, mesh_shape, options)
+    api.plan_graph = counted
+    start = time.perf_counter()
+    try:
+        published = autoshard.plan(model, (tokens, tokens), world=16384, mesh=(16, 128, 8), pipeline=16,
+                                   microbatches=16, pin=pins, cluster=cluster, verbose=False)
+    finally:
+        api.plan_graph = plan_graph
+    fanout.reap(wait=True)
+    print(f"published tensor 8 x pipeline 16 x data 128, 16 microbatches ({published.schedule}), pinned: estimated "
+          f"step {published.cost:.3f} s, bubble {published.bubble:.3f}; priced in {time.perf_counter() - start:.1f} s, "
+          f"{len(solves)} stage plans solved for {len(published.stages)} stages", flush=True)
+    print(published, flush=True)
+    if args.published:
+        return
+    own = timed_search(model, (tokens, tokens), 16384, cluster)
+    print(f"autoshard's own plan / the published configuration's: {own.cost / published.cost:.3f}")
 
 
 def pipelines(args):
@@ -365,7 +396,9 @@ def main():
     ap.add_argument("--llama", action="store_true", help="the Llama-3-style model on the fixed mesh (8, 8)")
     ap.add_argument("--pipeline", action="store_true", help="GPT-3 175B at 1024 with pipelines and without")
     ap.add_argument("--llama405b", action="store_true",
-                    help="Llama 3 405B at 16,384 H100s: the search with pipelines and without")
+                    help="Llama 3 405B at 16,384 H100s: its published configuration priced, and the search with "
+                         "pipelines and without")
+    ap.add_argument("--published", action="store_true", help="with --llama405b: price the published configuration only")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
     ap.add_argument("--virtual", type=int, default=2,
                     help="with --pipeline: chunks of blocks per rank of Megatron-LM's interleaved schedule")

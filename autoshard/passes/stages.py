@@ -184,8 +184,8 @@ def split(graph: Graph, model: torch.nn.Module, starts: list) -> Stages:
     for s in range(k):
         g = fx.Graph()
         env: dict = {}
-        for n in takes[s]:
-            env[n] = g.placeholder(n.name)
+        for j, n in enumerate(takes[s]):   # what crosses named by its place: stages alike read alike (planner.alike)
+            env[n] = g.placeholder(n.name if n in mine else f"crossing_{j}")
             env[n].meta["val"] = n.meta.get("val")
         roots: dict = {}
 

@@ -1,10 +1,7 @@
-"""Pipeline plans: the model cut into stages along one more mesh axis, each stage planned by the
-same ILP on the other axes.
-
-The pipeline axis comes first in the mesh (its coordinates are the furthest apart, across the
-slowest links): the ranks of stage ``s`` are those at coordinate ``s`` on it. The cut falls
-between the model's repeated blocks (``passes.stages``); every stage is captured on its own, with
-one microbatch's shapes, and planned on the remaining axes (``plan_stage``, ``api.plan_graph``).
+"""Pipeline plans: the model cut into stages along one more mesh axis, the first (across the
+slowest links; stage ``s`` its ranks at coordinate ``s``), between its repeated blocks
+(``passes.stages``); each stage captured on its own with one microbatch's shapes and planned by
+the same ILP on the other axes (``plan_stage``, ``api.plan_graph``), stages alike once (``alike``).
 
 Priced (DESIGN.md section 11): a microbatch's forward and backward through stage ``s`` takes
 ``t_s``, its plan's step, and its sends to the next stage ``c_s``: the tensors that cross forward
@@ -41,6 +38,7 @@ from autoshard.arguments import (GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD
 from autoshard.outputs import SENT
 from autoshard.plan import Plan
 from autoshard.precision import policy_from_record, policy_record
+from autoshard.planner.alike import Alike
 from autoshard.planner.solution import NoPlanInTime
 from autoshard.runtime.pipeline import check_schedule, schedule_name
 
@@ -476,8 +474,8 @@ def stage_policy(plan: "PipelinePlan"):
 
 
 def input_device(example_inputs):
-    args, kwargs = normalize_inputs(example_inputs)
-    return next((x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    return next((x.device for x in tree_flatten(normalize_inputs(example_inputs))[0] if isinstance(x, torch.Tensor)),
+                torch.device("cpu"))
 
 
 def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage, starts=None) -> PipelinePlan:
@@ -495,30 +493,33 @@ def plan_pipeline(model, example_inputs, mesh_shape: tuple, options, plan_stage,
     stage_options = dataclasses.replace(options, mesh=inner, pipeline=None, microbatches=None, virtual=1, schedule=None)
     size = math.prod(inner)
     flights = in_flight(schedule, k, m, v)
-    planned, pinned = [], set()
+    planned, pinned, firsts, most = [], set(), [], {}
+    alike = Alike(plan_stage)   # stages alike (the middle ones of a stack, mostly) planned once
     for s in range(n):
         graph = capture_stage(stages, s, device, options.outputs, options.mp_policy)
         # a pin names a parameter's placements on the stage's axes; each stage takes those of its own
         pins = {name: v for name, v in (options.pin or {}).items() if name in graph.param_aliases}
         pinned.update(pins)
+        one = dataclasses.replace(stage_options, pin=pins or None)
+        firsts.append((graph, one, alike.plan(graph, inner, one, stages.blocks[s]), alike.key))
+        most[alike.key] = max(most.get(alike.key, 0), flights[s])
+    # a stage keeps its in-flight microbatches' activations, which its plan (of one) does not see:
+    # where they overflow the budget (a chunk's share of its rank's), planned again within what
+    # they leave; stages alike within what the most in flight of them leave (solved once), else
+    # (none found) each within its own. None fits: the plan says how far over (``memory``)
+    for s, (graph, one, splan, key) in enumerate(firsts):
+        budget, mem = (splan.memory.get("budget") or 0) / v, splan.memory
+        if budget and mem.get("total", 0) + (flights[s] - 1) * mem.get("activations", 0) > budget:
+            fixed = mem.get("total", 0) - mem.get("activations", 0)
+            for flight in sorted({most[key], flights[s]}, reverse=True):   # all in flight within the budget
+                try:
+                    splan = alike.plan(graph, inner, dataclasses.replace(one, memory_budget=fixed + (budget - fixed)
+                                                                         / flight), stages.blocks[s])
+                    break
+                except (ValueError, NoPlanInTime):
+                    continue
         sends = tuple((math.prod(shape) * dtype.itemsize, dtype.is_floating_point, tuple(shape))
                       for shape, dtype in (stages.crossing(s + 1) if s + 1 < n else ()))
-        one = dataclasses.replace(stage_options, pin=pins or None)
-        splan = plan_stage(graph, inner, one)
-        # the stage keeps its in-flight microbatches' activations, which its plan (of one) does not
-        # see: where they overflow the budget (a chunk's share of its rank's), planned again within
-        # what they leave of it
-        flight = flights[s]
-        budget = (splan.memory.get("budget") or 0) / v
-        extra = (flight - 1) * splan.memory.get("activations", 0)
-        if budget and splan.memory.get("total", 0) + extra > budget:
-            fixed = splan.memory.get("total", 0) - splan.memory.get("activations", 0)
-            allowed = (budget - fixed) / flight   # each microbatch's activations, all in flight within the budget
-            if allowed > 0:
-                try:
-                    splan = plan_stage(graph, inner, dataclasses.replace(one, memory_budget=fixed + allowed))
-                except (ValueError, NoPlanInTime):
-                    pass   # none fits: the plan says how far over it is (``PipelinePlan.memory``)
         r = stage_coordinate(schedule, s, k)
         planned.append(StagePlan(s, stages.blocks[s], tuple(range(r * size, (r + 1) * size)), splan, sends))
     unknown = sorted(set(options.pin or {}) - pinned)
@@ -682,9 +683,8 @@ def param_bytes(graph) -> int:
 
 def _rows(example_inputs):
     """The batch's rows (dim 0 of the first input with a dim), or None."""
-    args, kwargs = normalize_inputs(example_inputs)
-    rows = [x.shape[0] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
-    return rows[0] if rows else None
+    return next((x.shape[0] for x in tree_flatten(normalize_inputs(example_inputs))[0]
+                 if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
 
 
 def _microbatches(rows: int, k: int, inner: tuple) -> int:
