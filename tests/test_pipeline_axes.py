@@ -95,8 +95,10 @@ def test_solver_planned_stages_on_mesh_2_2_2_and_a_checkpoint_onto_4_stages(worl
 
 def test_stages_alike_are_solved_once_and_run(world8):
     """GPT of 4 blocks in 4 stages by 2: stages 1 and 2 (a block each, no embedding, no head) are
-    one program on one mesh; the second takes the first's plan, its names moved to its block."""
-    results = world8.run(_accumulated, None, layers=4, pipeline=4, mesh=(4, 2), no_sync=False, microbatches=4)
+    one program on one mesh; the second takes the first's plan, its names moved to its block. 8
+    microbatches of the batch of 8: one row each, which the data axis of 2 cannot split (what
+    crosses between stages splits its next dim there: ``inputs.crossing_layout``)."""
+    results = world8.run(_accumulated, None, layers=4, pipeline=4, mesh=(4, 2), no_sync=False, microbatches=8)
     plan = _check(results, (4, 2))
     a, b = plan.stages[1].plan, plan.stages[2].plan
     assert sorted(b.params) == sorted(n.replace("blocks.1.", "blocks.2.") for n in a.params)
