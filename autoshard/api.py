@@ -264,8 +264,9 @@ def parallelize(model: nn.Module, example_inputs=None, *, world=None, plan: Opti
     and for measuring what the schedule gains). ``timeout`` (seconds) bounds every collective on
     the module's process groups (the mesh's, and those spanning several axes), which otherwise
     wait as long as torch's default for each (gloo: the default group's ``init_process_group``
-    timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise.
-    ``inputs``: ``"whole"``, every rank passes the same whole batch; ``"local"``, each rank passes
+    timeout, its subgroups 30 minutes); a rank that never arrives then makes the others raise. The
+    ranks' agreement on the plan runs under it too (rank 0 plans while the others wait): give at
+    least the time planning takes. ``inputs``: ``"whole"``, every rank passes the same whole batch; ``"local"``, each rank passes
     its own (as with DDP and a DistributedSampler): the global batch is the ranks' batches
     concatenated in rank order along dim 0, which arrives split on dim 0 over every mesh axis;
     the plan prices each input's conversion from there to its layout and the program runs it
