@@ -70,21 +70,29 @@ _UNREAD = ("mesh", "outputs", "mp_policy", "verbose")
 
 def key(graph: Graph, mesh_shape, options: PlanOptions) -> str:
     """The plan's key: what the planner reads, hashed (module docstring)."""
-    options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _UNREAD}
     h = hashlib.sha256(_code_digest().encode())
+    for text in ingredients(graph, mesh_shape, options):
+        h.update(text.encode())
+    return h.hexdigest()[:40]
+
+
+def ingredients(graph: Graph, mesh_shape, options: PlanOptions) -> list:
+    """What the planner reads of a graph under ``options``, as texts: ``key`` hashes them, and
+    ``planner.alike`` hashes them with a stage's blocks' names written as their positions."""
+    options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _UNREAD}
+    texts = []
     # the program's code and that of every region it calls (a FlexAttention mask's or score's mod,
     # a branch): two models apart only in a mask's mod are two plans (whether a split is legal
     # depends on what the mod reads)
     for name, module in sorted(graph.exported.graph_module.named_modules(), key=lambda kv: kv[0]):
         if isinstance(module, torch.fx.GraphModule):
-            h.update(name.encode())
-            h.update(module.code.encode())
-    h.update(repr([(n.name, n.kind, n.fqn, n.region, n.recomputed, [(tuple(m.shape), str(m.dtype)) for m in n.outputs])
-                   for n in graph.nodes]).encode())
-    h.update(repr((graph.outputs, graph.received, graph.precision, sorted(graph.param_aliases.items()),
-                   tuple(mesh_shape))).encode())
-    h.update(json.dumps(options, sort_keys=True, default=_plain).encode())
-    return h.hexdigest()[:40]
+            texts += [name, module.code]
+    texts.append(repr([(n.name, n.kind, n.fqn, n.region, n.recomputed,
+                        [(tuple(m.shape), str(m.dtype)) for m in n.outputs]) for n in graph.nodes]))
+    texts.append(repr((graph.outputs, graph.received, graph.precision, sorted(graph.param_aliases.items()),
+                       tuple(mesh_shape))))
+    texts.append(json.dumps(options, sort_keys=True, default=_plain))
+    return texts
 
 
 def load(name: str) -> Optional[str]:

@@ -23,7 +23,7 @@ from autoshard.planner.pipeline import PipelinePlan, capture_stage, cut, input_d
 from autoshard.precision import reduce_dtype
 from autoshard.runtime import agree, optim
 from autoshard.placement import local_shape
-from autoshard.runtime.mesh import RankMesh, dtensor_placements
+from autoshard.runtime.mesh import RankMesh, dtensor_placements, make_joint_groups
 from autoshard.arguments import SPLIT_BACKWARD
 from autoshard.runtime.pipeline import Runner, StageProgram
 
@@ -210,14 +210,7 @@ def _joint_groups(mesh, wanted: set, joint: dict) -> None:
         return
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, sorted(wanted))
-    for axes in sorted({tuple(a) for got in every for a in got}):
-        if len(axes) < 2 or axes in joint:
-            continue
-        full = [a + 1 for a in axes]   # the pipeline's axis comes first
-        ranks = mesh.mesh
-        rest = [a for a in range(ranks.ndim) if a not in full]
-        lists = ranks.permute(*rest, *full).reshape(-1, math.prod(ranks.shape[a] for a in full)).tolist()
-        joint[axes], _ = dist.new_subgroups_by_enumeration(lists)
+    make_joint_groups(mesh.mesh, sorted({tuple(a) for got in every for a in got}), joint, first=1)
 
 
 def _crossing(stages, s: int, at, inner: tuple) -> tuple:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import re
 
-from autoshard.cache import _plain
+from autoshard.cache import ingredients
 from autoshard.planner.solution import NoPlanInTime
 
 _MARK = "#"   # no name of a module or a graph node holds it
@@ -96,19 +95,13 @@ def _back(m, blocks: tuple) -> str:
 
 
 def stage_key(graph, mesh_shape: tuple, options, names: tuple) -> str:
-    """What the integer program reads of a stage, its blocks' names as their positions, hashed
-    (``autoshard.cache.key``'s ingredients, with each node's modules)."""
+    """What the integer program reads of a stage (``autoshard.cache.ingredients``, and each node's
+    inputs and modules), its blocks' names as their positions, hashed."""
     h = hashlib.sha256()
-    for name, module in sorted(graph.exported.graph_module.named_modules(), key=lambda kv: kv[0]):
-        if hasattr(module, "code"):
-            h.update(_to_positions(f"{name}\n{module.code}", names).encode())
-    nodes = [(n.name, n.kind, n.fqn, n.region, n.recomputed, [(tuple(m.shape), str(m.dtype)) for m in n.outputs],
-              [v for v in n.inputs], [v[0] for v in (n.fx_node.meta.get("nn_module_stack") or {}).values()])
-             for n in graph.nodes]
-    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "verbose"}
-    text = repr((nodes, graph.outputs, graph.precision, sorted(graph.param_aliases.items()), tuple(mesh_shape)))
-    h.update(_to_positions(text, names).encode())
-    h.update(_to_positions(json.dumps(fields, sort_keys=True, default=_plain), names).encode())
+    wiring = repr([(list(n.inputs), [v[0] for v in (n.fx_node.meta.get("nn_module_stack") or {}).values()])
+                   for n in graph.nodes])
+    for text in [*ingredients(graph, mesh_shape, options), wiring]:
+        h.update(_to_positions(text, names).encode())
     return h.hexdigest()
 
 

@@ -435,11 +435,9 @@ def default_microbatches(example_inputs, k: int) -> int:
     return max(d for d in range(1, 2 * k + 1) if rows[0] % d == 0)
 
 
-def stage_inputs(stages, s: int, device, grads: bool = False) -> tuple:
-    """Zeros of the shapes stage ``s`` takes (one microbatch), to capture it with; ``grads``:
-    the floating ones requiring gradients."""
-    return tuple(torch.zeros(shape, dtype=dtype, device=device).requires_grad_(grads and dtype.is_floating_point)
-                 for shape, dtype in stages.inputs[s])
+def stage_inputs(stages, s: int, device) -> tuple:
+    """Zeros of the shapes stage ``s`` takes (one microbatch), to capture it with."""
+    return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in stages.inputs[s])
 
 
 def cut(model, example_inputs, k: int, m: int, outputs: str, starts=None, mp_policy=None, virtual: int = 1):

@@ -106,14 +106,22 @@ class RankMesh:
     def prepare_groups(self, axis_sets) -> None:
         """Create the groups spanning several axes at once. Collective: every rank calls it with
         the same sets in the same order (the same program gives them)."""
-        for axes in axis_sets:
-            axes = tuple(axes)
-            if len(axes) < 2 or axes in self._joint:
-                continue
-            ranks = self.device_mesh.mesh
-            rest = [a for a in range(ranks.ndim) if a not in axes]
-            lists = ranks.permute(*rest, *axes).reshape(-1, math.prod(self.shape[a] for a in axes)).tolist()
-            self._joint[axes], _ = dist.new_subgroups_by_enumeration(lists)
+        make_joint_groups(self.device_mesh.mesh, axis_sets, self._joint)
+
+
+def make_joint_groups(ranks: torch.Tensor, axis_sets, joint: dict, first: int = 0) -> None:
+    """Into ``joint``, by axes, the process groups spanning several axes of a mesh at once, those
+    axes ``first`` places along the mesh of ``ranks`` (a pipeline's stages: after its own axis,
+    every stage's groups made by every rank). Collective: every rank calls it with the same sets
+    in the same order."""
+    for axes in axis_sets:
+        axes = tuple(axes)
+        if len(axes) < 2 or axes in joint:
+            continue
+        full = [a + first for a in axes]
+        rest = [a for a in range(ranks.ndim) if a not in full]
+        lists = ranks.permute(*rest, *full).reshape(-1, math.prod(ranks.shape[a] for a in full)).tolist()
+        joint[axes], _ = dist.new_subgroups_by_enumeration(lists)
 
 
 @contextlib.contextmanager

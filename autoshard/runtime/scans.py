@@ -134,7 +134,7 @@ def _received(hists, smaller, lo: int, n: int, p: int) -> list:
     return (end.clamp(lo, lo + n) - start.clamp(lo, lo + n)).sum(1).tolist()
 
 
-def _sorted_whole(k, counts, group, p) -> torch.Tensor:
+def _sorted_whole(k, counts, group, p) -> tuple:
     """(every rank's keys together, their stable argsort), on every rank: the keys all-gathered
     (padded to the largest chunk)."""
     width = max(counts)
