@@ -42,7 +42,8 @@ from autoshard.planner.reuse import Reuse, reuse
 from autoshard.cost.price import Costs
 from autoshard.plan import Plan
 from autoshard.planner.make import make_plan
-from autoshard.planner.pipeline import PipelinePlan, plan_pipeline, search_pipeline
+from autoshard.planner.pipeline import PipelinePlan, plan_pipeline
+from autoshard.planner.pipeline_search import search_pipeline
 from autoshard.pipelined import parallelize_pipeline, pipeline_mesh
 from autoshard.precision import ambient_autocast, policy_from_record, reduce_dtype
 
@@ -184,7 +185,7 @@ def plan(model: nn.Module, example_inputs, *, world=None, mesh=None, cluster=Non
     ``2k - 1 - r``; it does not evaluate); by default 1F1B (GPipe with fewer
     microbatches than stages), interleaved where ``virtual > 1``. ``pipeline=1`` plans without a
     pipeline; ``None`` (with the mesh searched) plans one where a pipeline across the nodes'
-    network beats the best plan without (``planner.pipeline.search_pipeline``).
+    network beats the best plan without (``planner.pipeline_search.search_pipeline``).
 
     ``recompute``: whether repeated blocks (``blocks.0``, ``blocks.1``, ...) keep their
     activations for backward or only their inputs, running their forward again in backward

@@ -507,7 +507,8 @@ def test_a_stage_reads_the_inputs_it_needs_from_its_own_call():
     targets, each from its own call; only the residual stream crosses between stages (the
     targets are not carried through the stages to the loss), and the search prices no cut with
     them either."""
-    from autoshard.planner.pipeline import block_prices, cut
+    from autoshard.planner.pipeline import cut
+    from autoshard.planner.pipeline_search import block_prices
     from autoshard.api import plan_graph
     from autoshard.options import PlanOptions
     from autoshard.passes.capture import capture
@@ -572,7 +573,7 @@ def test_a_model_without_blocks_or_loss_is_told():
 # ---- the search: pipeline=None ------------------------------------------------------------------
 
 def test_cuts_balance_the_slowest_stage_with_its_sends():
-    from autoshard.planner.pipeline import Prices, best_cuts
+    from autoshard.planner.pipeline_search import Prices, best_cuts
     free = Prices((1.0, 1.0, 1.0, 1.0, 4.0), ((),) * 5)
     assert best_cuts(free, 2, lambda sends: 0.0) == (4.0, (0, 4))
     assert best_cuts(free, 3, lambda sends: 0.0) == (4.0, (0, 2, 4))
@@ -615,7 +616,7 @@ def test_a_few_blocks_price_the_whole_stack():
     from autoshard.api import plan_graph
     from autoshard.options import PlanOptions
     from autoshard.passes.capture import capture
-    from autoshard.planner.pipeline import block_prices, pricing_graph, stretched
+    from autoshard.planner.pipeline_search import block_prices, pricing_graph, stretched
     from autoshard.planner.repeat import _block_of
     with torch.device("meta"):
         model = GPT(layers=6, d=256, heads=4, vocab=1024, seq=64)
@@ -644,7 +645,7 @@ def test_the_search_prices_blocks_under_the_policy():
     from test_precision import POLICY
     from autoshard.api import plan_graph
     from autoshard.options import PlanOptions
-    from autoshard.planner.pipeline import block_prices, pricing_graph
+    from autoshard.planner.pipeline_search import block_prices, pricing_graph
     with torch.device("meta"):
         model = GPT(layers=6, d=256, heads=4, vocab=1024, seq=64)
     idx = torch.zeros(16, 64, dtype=torch.long, device="meta")
@@ -671,7 +672,7 @@ class _Counted(torch.nn.Module):
 
 
 def test_a_stack_that_will_not_shorten_is_priced_whole():
-    from autoshard.planner.pipeline import pricing_graph
+    from autoshard.planner.pipeline_search import pricing_graph
     from autoshard.passes.stages import block_stack
     model = _Counted()
     graph = pricing_graph(model, (torch.randn(8, 8),), 2, "whole", "blocks", 5)
