@@ -225,27 +225,25 @@ def _shapes():
 SCHEMES = ["dp", "megatron", "fsdp"]
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # world 2, by key: compile=True and a user's compile on each scheme; recomputed blocks (whole, and
-# selectively), dropout, gradient buckets small enough to be several
+# selectively), dropout, gradient buckets small enough to be several. Cases share a compile where
+# they can (inductor's compiles are the module's minutes): compile=True on data parallel runs with
+# dropout and small buckets, a user's compile of data parallel and FSDP recomputes every block
+# (world 4 compiles both with every activation kept, and Megatron under compile=True recomputed)
 WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           **{("user", s): (_user_compile, s, (2,)) for s in SCHEMES},
           ("autotune", "megatron"): (_max_autotune, "megatron"),
           ("method", "megatron"): (_case, "megatron", (2,)),
-          ("option", "megatron", "blocks"): (_case, "megatron", (2,)),
           ("option", "fsdp", "blocks"): (_case, "fsdp", (2,)),
           ("shapes",): (_shapes,),
-          ("user", "dp", "blocks"): (_user_compile, "dp", (2,), None, "blocks"),
           ("user", "megatron", "selective"): (_user_compile, "megatron", (2,), None, "selective"),
-          ("user", "fsdp", "blocks"): (_user_compile, "fsdp", (2,), None, "blocks"),
-          ("option", "dp", "buckets"): (_case, "dp", (2,)),
-          ("option", "dp", "dropout"): (_case, "dp", (2,)),
           ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
           ("saved", "dp", "none"): (_saved, "dp", "none"),
           ("saved", "dp", "blocks"): (_saved, "dp", "blocks")}
-WORLD2_KW = {("method", "megatron"): {"backend": "inductor", "method": True},
-             ("option", "megatron", "blocks"): {"compile_option": True, "recompute": "blocks"},
+WORLD2_KW = {("option", "dp"): {"bucket_bytes": 20_000, "dropout": 0.3},
+             ("user", "dp"): {"recompute": "blocks"},
+             ("user", "fsdp"): {"recompute": "blocks"},
+             ("method", "megatron"): {"backend": "inductor", "method": True},
              ("option", "fsdp", "blocks"): {"compile_option": True, "recompute": "blocks"},
-             ("option", "dp", "buckets"): {"compile_option": True, "bucket_bytes": 20_000},
-             ("option", "dp", "dropout"): {"compile_option": True, "dropout": 0.3},
              ("user", "megatron", "dropout", "blocks"): {"dropout": 0.3}}
 # world 4, a user's compile: a 2-D plan, FSDP under the bf16 policy, data parallel, Megatron under
 # the bf16 policy with every block recomputed; compile=True: a 2-D plan under the bf16 policy with
@@ -315,8 +313,8 @@ def test_users_max_autotune(world2_results):
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
 
-@pytest.mark.parametrize("key", [("option", "megatron", "blocks"), ("option", "fsdp", "blocks"), ("user", "dp", "blocks"),
-                                 ("user", "megatron", "selective"), ("user", "fsdp", "blocks")], ids="-".join)
+@pytest.mark.parametrize("key", [("option", "fsdp", "blocks"), ("user", "dp"), ("user", "megatron", "selective"),
+                                 ("user", "fsdp")], ids="-".join)
 def test_recomputed_blocks_compile_and_match(world2_results, key):
     """``recompute`` under compile=True and a user's compile: every block checkpointed, traced
     with no graph break, exact."""
@@ -337,7 +335,7 @@ def test_recomputed_blocks_keep_less_when_compiled(world2_results):
         assert b["bytes"] < 0.7 * a["bytes"], (b["bytes"], a["bytes"])
 
 
-@pytest.mark.parametrize("key", [("option", "dp", "dropout"), ("user", "megatron", "dropout", "blocks")],
+@pytest.mark.parametrize("key", [("option", "dp"), ("user", "megatron", "dropout", "blocks")],
                          ids="-".join)
 def test_dropout_draws_the_masks_eager_draws(world2_results, key):
     """Dropout compiled draws from the generator every rank shares, as eager autoshard does: from
@@ -377,7 +375,7 @@ def test_module_compile_reorders_collectives(world2_results):
 def test_compiled_gradient_buckets_overlap_backward(world2_results):
     """Data parallel with several gradient buckets: each bucket's all-reduce but the last runs
     beside the backward matmuls of the layers before it, as the schedule starts them."""
-    for r in world2_results[("option", "dp", "buckets")]:
+    for r in world2_results[("option", "dp")]:
         _check(r)
         forward, backward = r["order"]
         buckets = [b for op, b in backward]
