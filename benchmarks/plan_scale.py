@@ -7,7 +7,7 @@
     python benchmarks/plan_scale.py --pipeline   # GPT-3 175B at 1024: search with pipelines and without;
                                                  # Megatron-LM's tensor 8 x pipeline 8 x data 16 priced
     python benchmarks/plan_scale.py --llama405b  # Llama 3 405B at 16,384 H100s: tensor 8 x pipeline 16 x data 128
-                                                 # priced; search with pipelines and without (not --published)
+                                                 # priced; search with pipelines and without (not --published; --search: it alone)
 
 Everything runs on the meta device, with no process group. The phases are those of
 ``autoshard.planner.progress.CLOCK`` (capture, annotate, cost, build, solve, descend), each
@@ -323,7 +323,7 @@ def llama_405b(args):
     of one sequence per data rank, 1F1B; the layers Megatron-pinned) priced, with the stage plans
     solved and reused counted (stages alike are planned once: ``planner.alike``); then, unless
     ``--published``, the mesh search with pipelines and without, timed, the planner's own plan
-    beside the published one."""
+    beside the published one (``--search``: the search alone)."""
     import autoshard.api as api
     layers = args.layers or 126
     with torch.device("meta"):
@@ -333,6 +333,9 @@ def llama_405b(args):
     cluster = "h100-80gb-nvlink-ib"
     print(f"== Llama 3 405B shape ({layers} layers, d=16384, FFN {model.layers[0].w1.out_features}), "
           f"batch 2048 x 8192, world 16384, {cluster} ==", flush=True)
+    if args.search:
+        timed_search(model, (tokens, tokens), 16384, cluster)
+        return
     pins = {f"layers.{i}.{k}": v for i in range(layers) for k, v in LLAMA_MEGATRON.items()}
     solves, plan_graph = [], api.plan_graph
 
@@ -399,6 +402,7 @@ def main():
                     help="Llama 3 405B at 16,384 H100s: its published configuration priced, and the search with "
                          "pipelines and without")
     ap.add_argument("--published", action="store_true", help="with --llama405b: price the published configuration only")
+    ap.add_argument("--search", action="store_true", help="with --llama405b: the search with pipelines and without only")
     ap.add_argument("--layers", type=int, default=None, help="blocks of the default GPT (96) or the Llama (16)")
     ap.add_argument("--virtual", type=int, default=2,
                     help="with --pipeline: chunks of blocks per rank of Megatron-LM's interleaved schedule")
