@@ -286,12 +286,12 @@ def _from_dim(whole, p: int, dim: int, groups: int):
 
 
 def _unpack_bucket(buf, layout) -> list:
-    p, off, out = buf.shape[0], 0, []
-    for shape, dim, groups in layout:
-        n = math.prod(shape)
-        out.append(_to_dim(buf[:, off:off + n].reshape(p, *shape), dim, groups))
-        off += n
-    return out
+    # one split, not a slice per parameter: traced, autograd's backward of a split is one cat,
+    # where each slice's is the whole buffer zeroed with the slice written in, and inductor fused
+    # the sum of a bucket's 52 such buffers into a kernel of 80 ms of a 330 ms FSDP step (d=256)
+    p = buf.shape[0]
+    parts = buf.split([math.prod(shape) for shape, _, _ in layout], dim=1)
+    return [_to_dim(part.reshape(p, *shape), dim, groups) for part, (shape, dim, groups) in zip(parts, layout)]
 
 
 class _BucketStart(torch.autograd.Function):
