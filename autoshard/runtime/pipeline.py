@@ -32,9 +32,10 @@ from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD,
 from autoshard.runtime.grads import share_grad
 from autoshard.runtime.mesh import RankMesh, active
 
-# the tag of the loss's sends from the last stage, on the pipeline's group: apart from the
-# schedule's (tag 0), which a receive posted before them must not take (gloo matches by tag)
-LOSS_TAG = 1
+# the tags of what a rank receives after the schedule, its receive posted before it: the loss
+# from the last stage on the pipeline's group, apart from the schedule's sends (tag 0), which it
+# must not take (gloo matches by tag), and a tied parameter's gradient from its other holders
+LOSS_TAG, TIE_TAG = 1, 2
 
 
 def schedule_name(stages: int, microbatches: int, virtual: int = 1) -> str:
@@ -236,7 +237,7 @@ class Runner:
         for module in self.modules:
             module.calls, module.reduce_at = 0, self.microbatches - 1 if synced else None
             module.begin()
-        posted = self._loss_posted()
+        posted, tied = self._loss_posted(), self._ties_posted()
         try:   # the microbatches' gradients added up on the shares, taken once after them
             self.schedule.step(target=target, losses=losses, return_outputs=False, **batch)
         finally:
@@ -247,7 +248,7 @@ class Runner:
         # the microbatches' mean (torch scales only the gradients it sees on the parameters, and
         # these are on the shares), kept aside from ``param.grad`` until the loss's backward
         made = {n: self.shares.take(p, self.microbatches) for n, p in named}
-        self._sum_tied(made)
+        self._sum_tied(made, tied)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         # a step under no_sync keeps its gradients' sums in the program, and the next synced step
         # hands them on with its own: neither can scale them by its loss's gradient
@@ -286,12 +287,29 @@ class Runner:
         buf = torch.empty((), dtype=self.loss_dtype, device=self.device)
         return buf, dist.irecv(buf, src=self.last_rank, group=self.group, tag=LOSS_TAG)
 
+    def _ties_posted(self) -> list:
+        """Per tied parameter (``ties``), on the CPU where its holders' shares have one layout: the
+        receives of the other holders' shares of its gradient, posted before the schedule, {rank:
+        (buffer, work)}: a holder whose schedule ends first (the head's, under 1F1B) has sent its
+        share when the last holder's ends, which then waits for no one. Else None: all-reduced."""
+        posted = []
+        for name, group, same in self.ties:
+            if not same or self.device.type != "cpu":
+                posted.append(None)
+                continue
+            like = local_tensor(self.holder.get_parameter(name))
+            parts = {}
+            for r in dist.get_process_group_ranks(group):
+                if r != dist.get_rank():
+                    buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                    parts[r] = buf, dist.irecv(buf, src=r, group=group, tag=TIE_TAG)
+            posted.append(parts)
+        return posted
+
     def _whole_loss(self, losses: list, posted) -> torch.Tensor:
         """The mean of the microbatches' losses, on every rank (the last stage's, sent to the others)."""
         if posted is not None:
-            buf, work = posted
-            work.wait()
-            return buf
+            return _arrived(posted)
         if losses:
             loss = torch.stack([x.detach() for x in losses]).mean().reshape(())
         else:
@@ -309,21 +327,39 @@ class Runner:
         splits into microbatches and hands every stage (``StageProgram.reads``)."""
         return {_given(i): inputs[i] for i in sorted({i for module in self.modules for i in module.reads})}
 
-    def _sum_tied(self, grads: dict) -> None:
+    def _sum_tied(self, grads: dict, posted: list) -> None:
         """A parameter two stages use (an embedding tied to the head) is held by both, each
-        with its own stage's share of the gradient: summed over its holders, both step alike."""
-        for name, group, same in self.ties:
+        with its own stage's share of the gradient: summed over its holders, both step alike.
+        ``posted``: per tie, the other holders' shares on their way (``_ties_posted``), or None."""
+        for (name, group, same), parts in zip(self.ties, posted):
             g = grads.get(name)
             p = self.holder.get_parameter(name)
             if g is None:   # this stage's part of it had no gradient: its holders still all take part
                 g = grads[name] = torch.zeros_like(p)
-            if same:
+            if parts is not None:
+                mine = local_tensor(g)
+                out = mine.contiguous()
+                for work in [dist.isend(out, dst=r, group=group, tag=TIE_TAG) for r in parts]:
+                    work.wait()
+                # summed in the holders' rank order on every holder: each has the same sum
+                total = None
+                for r in sorted([*parts, dist.get_rank()]):
+                    x = out if r == dist.get_rank() else _arrived(parts[r])
+                    total = x.clone() if total is None else total.add_(x)
+                mine.copy_(total)
+            elif same:
                 dist.all_reduce(g.to_local(), group=group)
             else:
                 from torch.distributed.tensor import distribute_tensor
                 whole = g.full_tensor()
                 dist.all_reduce(whole, group=group)
                 g.to_local().copy_(distribute_tensor(whole, g.device_mesh, g.placements, src_data_rank=None).to_local())
+
+
+def _arrived(posted) -> torch.Tensor:
+    buf, work = posted
+    work.wait()
+    return buf
 
 
 class _Placed(torch.autograd.Function):
