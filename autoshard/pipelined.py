@@ -224,15 +224,21 @@ def _crossing(stages, s: int, at, inner: tuple) -> tuple:
 
 
 def _slots(graph, held: nn.Module, device) -> list:
-    """Per parameter and buffer placeholder of a stage's program: ("param", name), ("buffer",
-    name), or the constant it takes."""
+    """Per parameter and buffer placeholder of a stage's program: (registry name, module,
+    attribute), the program reading ``getattr(module, registry)[attribute]`` at each step, or the
+    constant it takes."""
     slots = []
     buffers = dict(held.named_buffers())
     for n in graph.nodes:
+        if n.kind not in ("param", "buffer"):
+            continue
+        prefix, _, name = n.fqn.rpartition(".")
         if n.kind == "param":
-            slots.append(("param", n.fqn))
-        elif n.kind == "buffer":
-            slots.append(("buffer", n.fqn) if n.fqn in buffers else graph.exported.constants[n.fqn].to(device))
+            slots.append(("_parameters", held.get_submodule(prefix), name))
+        elif n.fqn in buffers:
+            slots.append(("_buffers", held.get_submodule(prefix), name))
+        else:
+            slots.append(graph.exported.constants[n.fqn].to(device))
     return slots
 
 

@@ -118,7 +118,7 @@ class StageProgram(nn.Module):
         self.split_backward = split_backward
         self.held = held
         self.program = program
-        self._slots = slots   # per parameter/buffer placeholder: ("param", name), ("buffer", name), or a tensor
+        self._slots = slots   # per parameter/buffer placeholder: (registry, module, attribute), or a tensor
         self.rank_mesh = rank_mesh
         self.first, self.last = first, last   # the first takes nothing from another stage; the last gives the loss
         self.calls, self.reduce_at = 0, None   # microbatches run this step; the one whose backward reduces
@@ -159,10 +159,10 @@ class StageProgram(nn.Module):
         for slot in self._slots:
             if isinstance(slot, torch.Tensor):
                 feed.append(slot)
-            elif slot[0] == "param":
-                feed.append(self.shares.of(self.held.get_parameter(slot[1])))
+            elif slot[0] == "_parameters":
+                feed.append(self.shares.of(slot[1]._parameters[slot[2]]))
             else:
-                feed.append(self.held.get_buffer(slot[1]))
+                feed.append(slot[1]._buffers[slot[2]])
         return feed
 
     def _run(self, crossing):
@@ -214,6 +214,7 @@ class Runner:
         self.held_back = False   # whether the last step ran under no_sync
         self.shares = self.modules[0].shares   # every chunk's: ``pipelined`` hands them one
         self.others = [r for r in dist.get_process_group_ranks(pipe_group) if r != dist.get_rank()]
+        self.tie_ranks = {name: dist.get_process_group_ranks(group) for name, group, _ in ties}
 
     def no_sync(self):
         """Every stage's gradients kept unreduced inside (``RankMesh.no_sync``)."""
@@ -299,7 +300,7 @@ class Runner:
                 continue
             like = local_tensor(self.holder.get_parameter(name))
             parts = {}
-            for r in dist.get_process_group_ranks(group):
+            for r in self.tie_ranks[name]:
                 if r != dist.get_rank():
                     buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
                     parts[r] = buf, dist.irecv(buf, src=r, group=group, tag=TIE_TAG)
