@@ -25,7 +25,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard._compat import is_view, local_tensor
 from autoshard.arguments import GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE
@@ -72,27 +71,30 @@ class Shares:
     chunks holding one parameter (an embedding tied to the head on one rank) take one leaf."""
 
     def __init__(self):
-        self._leaves = WeakIdKeyDictionary()   # parameter -> (its local tensor, its leaf)
+        # id(parameter) -> (the parameter, its local tensor, its leaf): a plain dict, looked up
+        # twice per parameter a step (a weak one builds a reference at every lookup); the rank's
+        # module holds its parameters anyway
+        self._leaves: dict = {}
 
     def of(self, p: torch.Tensor) -> torch.Tensor:
         local = local_tensor(p)
         if not p.requires_grad:
             return local.detach()
-        hit = self._leaves.get(p)
-        if hit is not None and hit[0] is local:
-            return hit[1]
+        hit = self._leaves.get(id(p))
+        if hit is not None and hit[0] is p and hit[1] is local:
+            return hit[2]
         leaf = local.detach().requires_grad_()
-        self._leaves[p] = (local, leaf)
+        self._leaves[id(p)] = (p, local, leaf)
         return leaf
 
     def take(self, p: torch.Tensor, divisor: int):
         """The gradient the step left on ``p``'s share, over ``divisor``, as a DTensor gradient of
         ``p`` (None where it has none: its reduction held back under no_sync); the share is left
         with none."""
-        hit = self._leaves.get(p)
-        if hit is None or hit[1].grad is None:
+        hit = self._leaves.get(id(p))
+        if hit is None or hit[0] is not p or hit[2].grad is None:
             return None
-        leaf = hit[1]
+        leaf = hit[2]
         g, leaf.grad = leaf.grad, None
         return share_grad(p, leaf, g.div_(divisor))
 
