@@ -112,6 +112,7 @@ class StageProgram(nn.Module):
         super().__init__()
         self.shares = Shares() if shares is None else shares
         self._feed = None   # the parameters' shares and the buffers, looked up once a step (``begin``)
+        self._leaves = None   # under a split backward, the shares torch's weight pass reads, so too
         # the user's inputs the program takes after what crosses, by their index in the batch:
         # the schedule hands every stage the rank's whole batch as keywords (``Runner.step``)
         self.reads = tuple(reads)
@@ -143,18 +144,23 @@ class StageProgram(nn.Module):
         parameters; else the parameters."""
         if not self.split_backward:
             yield from super().parameters(recurse)
-            return
-        for p in self.held.parameters():
-            if p.requires_grad:
-                yield self.shares.of(p)
+        elif self._leaves is not None:   # within a step: twice a microbatch (the input pass, the weights')
+            yield from self._leaves
+        else:
+            yield from self._share_leaves()
 
     def begin(self) -> None:
         """What every microbatch of a step feeds the program besides what crosses, found once:
         the parameters do not change between a step's microbatches."""
         self._feed = self._lookup()
+        if self.split_backward:
+            self._leaves = self._share_leaves()
 
     def end(self) -> None:
-        self._feed = None
+        self._feed = self._leaves = None
+
+    def _share_leaves(self) -> list:
+        return [self.shares.of(p) for p in self.held.parameters() if p.requires_grad]
 
     def _lookup(self) -> list:
         feed = []
