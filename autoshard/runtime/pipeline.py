@@ -15,8 +15,9 @@ and ``param.grad`` holds what it held before the call.
 What a step does around torch's schedule is done once a step, not per microbatch: each
 program's parameters are looked up and their shares made once (``Shares``, ``StageProgram.begin``),
 the microbatches' gradients add up on the shares and are handed on once after the schedule, and
-on the CPU the ranks post the loss's receive before the schedule, so that the last stage's send
-has arrived when their schedule ends (``Runner._loss_posted``).
+on the CPU the ranks post the receives of the loss and of a tied parameter's gradient shares
+before the schedule, so that what a rank whose schedule ended earlier sent has arrived when
+theirs ends (``Runner._loss_posted``, ``Runner._ties_posted``).
 """
 from __future__ import annotations
 
@@ -246,6 +247,8 @@ class Runner:
         for module in self.modules:
             module.calls, module.reduce_at = 0, self.microbatches - 1 if synced else None
             module.begin()
+        # a schedule that raises leaves these receives unmatched, as it leaves its own sends: a
+        # pipeline whose step failed is not run again
         posted, tied = self._loss_posted(), self._ties_posted()
         try:   # the microbatches' gradients added up on the shares, taken once after them
             self.schedule.step(target=target, losses=losses, return_outputs=False, **batch)
