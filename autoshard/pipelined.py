@@ -25,7 +25,7 @@ from autoshard.runtime import agree, optim
 from autoshard.placement import local_shape
 from autoshard.runtime.mesh import RankMesh, dtensor_placements, make_joint_groups
 from autoshard.arguments import SPLIT_BACKWARD
-from autoshard.runtime.pipeline import Runner, StageProgram
+from autoshard.runtime.pipeline import Runner, Shares, StageProgram
 
 AXIS_NAMES = ("pipeline", "axis1", "axis2", "axis3", "axis4")
 
@@ -122,6 +122,7 @@ class ParallelPipeline(nn.Module):
         joint: dict = {}
         made: dict = {}   # the model's parameters as sharded, by id: two chunks of a rank may hold one
         chunks, programs = [], []
+        shares = Shares()   # the parameters' shares the rank's programs take, one per parameter
         # zero bubble runs each parameter group's weight pass on its own: no gradient bucket (the
         # schedule pass's) may span groups, and what a microbatch keeps unreduced hands on zeros
         split = plan.schedule in SPLIT_BACKWARD
@@ -139,7 +140,8 @@ class ParallelPipeline(nn.Module):
             takes = _crossing(stages, s, at, inner)
             gives = _crossing(stages, s + 1, at, inner) if s + 1 < n else torch.zeros((), dtype=stages.loss_dtype, device=at)
             chunks.append((StageProgram(program, held, _slots(graph, held, device), rank_mesh, first=s == 0,
-                                        last=s == n - 1, split_backward=split, reads=stages.reads[s]), s, takes, gives))
+                                        last=s == n - 1, split_backward=split, reads=stages.reads[s], shares=shares),
+                           s, takes, gives))
             programs.append(program)
         _joint_groups(mesh, {tuple(a) for prog in programs for a in prog.meta["joint_axes"]}, joint)
         holder = _holder([c[0].held for c in chunks])
@@ -222,15 +224,21 @@ def _crossing(stages, s: int, at, inner: tuple) -> tuple:
 
 
 def _slots(graph, held: nn.Module, device) -> list:
-    """Per parameter and buffer placeholder of a stage's program: ("param", name), ("buffer",
-    name), or the constant it takes."""
+    """Per parameter and buffer placeholder of a stage's program: (registry name, module,
+    attribute), the program reading ``getattr(module, registry)[attribute]`` at each step, or the
+    constant it takes."""
     slots = []
     buffers = dict(held.named_buffers())
     for n in graph.nodes:
+        if n.kind not in ("param", "buffer"):
+            continue
+        prefix, _, name = n.fqn.rpartition(".")
         if n.kind == "param":
-            slots.append(("param", n.fqn))
-        elif n.kind == "buffer":
-            slots.append(("buffer", n.fqn) if n.fqn in buffers else graph.exported.constants[n.fqn].to(device))
+            slots.append(("_parameters", held.get_submodule(prefix), name))
+        elif n.fqn in buffers:
+            slots.append(("_buffers", held.get_submodule(prefix), name))
+        else:
+            slots.append(graph.exported.constants[n.fqn].to(device))
     return slots
 
 

@@ -175,9 +175,9 @@ def _whole(n):
 def to_local(x, placement: tuple):
     """A user input, whole on every rank, cut to this rank's share."""
     m = _mesh()
-    dst = tuple(pl.parse(p) for p in placement)
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) or _one_device(m):
         return x
+    dst = tuple(pl.parse(p) for p in placement)
     if x.requires_grad:
         return _ToLocal.apply(x, dst, m)
     return _convert(x, _whole(len(dst)), dst, m, tuple(x.shape))
@@ -188,10 +188,18 @@ def to_whole(x, placement: tuple, shape: tuple = None):
     which is the dual of each placement after a slice (S), as is (P) or kept on one rank (B).
     ``shape``: the whole shape (needed where a split is uneven)."""
     m = _mesh()
+    if _one_device(m):
+        return x
     src = tuple(pl.parse(p) for p in placement)
     if x.requires_grad:
         return _ToWhole.apply(x, src, m, shape)
     return _convert(x, src, _whole(len(src)), m, shape)
+
+
+def _one_device(m: RankMesh) -> bool:
+    """A mesh of one device (a pipeline's stage of one rank): every conversion is the identity,
+    its gradient's too, and a user's input or a result passes as it is, without an autograd node."""
+    return all(size == 1 for size in m.shape)
 
 
 class _ToWhole(torch.autograd.Function):

@@ -6,7 +6,6 @@ and gradients kept unreduced under ``ParallelModule.no_sync``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
 from types import SimpleNamespace
@@ -107,7 +106,7 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 
     def hand_back(leaf):
         p = owner()
-        if p is not None and not _HELD[0]:
+        if p is not None:
             _hand_back(leaf, p)
 
     leaf.register_post_accumulate_grad_hook(hand_back)
@@ -117,45 +116,27 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
 
 # parameter -> (its local tensor, its leaf); keyed by identity, as tensors compare elementwise
 _SHARES = WeakIdKeyDictionary()
-_HELD = [0]   # > 0: the shares keep their gradients, handed on by ``hand_back`` (``held_on_shares``)
-
-
-@contextlib.contextmanager
-def held_on_shares():
-    """Within: backward leaves each gradient on the parameter's share, where autograd adds up
-    several backward passes (a pipeline's microbatches) itself, and ``hand_back`` hands it to
-    ``param.grad`` once after them, rather than a DTensor built and added at every pass. A plain
-    counter, not a thread's: autograd may run the hooks on its own threads."""
-    _HELD[0] += 1
-    try:
-        yield
-    finally:
-        _HELD[0] -= 1
-
-
-def hand_back(p: torch.Tensor) -> None:
-    """Whatever gradient ``p``'s share (``param_share``) holds that backward's hook did not hand
-    on (a gradient set on the share directly: torch's zero-bubble weight pass), added to ``p.grad``."""
-    hit = _SHARES.get(p)
-    if hit is not None and hit[1].grad is not None:
-        _hand_back(hit[1], p)
 
 
 def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
     g, leaf.grad = leaf.grad, None
     if g is None:   # its reduction held back (no_sync): nothing to hand on
         return
-    # the gradient is in the parameter's placement (the program reduced it there: grad_sync), and
-    # in its share's strides (autograd's layout contract for a leaf's gradient)
-    if g.stride() == leaf.stride():
-        grad = dtensor_like(p, g)
-    else:
-        from torch.distributed.tensor import DTensor
-        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+    grad = share_grad(p, leaf, g)
     if p.grad is None:
         p.grad = grad
     else:   # accumulation over several backward passes
         p.grad.add_(grad)
+
+
+def share_grad(p: torch.Tensor, leaf: torch.Tensor, g: torch.Tensor):
+    """The gradient ``g`` of ``p``'s share ``leaf`` as a DTensor gradient of ``p``: it is in the
+    parameter's placement (the program reduced it there: grad_sync), and in its share's strides
+    (autograd's layout contract for a leaf's gradient) or, where not, rebuilt from them."""
+    if g.stride() == leaf.stride():
+        return dtensor_like(p, g)
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
 
 
 # ---- scheduled collectives: start/wait pairs (built by passes.schedule) ----------------------
