@@ -583,6 +583,24 @@ def test_cuts_balance_the_slowest_stage_with_its_sends():
     assert best_cuts(dear, 2, sends) == (5.0, (0, 3))
 
 
+def test_schedules_priced_with_what_their_microbatches_in_flight_recompute():
+    """The search's estimate of each schedule: 1F1B ``(m + k - 1)`` stage times; interleaved
+    ``(m + (k - 1) / 2)`` times a rank's two chunks; where a chunk's microbatches in flight
+    overflow its share of the budget, the part that overflows is recomputed (a third more of its
+    blocks' time for all of it)."""
+    from autoshard.planner.pipeline_search import Held, Prices, schedule_steps
+    prices, free = Prices((1.0,) * 8, ((),) * 8), (lambda sends: 0.0)
+    roomy = schedule_steps(prices, 2, 4, free, (2, 1))
+    assert [(t, s, v, starts) for t, s, v, starts in roomy] == [(20.0, "1F1B", 1, (0, 4)),
+                                                                 (18.0, "Interleaved1F1B", 2, (0, 2, 4, 6))]
+    # a block's activations 1 byte, the budget 8: 1F1B's first stage keeps 2 microbatches of 4
+    # blocks, within it; interleaved's first chunk 4 of 2 blocks in half of it (4 over, half
+    # recomputed: 2 x 7/6), its third 2 of 2 (within): rank 0 at 2 x 7/6 + 2
+    tight = schedule_steps(prices, 2, 4, free, (2, 1), Held(state=0.0, block=1.0, budget=8.0))
+    assert tight[0][:2] == (20.0, "1F1B") and tight[1][1] == "Interleaved1F1B"
+    assert tight[1][0] == pytest.approx(4.5 * (2 * 7 / 6 + 2))
+
+
 def _searched(cluster):
     with torch.device("meta"):
         model = GPT(layers=4, d=512, heads=8, vocab=32000, seq=256)
@@ -600,6 +618,8 @@ def test_search_cuts_stages_across_a_slow_network():
     unpiped = plan.candidates[-1]
     assert unpiped["pipeline"] == 1 and plan.cost < unpiped["estimate"]
     assert "pipelines searched" in str(plan)
+    # interleaving twice the sends across this network costs more than the bubble it saves
+    assert plan.schedule == "1F1B" and plan.candidates[0]["schedule"] == "1F1B"
 
 
 def test_search_keeps_an_nvlink_world_unpiped():
@@ -607,6 +627,28 @@ def test_search_keeps_an_nvlink_world_unpiped():
     fast = PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=600e9, inter_latency=5e-6)
     plan = _searched(fast)
     assert not isinstance(plan, PipelinePlan), str(plan)
+
+
+def test_search_weighs_the_interleaved_schedule():
+    """Where a step's bubble costs more than sending twice as often, the search runs two chunks
+    a rank interleaved (a network of 16 GB/s a node, 2 microbatches of a GPT of 8 wide blocks):
+    the choice agrees with the two schedules planned on the same stages and microbatches, and the
+    summary lists both schedules' estimates. Across a slower network (the test above) 1F1B."""
+    from autoshard.machine.cluster import PRESETS
+    cluster = PRESETS["a100-80gb-nvlink-ib"].with_(gpus_per_node=4, inter_bandwidth=16e9)
+    with torch.device("meta"):
+        model = GPT(layers=8, d=2048, heads=8, vocab=32000, seq=512)
+    idx = torch.zeros(8, 512, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, (idx, idx), world=8, cluster=cluster, verbose=False)
+    assert isinstance(plan, PipelinePlan), str(plan)
+    assert (plan.schedule, plan.virtual) == ("Interleaved1F1B", 2), str(plan)
+    weighed = {(c["schedule"], c["virtual"]) for c in plan.candidates if c["pipeline"] > 1}
+    assert weighed == {("1F1B", 1), ("Interleaved1F1B", 2)}, plan.candidates
+    assert "Interleaved1F1B x2" in str(plan) and plan.cost < plan.candidates[-1]["estimate"]
+    fixed = {v: autoshard.plan(model, (idx, idx), world=8, mesh=tuple(plan.mesh_shape), pipeline=2, virtual=v,
+                               microbatches=plan.microbatches, cluster=cluster, verbose=False) for v in (1, 2)}
+    assert fixed[1].schedule == "1F1B" and fixed[2].cost < fixed[1].cost, (fixed[1].cost, fixed[2].cost)
+    assert [len(plan.chunks(r)) for r in range(2)] == [2, 2]
 
 
 def test_a_few_blocks_price_the_whole_stack():

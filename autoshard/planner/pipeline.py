@@ -180,8 +180,9 @@ class PipelinePlan:
         lines += timeline(self.schedule, k, m, virtual=v)
         if self.candidates:
             lines += ["", "pipelines searched (estimated step; pipelines by their block prices):"]
-            lines += [f"  pipeline {c['pipeline']:<3} mesh {tuple(c['mesh'])!s:<16} {_ms(c['estimate'])}"
-                      for c in self.candidates]
+            lines += [f"  pipeline {c['pipeline']:<3} mesh {tuple(c['mesh'])!s:<16} "
+                      f"{c.get('schedule', '') + (' x' + str(c['virtual']) if c.get('virtual', 1) > 1 else ''):<18} "
+                      f"{_ms(c['estimate'])}" for c in self.candidates]
         return "\n".join(lines)
 
     def to_html(self, path=None) -> str:

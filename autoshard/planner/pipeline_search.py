@@ -21,8 +21,9 @@ from autoshard.cost.sends import send_seconds
 from autoshard.passes.capture import capture, normalize_inputs
 from autoshard.passes.stages import block_stack, short_stack
 from autoshard.plan import Plan
-from autoshard.planner.pipeline import microbatch_inputs, plan_pipeline, reduction
+from autoshard.planner.pipeline import in_flight, microbatch_inputs, plan_pipeline, reduction, step_slots
 from autoshard.planner.solution import NoPlanInTime
+from autoshard.runtime.pipeline import check_schedule, schedule_name
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,63 @@ def best_cuts(prices: Prices, k: int, sends) -> tuple:
         j = back[s][j]
         starts.append(j)
     return best[k][n], tuple(reversed(starts))
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a rank holds, to price what its in-flight microbatches make it recompute: the whole
+    stack's parameter state on one stage's mesh (bytes per rank), a block's activations for one
+    microbatch (bytes per rank), and the budget."""
+    state: float
+    block: float
+    budget: float
+
+
+def rank_seconds(prices: Prices, starts, k: int, sends, flights=None, held: Held = None) -> float:
+    """Seconds of one microbatch through the slowest rank's chunks, the blocks cut at ``starts``
+    (chunk ``c`` on pipeline coordinate ``c mod k``), each chunk's blocks and the sends of the cut
+    after it. With ``flights`` (the microbatches each chunk keeps in flight) and ``held``: a
+    chunk whose in-flight activations overflow its share of the budget (its rank's over its
+    chunks, as ``plan_pipeline`` plans it) recomputes the part ``f`` that overflows, a forward
+    of its blocks again, about a third of a microbatch's forward and backward: ``(1 + f / 3)``
+    times its blocks' seconds."""
+    n = len(prices.seconds)
+    bounds = tuple(starts) + (n,)
+    chunk = []
+    for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        seconds = sum(prices.seconds[a:b])
+        if flights is not None and held is not None:
+            budget = held.budget * k / len(starts)
+            kept = flights[c] * (b - a) * held.block
+            over = held.state * (b - a) / n + kept - budget
+            if over > 0 and kept > 0:
+                seconds *= 1 + min(1.0, over / kept) / 3
+        chunk.append(seconds + (sends(prices.crossing[b]) if b < n else 0.0))
+    return max(sum(chunk[r::k]) for r in range(k))
+
+
+def schedule_steps(prices: Prices, k: int, m: int, sends, mesh_shape: tuple, held: Held = None) -> list:
+    """(seconds of a step's microbatches, schedule, chunks per rank, first block of each chunk)
+    of each schedule the search weighs on ``k`` stages and ``m`` microbatches: 1F1B (GPipe where
+    ``m < k``), and interleaved 1F1B with two chunks a rank where the stack holds ``2k`` blocks and
+    the microbatches split into its rounds: a bubble ``v`` times shorter for ``v`` times the
+    sends, and a chunk's share of the budget for its microbatches in flight (``held``: what
+    overflows it, recomputed, ``rank_seconds``). Zero bubble is not weighed: its stages run
+    without the schedule pass (no gradient bucket overlaps the backward), which its price does
+    not count, so it would win on a price it does not keep."""
+    out = []
+    for v in (1, 2):
+        schedule = schedule_name(k, m, v)
+        if len(prices.seconds) < k * v:
+            continue
+        try:
+            check_schedule(schedule, mesh_shape, m)
+        except ValueError:
+            continue
+        _, starts = best_cuts(prices, k * v, sends)
+        seconds = rank_seconds(prices, starts, k, sends, in_flight(schedule, k, m, v), held)
+        out.append((step_slots(schedule, k, m, v) * seconds, schedule, v, starts))
+    return out
 
 
 SHORT = 3   # blocks of the model that prices a degree: the first, one standing for the middle, the last
@@ -260,25 +318,31 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
             planned = None
         if planned is None:
             continue   # not this degree
-        slot, starts = best_cuts(stretched(block_prices(priced, planned), len(indices)), k,
-                                 lambda sends: send_seconds(sends, (k,) + inner, cluster))
+        prices = stretched(block_prices(priced, planned), len(indices))
         # the gradients' reduction, of the whole model's parameters where the shorter one priced it
         grads = reduction(planned) * param_bytes(graph) / max(param_bytes(priced), 1)
-        ranked.append(((m + k - 1) * slot + grads / k, k, inner, m, starts, whole))
-    for estimate, k, inner, m, starts, whole in sorted(ranked):
+        mem = planned.memory
+        held = Held(sum(mem.get(part, 0) for part in ("parameters", "gradients", "optimizer"))
+                    * param_bytes(graph) / max(param_bytes(priced), 1),
+                    mem.get("activations", 0) / len(block_stack(priced)[1]), budget)
+        for step, schedule, v, starts in schedule_steps(
+                prices, k, m, lambda sends, k=k, inner=inner: send_seconds(sends, (k,) + inner, cluster), (k,) + inner,
+                held):
+            ranked.append((step + grads / k, k, inner, m, schedule, v, starts, whole))
+    ranked.sort()
+    for estimate, k, inner, m, schedule, v, starts, whole in ranked[:2]:   # the cheapest; the next where it fails
         if estimate >= base.cost:
             break
         # and the chosen degree's stages share another
         try:
             plan = plan_pipeline(model, example_inputs, (k,) + inner, dataclasses.replace(
-                stage_options, pipeline=k, microbatches=m, time_limit=options.time_limit / k,
-                pin=keeping(inner, whole)), plan_stage, starts=starts)
+                stage_options, pipeline=k, microbatches=m, virtual=v, schedule=schedule,
+                time_limit=options.time_limit / k, pin=keeping(inner, whole)), plan_stage, starts=starts)
         except (ValueError, NoPlanInTime):
-            break
+            continue
         if plan.cost < base.cost and all(plan.memory(s) <= budget for s in plan.stages):
-            plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, estimate=e)
-                               for e, k, inner, m, *_ in sorted(ranked)] + [dict(pipeline=1, mesh=list(base.mesh_shape),
-                                                                               estimate=base.cost)]
+            plan.candidates = [dict(pipeline=k, mesh=list((k,) + inner), microbatches=m, schedule=schedule,
+                                    virtual=v, estimate=e) for e, k, inner, m, schedule, v, *_ in ranked] + \
+                [dict(pipeline=1, mesh=list(base.mesh_shape), estimate=base.cost)]
             return plan
-        break
     return base
