@@ -375,12 +375,12 @@ def test_module_compile_reorders_collectives(world2_results):
     for r in world2_results[("method", "megatron")]:
         _check(r)
         assert r["spec_guards"] == 0, r["spec_guards"]
-    for r in world2_results[("user", "megatron")]:
-        assert r["spec_guards"] >= len(r["grads"]), (r["spec_guards"], len(r["grads"]))
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
         forward, backward = r["order"]
         assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
         assert _hidden(backward) >= 3, backward
+    for r in world2_results[("user", "megatron")]:
+        assert r["spec_guards"] >= len(r["grads"]), (r["spec_guards"], len(r["grads"]))
 
 
 def test_compiled_fsdp_packs_its_bucket_gradients_by_one_cat(world2_results):
