@@ -422,10 +422,11 @@ class ParallelModule(nn.Module):
 
     def compile(self, **kwargs) -> None:
         """``nn.Module.compile``: the module's call compiled in place by ``torch.compile(**kwargs)``,
-        by default with static shapes and, under inductor, the comm reordering passes that
-        ``compile=True`` runs (``passes.compile.users_compile_kwargs``). ``torch.compile(module)``
-        takes only the options it is given."""
-        super().compile(**users_compile_kwargs(kwargs))
+        by default with static shapes, under inductor the comm reordering passes that
+        ``compile=True`` runs, and with no guard on the parameters' layouts, which the plan fixes
+        (``passes.compile.users_compile_kwargs``). ``torch.compile(module)`` takes only the
+        options it is given."""
+        super().compile(**users_compile_kwargs(kwargs, self))
 
     def manual_seed(self, seed: int) -> None:
         """Seed the generator every rank shares for random ops (dropout)."""
@@ -737,23 +738,31 @@ class _Feed:
             return model.get_submodule(prefix), name
 
         constants = graph.exported.constants
-        self._slots = []   # (registry name, module, attribute) or a constant tensor
-        for n in graph.nodes:
+        # each placeholder's tensor: a constant the graph lifted, else a name in a module's
+        # parameter or buffer registry. Grouped by registry, so that a traced forward (a user's
+        # compile) reaches each registry by one path: dynamo guards an object reached by two
+        # (a module's weight and bias) with an aliasing check evaluated in Python at every call
+        placeholders = [n for n in graph.nodes if n.kind in ("param", "buffer")]
+        self._count, self._constants, by_registry = len(placeholders), [], {}
+        for i, n in enumerate(placeholders):
             if n.kind == "param":
-                self._slots.append(("_parameters", *owner(n.fqn)))
-            elif n.kind == "buffer":   # a module's buffer, or a constant the graph lifted
-                try:
-                    mod, name = owner(n.fqn)
-                except AttributeError:
-                    mod, name = None, None
-                if mod is not None and mod._buffers.get(name) is not None:
-                    self._slots.append(("_buffers", mod, name))
-                else:
-                    self._slots.append(constants[n.fqn].to(device))
+                mod, name = owner(n.fqn)
+                by_registry.setdefault(id(mod._parameters), (mod._parameters, True, []))[2].append((name, i))
+                continue
+            try:   # a module's buffer, or a constant the graph lifted
+                mod, name = owner(n.fqn)
+            except AttributeError:
+                mod, name = None, None
+            if mod is not None and mod._buffers.get(name) is not None:
+                by_registry.setdefault(id(mod._buffers), (mod._buffers, False, []))[2].append((name, i))
+            else:
+                self._constants.append((i, constants[n.fqn].to(device)))
+        self._registries = [(registry, params, tuple(names)) for registry, params, names in by_registry.values()]
         self._outs = []
         for spec in graph.exported.graph_signature.output_specs:
             if spec.kind == OutputKind.BUFFER_MUTATION:
-                self._outs.append(owner(spec.target))
+                mod, name = owner(spec.target)
+                self._outs.append((mod._buffers, name))
             elif spec.kind == OutputKind.USER_OUTPUT:
                 self._outs.append(None)
             else:
@@ -765,14 +774,12 @@ class _Feed:
         self.mesh_shape = tuple(plan.mesh_shape)
 
     def inputs(self) -> list:
-        feed = []
-        for slot in self._slots:
-            if isinstance(slot, torch.Tensor):
-                feed.append(slot)
-            elif slot[0] == "_parameters":
-                feed.append(runtime.param_share(slot[1]._parameters[slot[2]]))
-            else:
-                feed.append(slot[1]._buffers[slot[2]])
+        feed = [None] * self._count
+        for i, t in self._constants:
+            feed[i] = t
+        for registry, params, names in self._registries:
+            for name, i in names:
+                feed[i] = runtime.param_share(registry[name]) if params else registry[name]
         return feed
 
     def outputs(self, outs):
@@ -782,5 +789,5 @@ class _Feed:
                 user.append(value)
             else:
                 with torch.no_grad():
-                    target[0]._buffers[target[1]].copy_(value)
+                    target[0][target[1]].copy_(value)
         return tree_unflatten(user, self._out_spec)

@@ -13,6 +13,8 @@ Contenders, every one from the same weights on the same global batch:
                  (``_compat.comm_overlap_options``), in the order inductor keeps by default (``--inorder``)
   as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
                  compile around the parallel module, traced whole                (``--user``)
+  as-user-method ``module.compile()`` of the same (nn.Module's, which the parallel module overrides:
+                 the comm passes, and no guards on the parameters' layouts)      (``--user``)
   ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
   fsdp2-compiled ``fully_shard`` on each block and the root, then ``torch.compile``, each rank its share
 
@@ -20,12 +22,16 @@ A step is forward (the loss), backward, SGD step, zero_grad. The first step of e
 compile, for the compiled ones; planning is done before) is timed apart and reported as its
 compile seconds. Then rounds: each runs one step of every contender, in an order shuffled anew
 (seeded by the round, the same on every rank); a step's time is the slowest rank's, from a barrier
-to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians after.
+to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians after. ``--guards``
+also reports, per compiled contender, the guard trees dynamo built on its first step (lines,
+checks run in Python) and the time one call's check takes (rank 0, warm, interleaved rounds of
+200 checks each, median), the part of each call spent before the compiled code runs.
 
     python benchmarks/compile.py                 # world 2, the small GPT, 20 rounds
     python benchmarks/compile.py --megatron --rounds 30 --d 128
     python benchmarks/compile.py --only as-eager as-mt-eager --megatron   # eager alone (before/after a change)
     python benchmarks/compile.py --only as-compiled ddp-compiled --profile 15   # where a step's time goes
+    python benchmarks/compile.py --user --guards --only as-user-compiled as-user-method ddp-compiled
     python benchmarks/compile.py --megatron --inorder --only as-eager as-compiled as-compiled-inorder \
         as-mt-eager as-mt-compiled as-mt-compiled-inorder     # what the comm passes gain
 """
@@ -95,6 +101,12 @@ def _contenders(a) -> dict:
     if a.user:
         made["as-user-compiled"] = lambda: (torch.compile(ours(dp_pin, False)[0]), batch)
 
+        def method():
+            m = ours(dp_pin, False)[0]
+            m.compile()
+            return m, batch
+        made["as-user-method"] = method
+
     def ddp():
         from torch.nn.parallel import DistributedDataParallel
         return torch.compile(DistributedDataParallel(copy.deepcopy(base))), _share(batch)
@@ -121,10 +133,33 @@ def _timed(fn) -> float:
     return took.item()
 
 
+def _guard_costs(guards: dict, rounds: int = 15, calls: int = 200) -> dict:
+    """Per contender: its guard trees' lines, the checks among them evaluated in Python
+    (``LAMBDA_GUARD``: a DTensor's spec, an object reached by two paths), and the median
+    microseconds one call spends checking them all, over interleaved rounds."""
+    times = {n: [] for n in guards}
+    for r in range(rounds):
+        order = sorted(guards)
+        random.Random(r).shuffle(order)
+        for name in order:
+            t = time.perf_counter()
+            for _ in range(calls):
+                for manager, scope in guards[name]:
+                    manager.check(scope)
+            times[name].append((time.perf_counter() - t) / calls * 1e6)
+    out = {}
+    for name, built in guards.items():
+        trees = [str(manager) for manager, _ in built]
+        out[name] = {"frames": len(trees), "lines": sum(len(t.splitlines()) for t in trees),
+                     "python": sum(t.count("LAMBDA_GUARD") for t in trees), "us": statistics.median(times[name])}
+    return out
+
+
 def run(a) -> dict:
+    from autoshard._compat import guards_built
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    built, errors, compile_s, first_loss = {}, {}, {}, {}
+    built, errors, compile_s, first_loss, guards = {}, {}, {}, {}, {}
     for name, make in _contenders(a).items():
         try:
             model, inputs = make()
@@ -137,8 +172,11 @@ def run(a) -> dict:
                 opt.zero_grad()
                 return loss.detach()
 
-            compile_s[name] = _timed(step)   # the first step: compiles (autoshard: plans were made above)
+            with guards_built([]) as trees:
+                compile_s[name] = _timed(step)   # the first step: compiles (autoshard: plans were made above)
             built[name] = step
+            if a.guards and trees:
+                guards[name] = trees
         except Exception as e:  # noqa: BLE001 - a contender that cannot run here says why in its row
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     times = {n: [] for n in built}
@@ -157,7 +195,8 @@ def run(a) -> dict:
                 for _ in range(5):
                     built[name]()
             profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile)
-    return {"times": times, "compile_s": compile_s, "errors": errors, "profiles": profiles}
+    return {"times": times, "compile_s": compile_s, "errors": errors, "profiles": profiles,
+            "guards": _guard_costs(guards) if guards else {}}
 
 
 def report(a, res):
@@ -174,11 +213,18 @@ def report(a, res):
         else:
             print(f"| {n} | not run: {res['errors'][n]} | |")
     print()
+    if res.get("guards"):
+        print("| contender | frames | guard tree lines | checks in Python | us per call's check (rank 0) |")
+        print("|---|---|---|---|---|")
+        for n, g in sorted(res["guards"].items()):
+            print(f"| {n} | {g['frames']} | {g['lines']} | {g['python']} | {g['us']:.1f} |")
+        print()
     pairs = [("as-compiled", "as-eager"), ("as-mt-compiled", "as-mt-eager"), ("as-compiled-inorder", "as-eager"),
              ("as-mt-compiled-inorder", "as-mt-eager"), ("as-compiled", "as-compiled-inorder"),
              ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"), ("as-fsdp-compiled-inorder", "as-fsdp-eager"),
              ("as-fsdp-compiled", "as-fsdp-compiled-inorder"),
              ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-user-compiled", "ddp-compiled"),
+             ("as-user-method", "ddp-compiled"), ("as-user-method", "as-user-compiled"),
              ("as-fsdp-compiled", "fsdp2-compiled")]
     for x, y in pairs:
         if x in med and y in med:
@@ -201,6 +247,8 @@ def main():
     p.add_argument("--fsdp", action="store_true", help="also autoshard pinned FSDP, eager and compiled")
     p.add_argument("--inorder", action="store_true", help="also compiled without inductor's comm reordering passes")
     p.add_argument("--user", action="store_true", help="also the user's own torch.compile of the data-parallel module")
+    p.add_argument("--guards", action="store_true",
+                   help="also the compiled contenders' guard trees and the time a call spends checking them")
     p.add_argument("--only", nargs="+", help="run only these contenders")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print rank 0's N busiest ops of each contender over 5 more steps")

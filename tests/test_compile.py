@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from autoshard._compat import generated_code, graphs_compiled
+from autoshard._compat import generated_code, graphs_compiled, guards_built
 from cases import by_case, rel_err, run_each, step_on_the_same_gradients
 from models import GPT
 
@@ -88,12 +88,17 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
             loss.backward()
         return losses
 
+    trees = []
     if compile_option or method:
-        losses, code = generated_code(step)
+        with guards_built(trees):
+            losses, code = generated_code(step)
         out["order"] = [_overlap(c) for c in code]
         out["slice_backward"] = sum(c.count("slice_backward") for c in code)
     else:
-        losses = step()
+        with guards_built(trees):
+            losses = step()
+    # the checks dynamo runs in Python at every call on a DTensor parameter's spec
+    out["spec_guards"] = sum(str(manager).count("__dtensor_spec") for manager, _ in trees)
     ref_params, eager_params = dict(ref.named_parameters()), dict(pe.named_parameters())
     out["loss"] = (rel_err(losses[0], losses[2]), rel_err(losses[0], losses[1]))
     out["grads"] = {n: (rel_err(p.grad.full_tensor(), ref_params[n].grad),
@@ -364,13 +369,18 @@ def test_compiled_megatron_waits_after_the_weight_gradients(world2_results):
 def test_module_compile_reorders_collectives(world2_results):
     """``module.compile()`` (inductor) runs the comm passes that compile=True runs: the Megatron
     backward's all-reduces wait after the weight gradients, as in
-    test_compiled_megatron_waits_after_the_weight_gradients; no graph break, exact."""
+    test_compiled_megatron_waits_after_the_weight_gradients; no graph break, exact. It checks no
+    parameter's layout at each call (``_compat.fixed_layout_guards``), where ``torch.compile``
+    of the module checks every DTensor parameter's spec."""
     for r in world2_results[("method", "megatron")]:
         _check(r)
+        assert r["spec_guards"] == 0, r["spec_guards"]
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
         forward, backward = r["order"]
         assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
         assert _hidden(backward) >= 3, backward
+    for r in world2_results[("user", "megatron")]:
+        assert r["spec_guards"] >= len(r["grads"]), (r["spec_guards"], len(r["grads"]))
 
 
 def test_compiled_fsdp_packs_its_bucket_gradients_by_one_cat(world2_results):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard._compat import comm_overlap_options
+from autoshard._compat import comm_overlap_options, fixed_layout_guards
 
 
 def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=None) -> torch.nn.Module:
@@ -34,11 +34,17 @@ def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=
     return torch.compile(out, backend=backend, mode=mode, options=options, dynamic=False, fullgraph=True)
 
 
-def users_compile_kwargs(kwargs: dict) -> dict:
+def users_compile_kwargs(kwargs: dict, module: torch.nn.Module) -> dict:
     """``torch.compile``'s arguments for ``ParallelModule.compile``: those given, with static
-    shapes (each input shape is its own program) and, for inductor with neither ``mode`` nor
-    ``options`` given, the comm reordering passes ``compile=True`` runs."""
+    shapes (each input shape is its own program), for inductor with neither ``mode`` nor
+    ``options`` given the comm reordering passes ``compile=True`` runs, and, unless the options
+    hold a ``guard_filter_fn`` of their own, ``fixed_layout_guards(module)`` (which travels in
+    the options, so not with a ``mode``: torch.compile takes one or the other)."""
     out = {"dynamic": False, **kwargs}
-    if out.get("backend", "inductor") == "inductor" and out.get("mode") is None and out.get("options") is None:
+    if out.get("mode") is not None:
+        return out
+    if out.get("backend", "inductor") == "inductor" and out.get("options") is None:
         out["options"] = comm_overlap_options()
+    # a copy: torch.compile pops the filter from the dict it is given
+    out["options"] = {"guard_filter_fn": fixed_layout_guards(module), **(out.get("options") or {})}
     return out
