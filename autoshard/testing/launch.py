@@ -5,6 +5,7 @@ torch are paid once per program, not once per rank and group."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue
 import signal
@@ -49,6 +50,9 @@ def _worker(rank, world, port, backend, timeout_s, jobs, results, environ):
     # spawned process would have it (multiprocessing brings the import path and directory)
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank that crashes (a signal) prints its threads' Python stacks to stderr before it dies,
+    # beside the caller's "killed by signal" report
+    faulthandler.enable()
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group(backend, rank=rank, world_size=world,
