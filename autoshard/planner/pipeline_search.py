@@ -131,6 +131,15 @@ class Held:
     block: float
     budget: float
 
+    @staticmethod
+    def of(planned, priced, graph, budget: float) -> "Held":
+        """From ``planned``, the plan of ``priced`` (the first blocks of ``graph``): its
+        parameters' state scaled to ``graph``'s parameters, its activations per block."""
+        mem = planned.memory
+        state = sum(mem.get(part, 0) for part in ("parameters", "gradients", "optimizer"))
+        return Held(state * param_bytes(graph) / max(param_bytes(priced), 1),
+                    mem.get("activations", 0) / len(block_stack(priced)[1]), budget)
+
 
 def rank_seconds(prices: Prices, starts, k: int, sends, flights=None, held: Held = None) -> float:
     """Seconds of one microbatch through the slowest rank's chunks, the blocks cut at ``starts``
@@ -211,12 +220,10 @@ def stretched(prices: Prices, n: int) -> Prices:
     return Prices((s[0],) + (s[1],) * (n - 2) + (s[-1],), (c[0], c[1]) + (c[2],) * (n - 2))
 
 
-def stage_bytes(planned, priced, graph, k: int) -> float:
-    """Bytes per rank of a stage of ``graph`` cut ``k`` ways, by ``planned``, the plan of ``priced``
-    (its first blocks): its parameters' share with their state, and a microbatch's activations."""
-    mem, blocks = planned.memory, len(block_stack(graph)[1]) / len(block_stack(priced)[1])
-    state = sum(mem.get(part, 0) for part in ("parameters", "gradients", "optimizer"))
-    return (state * param_bytes(graph) / max(param_bytes(priced), 1) + mem.get("activations", 0) * blocks) / k
+def stage_bytes(held: Held, graph, k: int) -> float:
+    """Bytes per rank of a stage of ``graph`` cut ``k`` ways: its parameters' share with their
+    state, and a microbatch's activations."""
+    return (held.state + held.block * len(block_stack(graph)[1])) / k
 
 
 def param_bytes(graph) -> int:
@@ -313,7 +320,7 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
                                                                         pin=pins or None))
             except (ValueError, NoPlanInTime):   # none within the budget, or in its time
                 continue
-            if not whole or stage_bytes(planned, priced, graph, k) <= budget:
+            if not whole or stage_bytes(Held.of(planned, priced, graph, budget), graph, k) <= budget:
                 break
             planned = None
         if planned is None:
@@ -321,10 +328,7 @@ def search_pipeline(model, example_inputs, graph, world: int, options, base: Pla
         prices = stretched(block_prices(priced, planned), len(indices))
         # the gradients' reduction, of the whole model's parameters where the shorter one priced it
         grads = reduction(planned) * param_bytes(graph) / max(param_bytes(priced), 1)
-        mem = planned.memory
-        held = Held(sum(mem.get(part, 0) for part in ("parameters", "gradients", "optimizer"))
-                    * param_bytes(graph) / max(param_bytes(priced), 1),
-                    mem.get("activations", 0) / len(block_stack(priced)[1]), budget)
+        held = Held.of(planned, priced, graph, budget)
         for step, schedule, v, starts in schedule_steps(
                 prices, k, m, lambda sends, k=k, inner=inner: send_seconds(sends, (k,) + inner, cluster), (k,) + inner,
                 held):
