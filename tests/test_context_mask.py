@@ -116,8 +116,10 @@ RING = "autoshard_runtime_ring_attention("
 # (kind, mesh, form): world 2 on (2,); world 4 on (2, 2) (data x context), and (4,)
 MASKS = ["window", "padding", "bias", "causal+window"]
 CASES_2 = [(kind, (2,), form) for kind in MASKS for form in ("allgather", "ring")]
-CASES_4 = [(kind, mesh, form) for kind, mesh in [("window", (4,))] + [(k, (2, 2)) for k in MASKS]
-           for form in ("allgather", "ring")]
+# world 4: (4,) in both forms, and each mask once on (2, 2), each form twice (world 2 runs every
+# mask in both forms on (2,))
+CASES_4 = [("window", (4,), "allgather"), ("window", (4,), "ring"), ("window", (2, 2), "allgather"),
+           ("padding", (2, 2), "ring"), ("bias", (2, 2), "allgather"), ("causal+window", (2, 2), "ring")]
 
 
 def _check(res, kind, mesh, form):
@@ -139,8 +141,9 @@ def _check(res, kind, mesh, form):
 BALANCED = ["causal+window", "causal+padding", "causal+bias"]
 BALANCED_2 = [(kind, (2,), form, 0.0, True) for kind in BALANCED for form in ("allgather", "ring")]
 BALANCED_4 = [(kind, mesh, form, 0.0, True)
-              for kind, mesh in [("causal+window", (4,)), ("causal+bias", (4,)), ("causal+padding", (2, 2))]
-              for form in ("allgather", "ring")]
+              for kind, mesh, forms in [("causal+window", (4,), ("ring",)), ("causal+bias", (4,), ("allgather",)),
+                                        ("causal+padding", (2, 2), ("allgather", "ring"))]
+              for form in forms]
 
 
 def _check_balanced(res, kind, mesh, form, drop, balance):

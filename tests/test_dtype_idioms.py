@@ -138,10 +138,12 @@ def idiom_case(norm, mesh, how="policy", cast="to"):
 
 MESHES = ((4,), (2, 2))
 CASES = [(norm, mesh) for norm in NORMS for mesh in MESHES]
-# the caller's autocast on the same idioms; and the probabilities cast with .bfloat16() and .half()
-AUTOCAST = [(norm, mesh, "autocast") for norm in NORMS for mesh in MESHES]
-CASTS = [("meta_rmsnorm", mesh, how, cast) for mesh in MESHES for how in ("policy", "autocast")
-         for cast in ("bfloat16", "half")]
+# the caller's autocast on the same idioms, each norm on one of the meshes (world 2 runs both norms
+# under autocast on (2,)); the probabilities cast with .bfloat16() and .half(), each pair of mesh,
+# policy or autocast, and cast once (world 2 runs all four on (2,))
+AUTOCAST = [("meta_rmsnorm", (2, 2), "autocast"), ("hf_rmsnorm", (4,), "autocast")]
+CASTS = [("meta_rmsnorm", (4,), "policy", "bfloat16"), ("meta_rmsnorm", (2, 2), "policy", "half"),
+         ("meta_rmsnorm", (2, 2), "autocast", "bfloat16"), ("meta_rmsnorm", (4,), "autocast", "half")]
 HOWS = [(how,) for how in ("policy", "autocast")] + [(how, cast) for how in ("policy", "autocast")
                                                      for cast in ("bfloat16", "half")]
 # at world 2 on (2,): both norms under the policy and autocast, the casts on Meta's
