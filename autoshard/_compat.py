@@ -4,8 +4,7 @@ torch.utils._pytree flattens and rebuilds nested inputs and outputs exactly as t
 them (ExportedProgram.call_spec holds its TreeSpecs); torch has no public equivalent yet.
 Ring attention's blocks need attention's log-sum-exp beside its output, which only torch's
 private fused kernels return (``attention_block``). Whether a tensor is a view of another
-(``is_view``) has no public test. Which of dynamo's guards on a traced call check a DTensor
-parameter's layout (``fixed_layout_guards``) is told by dynamo's guard kind names.
+(``is_view``) has no public test.
 """
 import contextlib
 
@@ -469,33 +468,6 @@ def graphs_compiled() -> int:
     one."""
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"]
-
-
-def fixed_layout_guards(module: torch.nn.Module):
-    """A ``guard_filter_fn`` that drops, of the guards dynamo builds on a traced call of
-    ``module``, those on its parameters' layouts: each DTensor parameter's spec (its placements
-    and mesh, checked in Python at every call, about 1 us each) and the checks that every
-    parameter's mesh is the same object. The plan fixes each parameter's layout when it
-    distributes it, and nothing autoshard does changes it (optimizer steps and state_dict loads
-    write into the local tensor in place); each local tensor's shape, dtype and strides stay
-    guarded. What would slip past: a parameter replaced by a DTensor of another layout whose
-    local share has the same shape (Shard(0) for Shard(1) of a square weight, Partial for
-    Replicate), e.g. by ``load_state_dict(assign=True)`` of DTensors laid out otherwise; compile
-    without the filter then (``options={"guard_filter_fn": lambda es: [True] * len(es)}``). The
-    guard kinds are dynamo's names (``torch._dynamo.types.GuardFilterEntry``), the spec
-    DTensor's private ``_spec``."""
-    import weakref
-    owner = weakref.ref(module)   # the filter, kept by dynamo's cache, keeps no module alive
-
-    def keep(entries):
-        from torch.distributed.tensor import DTensor
-        m = owner()
-        params = [] if m is None else [p for p in m.parameters() if isinstance(p, DTensor)]
-        specs, meshes = {id(p._spec) for p in params}, {id(p.device_mesh) for p in params}
-        return [not ((e.guard_type == "DTENSOR_SPEC_MATCH" and id(e.value) in specs)
-                     or (e.guard_type == "DUPLICATE_INPUT" and id(e.value) in meshes))
-                for e in entries]
-    return keep
 
 
 @contextlib.contextmanager

@@ -31,7 +31,6 @@ from autoshard.outputs import WHOLE
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture, normalize_inputs
-from autoshard.passes.compile import users_compile_kwargs
 from autoshard.passes.lower import lower
 from autoshard.planner.axonn_start import axonn_start
 from autoshard.planner.search import search
@@ -421,12 +420,17 @@ class ParallelModule(nn.Module):
         return self._plan
 
     def compile(self, **kwargs) -> None:
-        """``nn.Module.compile``: the module's call compiled in place by ``torch.compile(**kwargs)``,
-        by default with static shapes, under inductor the comm reordering passes that
-        ``compile=True`` runs, and with no guard on the parameters' layouts, which the plan fixes
-        (``passes.compile.users_compile_kwargs``). ``torch.compile(module)`` takes only the
-        options it is given."""
-        super().compile(**users_compile_kwargs(kwargs, self))
+        """``nn.Module.compile``, in place: each rank's program compiled by
+        ``torch.compile(**kwargs)`` as ``compile=True`` compiles it (``compile()`` with no
+        arguments is the same), those made so far at once, each later one when made. Defaults:
+        inductor, ``dynamic=False`` (each input shape is its own program), ``fullgraph=True``, and
+        under inductor with neither ``mode`` nor ``options`` given the comm reordering passes
+        (``passes.compile``). The feed (each parameter's share, the batch's rows) stays eager, so
+        the compiled graph takes plain tensors: no guard on a parameter's layout and no graph
+        break at a new input shape, where ``torch.compile(module)`` traces the whole call."""
+        self.__dict__["_compile"] = dict(kwargs)
+        for key, made in self._programs.items():
+            self._programs[key] = made._replace(program=self._lowered(made.graph, made.plan))
 
     def manual_seed(self, seed: int) -> None:
         """Seed the generator every rank shares for random ops (dropout)."""
@@ -509,13 +513,16 @@ class ParallelModule(nn.Module):
         plan = kept.plan or self._agree_on_plan(graph, kept.pins)
         if not self._distributed:
             self._distribute(plan, graph)
-        program = lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap,
-                        compile=self._compile)
+        program = self._lowered(graph, plan)
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))
         self._bound_collectives()
         self._programs[key] = _Program(program, graph, plan, _Feed(self._model, graph, plan, self._device))
         return self._programs[key]
+
+    def _lowered(self, graph: Graph, plan: Plan) -> torch.nn.Module:
+        return lower(graph, plan, device=self._device, coords=self._rank_mesh.coords, overlap=self._overlap,
+                     compile=self._compile)
 
     def _reused(self, graph: Graph, key: tuple) -> Reuse:
         """What of the layout of the first program of this mode (and autocast) still holds for

@@ -14,7 +14,7 @@ Contenders, every one from the same weights on the same global batch:
   as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
                  compile around the parallel module, traced whole                (``--user``)
   as-user-method ``module.compile()`` of the same (nn.Module's, which the parallel module overrides:
-                 the comm passes, and no guards on the parameters' layouts)      (``--user``)
+                 each program compiled as ``compile=True`` compiles it)          (``--user``)
   ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
   fsdp2-compiled ``fully_shard`` on each block and the root, then ``torch.compile``, each rank its share
 

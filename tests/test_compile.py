@@ -367,13 +367,14 @@ def test_compiled_megatron_waits_after_the_weight_gradients(world2_results):
 
 
 def test_module_compile_reorders_collectives(world2_results):
-    """``module.compile()`` (inductor) runs the comm passes that compile=True runs: the Megatron
-    backward's all-reduces wait after the weight gradients, as in
-    test_compiled_megatron_waits_after_the_weight_gradients; no graph break, exact. It checks no
-    parameter's layout at each call (``_compat.fixed_layout_guards``), where ``torch.compile``
-    of the module checks every DTensor parameter's spec."""
+    """``module.compile()`` (inductor) compiles the programs as compile=True does, with its comm
+    passes: the Megatron backward's all-reduces wait after the weight gradients, as in
+    test_compiled_megatron_waits_after_the_weight_gradients; exact. Its compiled graphs take the
+    parameters' shares as plain tensors, so no call checks a parameter's layout, where
+    ``torch.compile`` of the module checks every DTensor parameter's spec."""
     for r in world2_results[("method", "megatron")]:
         _check(r)
+        assert r["passes"].endswith("compile"), r["passes"]   # the program made at parallelize, compiled
         assert r["spec_guards"] == 0, r["spec_guards"]
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
         forward, backward = r["order"]
@@ -424,10 +425,10 @@ def test_compile_world4(world4_results, index):
 
 def test_same_shape_compiles_nothing_new_shape_once(world2_results):
     """Calls of shapes (4, 16), (4, 16), (2, 16), (2, 16), (4, 16): compile=True compiles one graph
-    (forward and backward) on the first call of each new shape, nothing else; ``module.compile`` hands its
-    backend one graph per new shape (a user's compile guards on the shapes, and each shape's
-    program is made once, outside the trace); under ``fullgraph=True`` a new shape asks for one
-    uncompiled call, after which it runs compiled. Every loss is one device's."""
+    (forward and backward) on the first call of each new shape, nothing else; so does ``module.compile``,
+    which hands its backend each new shape's program; a user's ``torch.compile(module,
+    fullgraph=True)`` asks for one uncompiled call at a new shape (its program is made outside
+    the trace), after which it runs compiled. Every loss is one device's."""
     for r in world2_results[("shapes",)]:
         assert "error" not in r, r.get("error")
         assert r["option"] == [1, 0, 1, 0, 0], r["option"]

@@ -14,37 +14,29 @@ the same program, so every rank issues the same collectives in the same order.
 
 A program is lowered once per input shape (``ParallelModule._program_for``), so it is compiled
 once, for static shapes (``dynamic=False``): a new shape makes a new program, compiled once.
+``ParallelModule.compile(**kwargs)`` compiles the same programs with the user's arguments
+(``compile=True`` is ``compile()`` with none): what feeds each (the parameters' shares, the
+batch's rows) stays eager, so the compiled graph takes plain tensors and hands each gradient to
+its parameter as eager does, with no guard on a DTensor and no graph break at a new shape.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from autoshard._compat import comm_overlap_options, fixed_layout_guards
+from autoshard._compat import comm_overlap_options
 
 
-def compile_regions(program: fx.GraphModule, *, backend: str = "inductor", mode=None) -> torch.nn.Module:
-    """``program`` compiled as one region (``fullgraph``: a graph break is an error, not a silent
-    split); it reads as ``program`` does (``code``, ``meta``, with this pass added to
-    ``meta["passes"]``) and is called as it is."""
+def compile_regions(program: fx.GraphModule, **kwargs) -> torch.nn.Module:
+    """``program`` compiled as one region by ``torch.compile(**kwargs)``: by default inductor,
+    static shapes (a program is one input shape's), ``fullgraph`` (a graph break is an error, not
+    a silent split) and, under inductor with neither ``mode`` nor ``options`` given, the comm
+    reordering passes (``_compat.comm_overlap_options``). It reads as ``program`` does (``code``,
+    ``meta``, with this pass added to ``meta["passes"]``) and is called as it is."""
     out = fx.GraphModule(program, program.graph)   # checkpointed blocks (passes.checkpoint) kept as submodules
     out.meta.update(program.meta)
     out.meta["passes"] = [*program.meta.get("passes", ()), "compile"]
-    options = comm_overlap_options() if backend == "inductor" and mode is None else None
-    return torch.compile(out, backend=backend, mode=mode, options=options, dynamic=False, fullgraph=True)
-
-
-def users_compile_kwargs(kwargs: dict, module: torch.nn.Module) -> dict:
-    """``torch.compile``'s arguments for ``ParallelModule.compile``: those given, with static
-    shapes (each input shape is its own program), for inductor with neither ``mode`` nor
-    ``options`` given the comm reordering passes ``compile=True`` runs, and, unless the options
-    hold a ``guard_filter_fn`` of their own, ``fixed_layout_guards(module)`` (which travels in
-    the options, so not with a ``mode``: torch.compile takes one or the other)."""
-    out = {"dynamic": False, **kwargs}
-    if out.get("mode") is not None:
-        return out
-    if out.get("backend", "inductor") == "inductor" and out.get("options") is None:
-        out["options"] = comm_overlap_options()
-    # a copy: torch.compile pops the filter from the dict it is given
-    out["options"] = {"guard_filter_fn": fixed_layout_guards(module), **(out.get("options") or {})}
-    return out
+    kw = {"backend": "inductor", "dynamic": False, "fullgraph": True, **kwargs}
+    if kw["backend"] == "inductor" and kw.get("mode") is None and kw.get("options") is None:
+        kw["options"] = comm_overlap_options()
+    return torch.compile(out, **kw)

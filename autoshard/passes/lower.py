@@ -17,12 +17,14 @@ from autoshard.plan import Plan
 
 
 def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool = True,
-          compile: bool = False) -> fx.GraphModule:
+          compile=False) -> fx.GraphModule:
     """The per-rank program of ``graph`` under ``plan`` for the rank at mesh coordinate ``coords``;
     ``overlap=False`` leaves every collective where the rewriter put it (no schedule pass);
-    ``compile=True`` compiles the runs of aten ops between its runtime calls (passes.compile). Its
+    ``compile``: True, or a dict of ``torch.compile``'s arguments, compiles the program whole
+    (passes.compile). Its
     ``meta["joint_axes"]`` lists the axis sets whose process groups the runtime must create."""
     # local shapes, parameters as their shares, the plan's conversions as explicit collectives
+    compiled = compile is not False and compile is not None
     program = rewrite(graph, plan, device=device, coords=coords)
     # the blocks the plan recomputes (and the user's own checkpointed regions) into checkpointed
     # submodules, before the schedule, which then moves nothing into or out of them
@@ -35,9 +37,11 @@ def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool =
         # weight gradient then no longer flies beside a dual step
         program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES),
                            chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1),
-                           weights_later=not compile)
+                           weights_later=not compiled)
     # after the schedule, which buckets the gathers of policy copies itself: those left gather in
     # the copy's bytes; then each run of parameter casts becomes one op
     program = batch_casts(fuse_cast_gathers(program))
     # last, on the program as it will run: compiled whole, its collectives traced in the schedule's order
-    return compile_regions(program) if compile else program
+    if not compiled:
+        return program
+    return compile_regions(program, **(compile if isinstance(compile, dict) else {}))
