@@ -201,8 +201,8 @@ def _exact(res, form, mesh, n_attention=2):
 SCHEME_2 = [((2,), "allgather", False, "none", True), ((2,), "ring", False, "none", True),
             ((2,), "allgather", False, "none", False), ((2,), "ring", False, "none", False)]
 # (2, 2): data x context, parameters stored split over both (FSDP) in two cases, the blocks recomputed in two
+# (the ring unbalanced at world 4 in the last; world 2 runs every form both ways)
 SCHEME_4 = [((4,), "allgather", False, "none", True), ((4,), "ring", False, "none", True),
-            ((4,), "ring", False, "none", False),
             ((2, 2), "allgather", True, "none", True), ((2, 2), "ring", True, "none", True),
             ((2, 2), "allgather", False, "blocks", True), ((2, 2), "ring", False, "blocks", False)]
 
