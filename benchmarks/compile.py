@@ -22,7 +22,9 @@ A step is forward (the loss), backward, SGD step, zero_grad. The first step of e
 compile, for the compiled ones; planning is done before) is timed apart and reported as its
 compile seconds. Then rounds: each runs one step of every contender, in an order shuffled anew
 (seeded by the round, the same on every rank); a step's time is the slowest rank's, from a barrier
-to the end of zero_grad; the first ``--warmup`` rounds are dropped; medians after. ``--guards``
+to the end of zero_grad; with ``--steps N`` each contender runs N steps back to back in a round, and
+the round takes their median (a small model's steps spread by a factor of 3 on a shared CPU); the
+first ``--warmup`` rounds are dropped; medians after. ``--guards``
 also reports, per compiled contender, the guard trees dynamo built on its first step (lines,
 checks run in Python) and the time one call's check takes (rank 0, warm, interleaved rounds of
 200 checks each, median), the part of each call spent before the compiled code runs.
@@ -184,7 +186,7 @@ def run(a) -> dict:
         order = sorted(built)
         random.Random(r).shuffle(order)
         for name in order:
-            t = _timed(built[name])
+            t = statistics.median(_timed(built[name]) for _ in range(a.steps))
             if r >= a.warmup:
                 times[name].append(t)
     profiles = {}
@@ -204,7 +206,8 @@ def report(a, res):
         print(f"{name}, rank 0, 5 steps:\n{table}")
     med = {n: statistics.median(t) * 1e3 for n, t in res["times"].items()}
     print(f"GPT d={a.d}, {a.heads} heads, {a.layers} blocks, vocab {a.vocab}, batch {a.batch} x {a.seq}; gloo world "
-          f"{a.world}, {a.rounds} rounds after {a.warmup} (medians, the slowest rank's)\n")
+          f"{a.world}, {a.rounds} rounds after {a.warmup}, {a.steps} step(s) a contender a round (medians, the "
+          f"slowest rank's)\n")
     print("| contender | ms/step | first step (compile) s |")
     print("|---|---|---|")
     for n in sorted(set(med) | set(res["errors"])):
@@ -237,6 +240,8 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=1,
+                   help="steps each contender runs back to back in a round; its time in the round is their median")
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 import autoshard.runtime.steps as runtime_steps
 from autoshard._compat import dtensor_like, functional_collective, local_tensor, wait_collective
@@ -98,11 +97,11 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
     local = local_tensor(p)
     if not p.requires_grad:
         return local.detach()
-    hit = _SHARES.get(p)
-    if hit is not None and hit[0] is local:
-        return hit[1]
+    hit = _SHARES.get(id(p))
+    if hit is not None and hit[1] is local and hit[0]() is p:
+        return hit[2]
     leaf = local.detach().requires_grad_()
-    owner = weakref.ref(p)   # the leaf's hook keeps no parameter alive
+    owner = weakref.ref(p, _forget(id(p)))   # the leaf's hook keeps no parameter alive
 
     def hand_back(leaf):
         p = owner()
@@ -110,12 +109,23 @@ def param_share(p: torch.Tensor) -> torch.Tensor:
             _hand_back(leaf, p)
 
     leaf.register_post_accumulate_grad_hook(hand_back)
-    _SHARES[p] = (local, leaf)
+    _SHARES[id(p)] = (owner, local, leaf)
     return leaf
 
 
-# parameter -> (its local tensor, its leaf); keyed by identity, as tensors compare elementwise
-_SHARES = WeakIdKeyDictionary()
+# id(parameter) -> (a weak reference to it, its local tensor, its leaf). Keyed by id, as tensors
+# compare elementwise: a plain dict's lookup is a twentieth of a weak-keyed one's, paid for every
+# parameter at every call
+_SHARES: dict = {}
+
+
+def _forget(key: int):
+    """The callback of a parameter's weak reference: its entry goes with it (unless another
+    parameter took its id since)."""
+    def forget(ref):
+        if _SHARES.get(key, (None,))[0] is ref:
+            del _SHARES[key]
+    return forget
 
 
 def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
