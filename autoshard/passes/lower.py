@@ -21,8 +21,8 @@ def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool =
     """The per-rank program of ``graph`` under ``plan`` for the rank at mesh coordinate ``coords``;
     ``overlap=False`` leaves every collective where the rewriter put it (no schedule pass);
     ``compile``: True, or a dict of ``torch.compile``'s arguments, compiles the program whole
-    (passes.compile). Its
-    ``meta["joint_axes"]`` lists the axis sets whose process groups the runtime must create."""
+    (passes.compile). Its ``meta["joint_axes"]`` lists the axis sets whose process groups the
+    runtime must create."""
     # local shapes, parameters as their shares, the plan's conversions as explicit collectives
     compiled = compile is not False and compile is not None
     program = rewrite(graph, plan, device=device, coords=coords)
