@@ -28,6 +28,7 @@ from autoshard.machine.cluster import DEFAULT_CLUSTER, Cluster
 from autoshard.machine.measure import MEASURE, kept_measure, resolve_cluster
 from autoshard.options import PLAN_OPTIONS, PlanOptions
 from autoshard.outputs import WHOLE
+from autoshard.feed import Feed, Program
 from autoshard.passes.annotate import annotate
 from autoshard.ir import Graph
 from autoshard.passes.capture import capture, normalize_inputs
@@ -410,7 +411,7 @@ class ParallelModule(nn.Module):
             _model=model, _plan=plan, _options=options, _overlap=overlap, _device=device, device_mesh=mesh,
             _training_given=training_given,   # else each plan is for the model's mode when it is made
             _local=local, _timeout=timeout, _compile=compile,
-            _programs={},   # (training, shapes, constants) -> _Program
+            _programs={},   # (training, shapes, constants) -> feed.Program
             _distributed=False,
             _rank_mesh=runtime.RankMesh(mesh, gen, joint))
         self._bound_collectives()
@@ -478,7 +479,7 @@ class ParallelModule(nn.Module):
         """Which of them this rank passes (a DistributedSampler's ``rank``)."""
         return dist.get_rank() if self._local else 0
 
-    def _program_for(self, args, kwargs, leaves=None) -> "_Program":
+    def _program_for(self, args, kwargs, leaves=None) -> Program:
         if leaves is None:
             leaves, _ = tree_flatten((args, kwargs))
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
@@ -494,7 +495,7 @@ class ParallelModule(nn.Module):
     # error: call the module once uncompiled with the new shape first); the next call traces whole
     @torch.compiler.disable(reason="autoshard captures and lowers a program for each new input shape, "
                                    "eagerly: call the parallel module once uncompiled with this shape first")
-    def _new_program(self, args, kwargs, leaves, shapes, consts, key) -> "_Program":
+    def _new_program(self, args, kwargs, leaves, shapes, consts, key) -> Program:
         autocast = key[3]
         planned = next(iter(self._programs), None)   # every program's key holds the same constants
         if planned is not None and consts != planned[2]:
@@ -517,7 +518,7 @@ class ParallelModule(nn.Module):
         self._rank_mesh.prepare_groups(program.meta["joint_axes"])
         self._rank_mesh.reduce_dtype = reduce_dtype(policy_from_record((plan.schedule.get("precision") or {}).get("policy")))
         self._bound_collectives()
-        self._programs[key] = _Program(program, graph, plan, _Feed(self._model, graph, plan, self._device))
+        self._programs[key] = Program(program, graph, plan, Feed(self._model, graph, plan, self._device))
         return self._programs[key]
 
     def _lowered(self, graph: Graph, plan: Plan) -> torch.nn.Module:
@@ -645,7 +646,7 @@ def _arriving(args, kwargs):
     return args, kwargs, _Arrived(mine, every, rows)
 
 
-def _fed(arrived: _Arrived, feed: "_Feed", coords) -> list:
+def _fed(arrived: _Arrived, feed: Feed, coords) -> list:
     """The tensors the program takes for what the ranks brought: where the plan has an input
     arrive as each rank's rows (``Plan.arrival``), the rank's own rows, as they are where they
     are its chunk of the arrival layout (every rank the same count: the program then converts
@@ -720,81 +721,3 @@ class _Rows(torch.autograd.Function):
         whole[first:first + count] = g
         dist.all_reduce(whole)
         return whole, None, None
-
-
-class _Program(NamedTuple):
-    """What one call's shapes, constants and mode run: the lowered program, the graph and plan it
-    was made from, and how the module's tensors feed it."""
-    program: torch.fx.GraphModule
-    graph: Graph
-    plan: Plan
-    feed: "_Feed"
-
-
-class _Feed:
-    """What one program takes and gives back, worked out once: where each parameter and buffer
-    placeholder's tensor lives in the model, and what each output is (a user output, or a
-    buffer's new value). The graph's signature builds its output spec anew at every look (a
-    namedtuple class a call), so it is read here, once."""
-
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, device):
-        from torch.export.graph_signature import OutputKind
-
-        def owner(fqn):
-            prefix, _, name = fqn.rpartition(".")
-            return model.get_submodule(prefix), name
-
-        constants = graph.exported.constants
-        # each placeholder's tensor: a constant the graph lifted, else a name in a module's
-        # parameter or buffer registry. Grouped by registry, so that a traced forward (a user's
-        # compile) reaches each registry by one path: dynamo guards an object reached by two
-        # (a module's weight and bias) with an aliasing check evaluated in Python at every call
-        placeholders = [n for n in graph.nodes if n.kind in ("param", "buffer")]
-        self._count, self._constants, by_registry = len(placeholders), [], {}
-        for i, n in enumerate(placeholders):
-            if n.kind == "param":
-                mod, name = owner(n.fqn)
-                by_registry.setdefault(id(mod._parameters), (mod._parameters, True, []))[2].append((name, i))
-                continue
-            try:   # a module's buffer, or a constant the graph lifted
-                mod, name = owner(n.fqn)
-            except AttributeError:
-                mod, name = None, None
-            if mod is not None and mod._buffers.get(name) is not None:
-                by_registry.setdefault(id(mod._buffers), (mod._buffers, False, []))[2].append((name, i))
-            else:
-                self._constants.append((i, constants[n.fqn].to(device)))
-        self._registries = [(registry, params, tuple(names)) for registry, params, names in by_registry.values()]
-        self._outs = []
-        for spec in graph.exported.graph_signature.output_specs:
-            if spec.kind == OutputKind.BUFFER_MUTATION:
-                mod, name = owner(spec.target)
-                self._outs.append((mod._buffers, name))
-            elif spec.kind == OutputKind.USER_OUTPUT:
-                self._outs.append(None)
-            else:
-                raise NotImplementedError(f"autoshard does not yet run models whose graph outputs {spec.kind}")
-        self._out_spec = graph.exported.call_spec.out_spec
-        self.again = plan.training and plan.schedule.get("reshard_after_forward", False)
-        # per tensor the user passes: whether it arrives as each rank's rows (inputs="local")
-        self.arrived = [name in plan.arrival for name in graph.user_inputs if graph.by_name[name].outputs]
-        self.mesh_shape = tuple(plan.mesh_shape)
-
-    def inputs(self) -> list:
-        feed = [None] * self._count
-        for i, t in self._constants:
-            feed[i] = t
-        for registry, params, names in self._registries:
-            for name, i in names:
-                feed[i] = runtime.param_share(registry[name]) if params else registry[name]
-        return feed
-
-    def outputs(self, outs):
-        user = []
-        for target, value in zip(self._outs, outs):
-            if target is None:
-                user.append(value)
-            else:
-                with torch.no_grad():
-                    target[0][target[1]].copy_(value)
-        return tree_unflatten(user, self._out_spec)

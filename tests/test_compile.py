@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 import autoshard
 from autoshard._compat import generated_code, graphs_compiled, guards_built
@@ -228,6 +229,40 @@ def _shapes():
     return out
 
 
+def _users_shares():
+    """A user's compile (a backend that records its graph's inputs) of data parallel, a step; then
+    one parameter frozen in the module and in the model on one device, and another step."""
+    torch.manual_seed(0)
+    model = GPT()
+    inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    ref = copy.deepcopy(model)
+    pm = autoshard.parallelize(model, inputs, pin=_pins("dp", model, inputs, (2,)), verbose=False)
+    kinds = []   # per graph, how many of its inputs are DTensors
+
+    def recording(gm, example_inputs):
+        kinds.append(sum(isinstance(x, DTensor) for x in example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    run = torch.compile(pm, backend=recording, fullgraph=True)
+    out = {}
+    for step, frozen in enumerate((None, "blocks.0.fc.weight")):
+        if frozen is not None:
+            pm.get_parameter(frozen).requires_grad_(False)
+            ref.get_parameter(frozen).requires_grad_(False)
+        for m in (pm, ref):
+            m.zero_grad()
+        losses = [m(*inputs) for m in (run, ref)]
+        for loss in losses:
+            loss.backward()
+        ref_params = dict(ref.named_parameters())
+        out[step] = {"loss": rel_err(*losses), "frozen": frozen and pm.get_parameter(frozen).grad,
+                     "grads": max(rel_err(p.grad.full_tensor(), ref_params[n].grad)
+                                  for n, p in pm.named_parameters() if n != frozen)}
+    out["kinds"] = kinds
+    return out
+
+
 SCHEMES = ["dp", "megatron", "fsdp"]
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # world 2, by key: compile=True and a user's compile on each scheme; recomputed blocks (whole, and
@@ -243,6 +278,7 @@ WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           ("shapes",): (_shapes,),
           ("user", "megatron", "selective"): (_user_compile, "megatron", (2,), None, "selective"),
           ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
+          ("shares",): (_users_shares,),
           ("saved", "dp", "none"): (_saved, "dp", "none"),
           ("saved", "dp", "blocks"): (_saved, "dp", "blocks")}
 WORLD2_KW = {("option", "dp"): {"bucket_bytes": 20_000, "dropout": 0.3},
@@ -329,6 +365,19 @@ def test_recomputed_blocks_compile_and_match(world2_results, key):
         assert r["recomputed"] == 2, r["recomputed"]   # the GPT's two blocks
         if key[0] == "user":
             assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+
+
+def test_users_compile_feeds_plain_shares(world2_results):
+    """A user's ``torch.compile`` of the module feeds its graph each parameter's share, a plain
+    tensor made outside the trace, as ``compile=True`` does, not the DTensor parameter (whose
+    traced backward would wrap every gradient back into a DTensor); a parameter frozen after the
+    compile is fed frozen (one more graph), and every other gradient is one device's."""
+    for r in world2_results[("shares",)]:
+        assert "error" not in r, r.get("error")
+        assert r["kinds"] == [0, 1], r["kinds"]   # the frozen one, read without a gradient
+        for step in (0, 1):
+            assert r[step]["loss"] <= TOL and r[step]["grads"] <= TOL, r[step]
+        assert r[1]["frozen"] is None
 
 
 def test_recomputed_blocks_keep_less_when_compiled(world2_results):

@@ -214,6 +214,7 @@ FLOORS = [
     ("schemes",),
     ("planner",),
     ("pipelined",),                  # parallelize's pipeline: a stage per rank, built from planner.pipeline
+    ("feed",),                       # what a parallel module's program takes and gives back
     ("api", "machine.measure"),
     ("report.coverage", "cli", "__main__", "testing", "check"),
 ]

@@ -132,6 +132,13 @@ def _hand_back(leaf: torch.Tensor, p: torch.Tensor) -> None:
     g, leaf.grad = leaf.grad, None
     if g is None:   # its reduction held back (no_sync): nothing to hand on
         return
+    hit = _SHARES.get(id(p))
+    if hit is None or hit[2] is not leaf or hit[1] is not local_tensor(p):
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} holds another local tensor than the one this step's "
+            "forward read (its DTensor's data was replaced after the module was last called or compiled): "
+            "its gradient would be of the old values. Write into parameters in place "
+            "(`with torch.no_grad(): param.copy_(...)`), or call the module uncompiled once after replacing them.")
     grad = share_grad(p, leaf, g)
     if p.grad is None:
         p.grad = grad
