@@ -410,7 +410,8 @@ class ParallelModule(nn.Module):
         self.__dict__.update(
             _model=model, _plan=plan, _options=options, _overlap=overlap, _device=device, device_mesh=mesh,
             _training_given=training_given,   # else each plan is for the model's mode when it is made
-            _local=local, _timeout=timeout, _compile=compile,
+            _local=local, _timeout=timeout,
+            _compile={} if compile else None,   # torch.compile's arguments (passes.compile), or None: eager
             _programs={},   # (training, shapes, constants) -> feed.Program
             _distributed=False,
             _rank_mesh=runtime.RankMesh(mesh, gen, joint))

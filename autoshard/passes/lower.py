@@ -6,6 +6,8 @@ the order the passes run. Each returns a new program whose ``meta["passes"]`` na
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.fx as fx
 
 from autoshard.ir import Graph
@@ -17,14 +19,13 @@ from autoshard.plan import Plan
 
 
 def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool = True,
-          compile=False) -> fx.GraphModule:
+          compile: Optional[dict] = None) -> fx.GraphModule:
     """The per-rank program of ``graph`` under ``plan`` for the rank at mesh coordinate ``coords``;
     ``overlap=False`` leaves every collective where the rewriter put it (no schedule pass);
-    ``compile``: True, or a dict of ``torch.compile``'s arguments, compiles the program whole
-    (passes.compile). Its ``meta["joint_axes"]`` lists the axis sets whose process groups the
+    ``compile``, ``torch.compile``'s arguments (``{}``: its defaults), compiles the program
+    whole (passes.compile). Its ``meta["joint_axes"]`` lists the axis sets whose process groups the
     runtime must create."""
     # local shapes, parameters as their shares, the plan's conversions as explicit collectives
-    compiled = compile is not False and compile is not None
     program = rewrite(graph, plan, device=device, coords=coords)
     # the blocks the plan recomputes (and the user's own checkpointed regions) into checkpointed
     # submodules, before the schedule, which then moves nothing into or out of them
@@ -37,11 +38,9 @@ def lower(graph: Graph, plan: Plan, *, device=None, coords=None, overlap: bool =
         # weight gradient then no longer flies beside a dual step
         program = schedule(program, bucket_bytes=plan.schedule.get("bucket_bytes", BUCKET_BYTES),
                            chunks=plan.schedule.get("chunks", ()), interleave=plan.schedule.get("interleave", 1),
-                           weights_later=not compiled)
+                           weights_later=compile is None)
     # after the schedule, which buckets the gathers of policy copies itself: those left gather in
     # the copy's bytes; then each run of parameter casts becomes one op
     program = batch_casts(fuse_cast_gathers(program))
     # last, on the program as it will run: compiled whole, its collectives traced in the schedule's order
-    if not compiled:
-        return program
-    return compile_regions(program, **(compile if isinstance(compile, dict) else {}))
+    return program if compile is None else compile_regions(program, **compile)
