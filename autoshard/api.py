@@ -20,7 +20,7 @@ from autoshard import placement as pl
 from autoshard.runtime import agree, optim
 from autoshard.runtime.mesh import dtensor_placements
 from autoshard import runtime
-from autoshard._compat import set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
+from autoshard._compat import compiled_within, set_collective_timeout, tree_flatten, tree_map_only, tree_unflatten
 from autoshard.arguments import MAX_AXES, check_bool, check_mesh, check_module, check_number, check_options
 from autoshard import cache
 from autoshard import inputs as inputs_mod
@@ -429,7 +429,8 @@ class ParallelModule(nn.Module):
         under inductor with neither ``mode`` nor ``options`` given the comm reordering passes
         (``passes.compile``). The feed (each parameter's share, the batch's rows) stays eager, so
         the compiled graph takes plain tensors: no guard on a parameter's layout and no graph
-        break at a new input shape, where ``torch.compile(module)`` traces the whole call."""
+        break at a new input shape. ``torch.compile(module)`` compiles the same programs with only
+        the arguments it is given (``forward``)."""
         self.__dict__["_compile"] = dict(kwargs)
         for key, made in self._programs.items():
             self._programs[key] = made._replace(program=self._lowered(made.graph, made.plan))
@@ -596,7 +597,28 @@ class ParallelModule(nn.Module):
         self.__dict__["_distributed"] = True
 
     # -- running ---------------------------------------------------------------------------------
+    # A user's ``torch.compile(module)`` runs this frame as Python (``_compat.compiled_within``) and
+    # compiles what it calls: the program, whose graph then takes plain tensors (each parameter's
+    # share, the batch's rows) and is guarded on them alone, a new input shape its own program,
+    # made eagerly, compiled once; what feeds the program and what it hands back run eagerly
+    # (``_eagerly``). Traced within a caller's compiled function, the whole call is traced.
+    @compiled_within
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():   # inlined in a caller's trace
+            program, inputs, feed, arrived = self._fed(args, kwargs)
+            with runtime.active(self._rank_mesh), (runtime.regathering() if feed.again else contextlib.nullcontext()):
+                outs = program(*inputs)
+            return self._given_back(feed, outs, arrived)
+        program, inputs, feed, arrived, running = _eagerly(self._started, args, kwargs)
+        try:
+            outs = program(*inputs)
+        except BaseException:
+            _eagerly(running.close)
+            raise
+        return _eagerly(self._finished, running, feed, outs, arrived)
+
+    def _fed(self, args, kwargs):
+        """(the program for these arguments, its inputs, its feed, what the ranks brought or None)."""
         kwargs = dict(sorted(kwargs.items()))   # the order capture saw them in (capture.normalize_inputs)
         arrived = None
         if self._local:   # each rank's own rows: planned as the global batch they make
@@ -605,11 +627,31 @@ class ParallelModule(nn.Module):
         program, _, _, feed = self._program_for(args, kwargs, leaves)
         given = [x for x in leaves if isinstance(x, torch.Tensor)] if arrived is None else \
             _fed(arrived, feed, self._rank_mesh.coords)
-        inputs = feed.inputs() + given
-        with runtime.active(self._rank_mesh), (runtime.regathering() if feed.again else contextlib.nullcontext()):
-            outs = program(*inputs)
+        return program, feed.inputs() + given, feed, arrived
+
+    def _started(self, args, kwargs):
+        """``_fed``'s, and the context the program runs in, entered (its mesh; the parameters
+        gathered again in backward where the plan reshards them after forward)."""
+        running = contextlib.ExitStack()
+        fed = self._fed(args, kwargs)
+        running.enter_context(runtime.active(self._rank_mesh))
+        if fed[2].again:
+            running.enter_context(runtime.regathering())
+        return (*fed, running)
+
+    def _finished(self, running, feed, outs, arrived):
+        running.close()
+        return self._given_back(feed, outs, arrived)
+
+    def _given_back(self, feed, outs, arrived):
         out = feed.outputs(outs)
         return out if arrived is None else tree_map_only(torch.Tensor, lambda t: _own_rows(t, *arrived.rows), out)
+
+
+@torch.compiler.disable
+def _eagerly(fn, *args):
+    """``fn(*args)``, run as Python where a compile runs the frame that calls it."""
+    return fn(*args)
 
 
 class _Arrived(NamedTuple):

@@ -16,6 +16,9 @@ Contenders, every one from the same weights on the same global batch:
   as-user-method ``module.compile()`` of the same (nn.Module's, which the parallel module overrides:
                  each program compiled as ``compile=True`` compiles it)          (``--user``)
   ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
+  ddp-compiled-logged  the same, and each step ends with the ranks' losses averaged (one all-reduce of the
+                 loss), as a user logging the loss every step writes: the loss autoshard's module returns,
+                 where DDP's is each rank's own                                   (``--logged``)
   fsdp2-compiled ``fully_shard`` on each block and the root, then ``torch.compile``, each rank its share
 
 A step is forward (the loss), backward, SGD step, zero_grad. The first step of each contender (its
@@ -24,7 +27,9 @@ compile seconds. Then rounds: each runs one step of every contender, in an order
 (seeded by the round, the same on every rank); a step's time is the slowest rank's, from a barrier
 to the end of zero_grad; with ``--steps N`` each contender runs N steps back to back in a round, and
 the round takes their median (a small model's steps spread by a factor of 3 on a shared CPU); the
-first ``--warmup`` rounds are dropped; medians after. ``--guards``
+first ``--warmup`` rounds are dropped; medians after. ``--pin`` puts each rank's process on a core of
+its own, as each rank has its own device and cores on a GPU machine: unpinned, the ranks' collective
+threads take turns on both cores, and a run's medians move by 10-20% from run to run. ``--guards``
 also reports, per compiled contender, the guard trees dynamo built on its first step (lines,
 checks run in Python) and the time one call's check takes (rank 0, warm, interleaved rounds of
 200 checks each, median), the part of each call spent before the compiled code runs.
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
 import statistics
 import sys
@@ -113,6 +119,10 @@ def _contenders(a) -> dict:
         from torch.nn.parallel import DistributedDataParallel
         return torch.compile(DistributedDataParallel(copy.deepcopy(base))), _share(batch)
 
+    def ddp_logged():   # the loss autoshard returns: each rank's loss averaged, once the step is done
+        model, inputs = ddp()
+        return model, inputs, _global_loss
+
     def fsdp2():
         from torch.distributed.fsdp import fully_shard
         m = copy.deepcopy(base)
@@ -122,7 +132,17 @@ def _contenders(a) -> dict:
         return torch.compile(m), _share(batch)
 
     made["ddp-compiled"], made["fsdp2-compiled"] = ddp, fsdp2
+    if a.logged:
+        made["ddp-compiled-logged"] = ddp_logged
     return {n: f for n, f in made.items() if not a.only or n in a.only}
+
+
+def _global_loss(loss: torch.Tensor) -> torch.Tensor:
+    """What a DDP user logging every step adds: the ranks' losses averaged (the loss of the global
+    batch, the one autoshard's module returns), after the optimizer's step."""
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
 
 
 def _timed(fn) -> float:
@@ -161,18 +181,20 @@ def run(a) -> dict:
     from autoshard._compat import guards_built
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    if a.pin:   # this rank's process on one core: its collectives' threads beside its own compute
+        os.sched_setaffinity(0, {dist.get_rank() % os.cpu_count()})
     built, errors, compile_s, first_loss, guards = {}, {}, {}, {}, {}
     for name, make in _contenders(a).items():
         try:
-            model, inputs = make()
+            model, inputs, *log = make()
             opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 
-            def step(model=model, inputs=inputs, opt=opt):
+            def step(model=model, inputs=inputs, opt=opt, log=log[0] if log else None):
                 loss = model(*inputs)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                return loss.detach()
+                return loss.detach() if log is None else log(loss.detach())
 
             with guards_built([]) as trees:
                 compile_s[name] = _timed(step)   # the first step: compiles (autoshard: plans were made above)
@@ -226,7 +248,8 @@ def report(a, res):
              ("as-mt-compiled-inorder", "as-mt-eager"), ("as-compiled", "as-compiled-inorder"),
              ("as-mt-compiled", "as-mt-compiled-inorder"), ("as-fsdp-compiled", "as-fsdp-eager"), ("as-fsdp-compiled-inorder", "as-fsdp-eager"),
              ("as-fsdp-compiled", "as-fsdp-compiled-inorder"),
-             ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-user-compiled", "ddp-compiled"),
+             ("as-user-compiled", "as-eager"), ("as-compiled", "ddp-compiled"), ("as-compiled", "ddp-compiled-logged"),
+             ("ddp-compiled-logged", "ddp-compiled"), ("as-user-method", "ddp-compiled-logged"), ("as-user-compiled", "ddp-compiled"),
              ("as-user-method", "ddp-compiled"), ("as-user-method", "as-user-compiled"),
              ("as-fsdp-compiled", "fsdp2-compiled")]
     for x, y in pairs:
@@ -252,6 +275,10 @@ def main():
     p.add_argument("--fsdp", action="store_true", help="also autoshard pinned FSDP, eager and compiled")
     p.add_argument("--inorder", action="store_true", help="also compiled without inductor's comm reordering passes")
     p.add_argument("--user", action="store_true", help="also the user's own torch.compile of the data-parallel module")
+    p.add_argument("--logged", action="store_true",
+                   help="also compiled DDP that averages the ranks' losses after each step (the loss autoshard returns)")
+    p.add_argument("--pin", action="store_true",
+                   help="each rank's process on a core of its own (its collectives' threads then share it)")
     p.add_argument("--guards", action="store_true",
                    help="also the compiled contenders' guard trees and the time a call spends checking them")
     p.add_argument("--only", nargs="+", help="run only these contenders")

@@ -1,7 +1,8 @@
 """Compiled autoshard trains exactly as eager autoshard and the single-device model do, in real gloo
 groups: ``parallelize(..., compile=True)`` (the program compiled whole by inductor), and a user's own
-``torch.compile`` around the parallel module, which dynamo traces with no graph break (the runtime's
-collectives traced as functional collectives, its buckets and parameters as plain autograd); with
+``torch.compile`` of the parallel module (which compiles the same program) or of a function calling it
+(which traces the whole call), with no graph break (the runtime's collectives traced as functional
+collectives, its buckets and parameters as plain autograd); with
 recomputed blocks, and with dropout that draws the masks eager autoshard draws. The compiled code
 issues each collective ahead of compute that does not need it and waits after that compute.
 
@@ -39,13 +40,15 @@ def _pins(scheme, model, inputs, mesh):
 
 
 def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy=None, recompute=None,
-          dropout=0.0, bucket_bytes=None, method=False):
+          dropout=0.0, bucket_bytes=None, method=False, nested=False):
     """Loss and every gradient of one compiled step against eager autoshard and one device, the
     graph breaks of a user's compile, and a second step (no recompile for the same shapes).
     ``dropout``: every module draws from the same seed (autoshard's shared generator, one
     device's default one). ``compile_option``: the order of the compiled code's collectives
     (``_overlap``). ``bucket_bytes``: the plan's gradient buckets that small. ``method``: the
-    user's compile is ``module.compile(backend=...)`` (inductor: the order of its code too)."""
+    user's compile is ``module.compile(backend=...)`` (inductor: the order of its code too).
+    ``nested``: the user compiles a function that calls the module, which dynamo then traces
+    whole, the feed included."""
     torch.manual_seed(0)
     model = GPT(dropout=dropout)
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
@@ -66,7 +69,7 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
     run = pm
     if backend is not None:
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(pm)(*inputs)
+        explained = torch._dynamo.explain(_calling(pm) if nested else pm)(*inputs)
         out["breaks"] = explained.graph_break_count
         out["graphs"] = explained.graph_count
         torch._dynamo.reset()
@@ -74,7 +77,7 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
             pm.compile(backend=backend, fullgraph=True)
             run = pm
         else:
-            run = torch.compile(pm, backend=backend, mode=mode, fullgraph=True)
+            run = torch.compile(_calling(pm) if nested else pm, backend=backend, mode=mode, fullgraph=True)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
 
     def seed(s):
@@ -119,6 +122,13 @@ def _case(scheme, mesh, *, compile_option=False, backend=None, mode=None, policy
     out["passes"] = pm.program.splitlines()[0]
     out["recomputed"] = pm.program.count("= self.recompute_")
     return out
+
+
+def _calling(pm):
+    """A user's function that calls the parallel module (a training step's forward, compiled whole)."""
+    def forward(*batch):
+        return pm(*batch)
+    return forward
 
 
 # inductor's generated Python: a collective's start (``bufN = ..._c10d_functional.all_gather...(x``
@@ -182,15 +192,16 @@ def _saved(scheme, recompute):
 def _shapes():
     """How often each compile compiles over calls of repeated and new input shapes, each call's
     loss against one device's: ``compile=True`` (dynamo's count of graphs compiled),
-    ``module.compile`` (the graphs handed to its backend), and a user's
-    ``fullgraph=True`` compile, which asks for one uncompiled call with a new shape."""
+    ``module.compile`` and a user's ``torch.compile(module, fullgraph=True)`` (the graphs handed
+    to their backend); and a user's ``fullgraph=True`` compile of a function that calls the
+    module, which asks for one uncompiled call with a new shape."""
     torch.manual_seed(0)
     model = GPT()
     shapes = [(4, 16), (4, 16), (2, 16), (2, 16), (4, 16)]
     batches = [(torch.randint(0, 64, s), torch.randint(0, 64, s)) for s in shapes]
     pin, ref = _pins("dp", model, batches[0], (2,)), copy.deepcopy(model)
     made = [autoshard.parallelize(copy.deepcopy(model), batches[0], pin=pin, verbose=False, compile=c)
-            for c in (True, False, False)]
+            for c in (True, False, False, False)]
     graphs = []
 
     def counting(gm, example_inputs):   # a backend that counts the graphs it is given
@@ -202,26 +213,31 @@ def _shapes():
         loss.backward()
         return rel_err(loss, ref(*batch))
 
-    out = {"option": [], "user": [], "errs": []}
+    out = {"option": [], "method": [], "user": [], "errs": []}
     torch.compiler.reset()
     for b in batches:
         before = graphs_compiled()
         out["errs"].append(step(made[0], b))
         out["option"].append(graphs_compiled() - before)
-    torch.compiler.reset()   # dynamo keeps what it compiled by the code: ParallelModule.forward's
-    made[1].compile(backend=counting)
-    for b in batches:
-        out["errs"].append(step(made[1], b))
-        out["user"].append(len(graphs))
+    for key, run in (("method", made[1]), ("user", made[2])):
+        torch.compiler.reset()   # dynamo keeps what it compiled by the code: each program's
+        graphs.clear()
+        if key == "method":
+            made[1].compile(backend=counting)
+        else:
+            run = torch.compile(made[2], backend=counting, fullgraph=True, dynamic=False)
+        for b in batches:
+            out["errs"].append(step(run, b))
+            out[key].append(len(graphs))
     torch.compiler.reset()
-    strict = torch.compile(made[2], backend=counting, fullgraph=True, dynamic=False)
+    strict = torch.compile(_calling(made[3]), backend=counting, fullgraph=True, dynamic=False)
     out["errs"].append(step(strict, batches[0]))
     try:
         step(strict, batches[2])
         out["strict"] = "ran"
     except Exception as e:  # noqa: BLE001 - the error's text is the result
         out["strict"] = str(e)
-    made[2](*batches[2])   # once uncompiled: the program for the new shape
+    made[3](*batches[2])   # once uncompiled: the program for the new shape
     before = len(graphs)
     out["errs"].append(step(strict, batches[2]))
     out["strict_graphs"] = len(graphs) - before
@@ -229,9 +245,10 @@ def _shapes():
     return out
 
 
-def _users_shares():
+def _users_shares(nested=False):
     """A user's compile (a backend that records its graph's inputs) of data parallel, a step; then
-    one parameter frozen in the module and in the model on one device, and another step."""
+    one parameter frozen in the module and in the model on one device, and another step.
+    ``nested``: the user compiles a function that calls the module."""
     torch.manual_seed(0)
     model = GPT()
     inputs = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
@@ -244,7 +261,7 @@ def _users_shares():
         return gm.forward
 
     torch._dynamo.reset()
-    run = torch.compile(pm, backend=recording, fullgraph=True)
+    run = torch.compile(_calling(pm) if nested else pm, backend=recording, fullgraph=True)
     out = {}
     for step, frozen in enumerate((None, "blocks.0.fc.weight")):
         if frozen is not None:
@@ -279,11 +296,14 @@ WORLD2 = {**{("option", s): (_compile_option, s) for s in SCHEMES},
           ("user", "megatron", "selective"): (_user_compile, "megatron", (2,), None, "selective"),
           ("user", "megatron", "dropout", "blocks"): (_user_compile, "megatron", (2,), None, "blocks"),
           ("shares",): (_users_shares,),
+          ("shares", "nested"): (_users_shares, True),
+          ("nested", "fsdp"): (_user_compile, "fsdp", (2,)),
           ("saved", "dp", "none"): (_saved, "dp", "none"),
           ("saved", "dp", "blocks"): (_saved, "dp", "blocks")}
 WORLD2_KW = {("option", "dp"): {"bucket_bytes": 20_000, "dropout": 0.3},
              ("user", "dp"): {"recompute": "blocks"},
              ("user", "fsdp"): {"recompute": "blocks"},
+             ("nested", "fsdp"): {"nested": True},
              ("method", "megatron"): {"backend": "inductor", "method": True},
              ("option", "fsdp", "blocks"): {"compile_option": True, "recompute": "blocks"},
              ("user", "megatron", "dropout", "blocks"): {"dropout": 0.3}}
@@ -347,6 +367,15 @@ def test_users_compile_has_no_graph_break_and_matches(world2_results, scheme):
     for r in world2_results[("user", scheme)]:
         _check(r)
         assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
+        assert r["spec_guards"] == 0, r["spec_guards"]   # the program compiled: no DTensor to guard
+
+
+def test_users_function_calling_the_module_traces_it_whole(world2_results):
+    """A user's compiled function that calls the module (FSDP: its parameters gathered again in
+    backward) traces the call whole, the feed included: no graph break, exact."""
+    for r in world2_results[("nested", "fsdp")]:
+        _check(r)
+        assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
 
 def test_users_max_autotune(world2_results):
@@ -367,14 +396,17 @@ def test_recomputed_blocks_compile_and_match(world2_results, key):
             assert r["breaks"] == 0 and r["graphs"] == 1, (r["breaks"], r["graphs"])
 
 
-def test_users_compile_feeds_plain_shares(world2_results):
-    """A user's ``torch.compile`` of the module feeds its graph each parameter's share, a plain
-    tensor made outside the trace, as ``compile=True`` does, not the DTensor parameter (whose
-    traced backward would wrap every gradient back into a DTensor); a parameter frozen after the
-    compile is fed frozen (one more graph), and every other gradient is one device's."""
-    for r in world2_results[("shares",)]:
+@pytest.mark.parametrize("nested", [False, True], ids=["module", "function"])
+def test_users_compile_feeds_plain_shares(world2_results, nested):
+    """A user's ``torch.compile`` of the module compiles its program, which takes each parameter's
+    share, a plain tensor made outside the trace, as ``compile=True`` does, not the DTensor
+    parameter (whose traced backward would wrap every gradient back into a DTensor); a parameter
+    frozen after the compile is fed frozen (one more graph). A compiled function that calls the
+    module traces the feed too: it feeds the same shares, and the frozen parameter's DTensor,
+    read without a gradient. Every other gradient is one device's."""
+    for r in world2_results[("shares", "nested") if nested else ("shares",)]:
         assert "error" not in r, r.get("error")
-        assert r["kinds"] == [0, 1], r["kinds"]   # the frozen one, read without a gradient
+        assert r["kinds"] == ([0, 1] if nested else [0, 0]), r["kinds"]
         for step in (0, 1):
             assert r[step]["loss"] <= TOL and r[step]["grads"] <= TOL, r[step]
         assert r[1]["frozen"] is None
@@ -419,8 +451,7 @@ def test_module_compile_reorders_collectives(world2_results):
     """``module.compile()`` (inductor) compiles the programs as compile=True does, with its comm
     passes: the Megatron backward's all-reduces wait after the weight gradients, as in
     test_compiled_megatron_waits_after_the_weight_gradients; exact. Its compiled graphs take the
-    parameters' shares as plain tensors, so no call checks a parameter's layout, where
-    ``torch.compile`` of the module checks every DTensor parameter's spec."""
+    parameters' shares as plain tensors, so no call checks a parameter's layout."""
     for r in world2_results[("method", "megatron")]:
         _check(r)
         assert r["passes"].endswith("compile"), r["passes"]   # the program made at parallelize, compiled
@@ -429,8 +460,6 @@ def test_module_compile_reorders_collectives(world2_results):
         forward, backward = r["order"]
         assert [op for op, _ in backward] == ["all_reduce_"] * 5, backward
         assert _hidden(backward) >= 3, backward
-    for r in world2_results[("user", "megatron")]:
-        assert r["spec_guards"] >= len(r["grads"]), (r["spec_guards"], len(r["grads"]))
 
 
 def test_compiled_fsdp_packs_its_bucket_gradients_by_one_cat(world2_results):
@@ -474,17 +503,19 @@ def test_compile_world4(world4_results, index):
 
 def test_same_shape_compiles_nothing_new_shape_once(world2_results):
     """Calls of shapes (4, 16), (4, 16), (2, 16), (2, 16), (4, 16): compile=True compiles one graph
-    (forward and backward) on the first call of each new shape, nothing else; so does ``module.compile``,
-    which hands its backend each new shape's program; a user's ``torch.compile(module,
-    fullgraph=True)`` asks for one uncompiled call at a new shape (its program is made outside
-    the trace), after which it runs compiled. Every loss is one device's."""
+    (forward and backward) on the first call of each new shape, nothing else; so do ``module.compile``
+    and a user's ``torch.compile(module, fullgraph=True)``, which hand their backend each new
+    shape's program. A user's ``fullgraph=True`` compile of a function that calls the module asks
+    for one uncompiled call at a new shape (its program is made outside the trace), after which it
+    runs compiled. Every loss is one device's."""
     for r in world2_results[("shapes",)]:
         assert "error" not in r, r.get("error")
         assert r["option"] == [1, 0, 1, 0, 0], r["option"]
+        assert r["method"] == [1, 1, 2, 2, 2], r["method"]
         assert r["user"] == [1, 1, 2, 2, 2], r["user"]
         assert "call the parallel module once uncompiled" in r["strict"], r["strict"]
         assert r["strict_graphs"] == 1, r["strict_graphs"]
-        assert r["programs"] == [2, 2, 2], r["programs"]
+        assert r["programs"] == [2, 2, 2, 2], r["programs"]
         assert max(r["errs"]) <= TOL, r["errs"]
 
 
