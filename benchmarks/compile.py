@@ -12,7 +12,7 @@ Contenders, every one from the same weights on the same global batch:
   as-compiled-inorder, as-mt-compiled-inorder, as-fsdp-compiled-inorder  compiled without inductor's comm reordering passes
                  (``_compat.comm_overlap_options``), in the order inductor keeps by default (``--inorder``)
   as-user-compiled ``torch.compile(parallelize(...))`` of the data-parallel one: the user's own
-                 compile around the parallel module, traced whole                (``--user``)
+                 compile of the parallel module, which compiles its program      (``--user``)
   as-user-method ``module.compile()`` of the same (nn.Module's, which the parallel module overrides:
                  each program compiled as ``compile=True`` compiles it)          (``--user``)
   ddp-compiled   ``torch.compile(DistributedDataParallel(model))``, each rank its share of the batch
