@@ -16,9 +16,10 @@ A program is lowered once per input shape (``ParallelModule._program_for``), so 
 once, for static shapes (``dynamic=False``): a new shape makes a new program, compiled once.
 ``ParallelModule.compile(**kwargs)`` compiles the same programs with the user's arguments
 (``compile=True`` is ``compile()`` with none), and so does a user's ``torch.compile(module)``,
-with only its own (``ParallelModule.forward`` runs as Python there): what feeds each (the parameters' shares, the
-batch's rows) stays eager, so the compiled graph takes plain tensors and hands each gradient to
-its parameter as eager does, with no guard on a DTensor and no graph break at a new shape.
+with only its own (``ParallelModule.forward`` runs as Python there): what feeds each (the
+parameters' shares, the batch's rows) stays eager, so the compiled graph takes plain tensors and
+hands each gradient to its parameter as eager does, with no guard on a DTensor and no graph
+break at a new shape.
 """
 from __future__ import annotations
 
