@@ -493,8 +493,9 @@ class ParallelModule(nn.Module):
             return self._programs[key]
         return self._new_program(args, kwargs, leaves, shapes, consts, key)
 
-    # a user's compile runs this eagerly, a graph break once per new shape (with fullgraph=True, an
-    # error: call the module once uncompiled with the new shape first); the next call traces whole
+    # traced within a compiled function that calls the module (``forward``), this runs eagerly: a
+    # graph break once per new shape (with fullgraph=True, an error: call the module once
+    # uncompiled with the new shape first); the next call traces whole
     @torch.compiler.disable(reason="autoshard captures and lowers a program for each new input shape, "
                                    "eagerly: call the parallel module once uncompiled with this shape first")
     def _new_program(self, args, kwargs, leaves, shapes, consts, key) -> Program:

@@ -40,9 +40,10 @@ class Feed:
 
         constants = graph.exported.constants
         # each placeholder's tensor: a constant the graph lifted, else a name in a module's
-        # parameter or buffer registry. Grouped by registry, so that a traced forward (a user's
-        # compile) reaches each registry by one path: dynamo guards an object reached by two
-        # (a module's weight and bias) with an aliasing check evaluated in Python at every call
+        # parameter or buffer registry. Grouped by registry, so that a traced forward (a compiled
+        # function calling the module) reaches each registry by one path: dynamo guards an object
+        # reached by two (a module's weight and bias) with an aliasing check evaluated in Python at
+        # every call
         placeholders = [n for n in graph.nodes if n.kind in ("param", "buffer")]
         self._count, self._constants, by_registry = len(placeholders), [], {}
         for i, n in enumerate(placeholders):
@@ -73,9 +74,9 @@ class Feed:
         # per tensor the user passes: whether it arrives as each rank's rows (inputs="local")
         self.arrived = [name in plan.arrival for name in graph.user_inputs if graph.by_name[name].outputs]
         self.mesh_shape = tuple(plan.mesh_shape)
-        # placeholder -> (the parameter, its share) as last fed: read by a traced forward (a user's
-        # torch.compile), which feeds that share, a plain leaf, while the registry holds the
-        # parameter; made here, eagerly, as the program is
+        # placeholder -> (the parameter, its share) as last fed: read by a traced forward (a compiled
+        # function calling the module), which feeds that share, a plain leaf, while the registry
+        # holds the parameter; made here, eagerly, as the program is
         self._shares = {i: (registry[name], runtime.param_share(registry[name]))
                         for registry, params, names in self._registries if params for name, i in names}
 
